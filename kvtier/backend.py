@@ -1,0 +1,333 @@
+"""The storage backend contract: what a third party subclasses to add a tier below host memory.
+
+A backend stores *values* under string keys ``<namespace id>/<block hash hex>``.  Each value is one
+stored block (``kvtier.blockformat``): header + payload, written and replaced atomically as one unit
+(one file, one Redis key, one S3 object).  The public methods here do the framing, the verification,
+the metrics and the error typing once, for every backend; a backend implements the ``_underscore`` hooks.
+
+Invariants:
+* ``get_into`` never reports ok for a value whose header or checksum does not match what was asked
+  for; such a value is counted as corrupt and deleted.
+* Public methods raise only ``BackendError`` subclasses, each naming the backend and a key; the stack
+  turns them into misses / skipped stores / metrics, so a backend fault never reaches the engine.
+* All public methods are thread-safe if the hooks are.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from . import blockformat
+from .keys import split_key
+
+_BLOCK_KEY = re.compile(r"^[0-9a-f]{32}/(?:[0-9a-f]{32}|[0-9a-f]{64})$")
+MANIFEST_NAME = "manifest.json"
+
+
+class BackendError(Exception):
+    """A backend operation failed.  ``backend`` is the instance name, ``key`` the first key involved."""
+
+    def __init__(self, backend: str, key: str | None, message: str):
+        self.backend, self.key = backend, key
+        where = f"backend {backend!r}" + (f", key {key!r}" if key else "")
+        super().__init__(f"{where}: {message}")
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot be reached (connection refused, server down, disk gone)."""
+
+
+class BackendTimeout(BackendError):
+    """The backend did not answer within its configured timeout."""
+
+
+class BackendOptions(BaseModel):
+    """Base of every backend's options (its YAML ``options:`` mapping).  Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+    timeout_s: float = 5.0
+
+
+@dataclass
+class BackendStats:
+    """Counters since start-up (``blocks`` / ``bytes`` / ``capacity_bytes`` are current usage)."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    get_bytes: int = 0
+    get_failures: int = 0
+    corrupt: int = 0
+    deletes: int = 0
+    put_seconds: float = 0.0
+    get_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StoredBlock:
+    key: str
+    size: int
+
+
+class StorageBackend(ABC):
+    """Base class of all storage backends.  Subclasses set ``Options`` and implement the hooks."""
+
+    Options: ClassVar[type[BackendOptions]] = BackendOptions
+
+    def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
+        if options is None or isinstance(options, dict):
+            options = self.Options(**(options or {}))
+        self.options = options
+        self.name = name or type(self).__name__
+        self._stats = BackendStats()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ hooks a backend implements
+
+    @abstractmethod
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        """Store each ``(header, payload)`` as one value, replacing any old one atomically."""
+
+    @abstractmethod
+    def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
+                   payloads: Sequence[memoryview]) -> list[int | None]:
+        """For each key read the value's first ``len(header)`` bytes into ``header`` and the rest into
+        ``payload``; return the value's full stored length (even when it does not fit), or None if
+        the key is absent."""
+
+    @abstractmethod
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present (a cheap check; content is verified on read)."""
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[str]) -> int:
+        """Delete the keys; return how many existed."""
+
+    @abstractmethod
+    def _scan(self, prefix: str) -> Iterator[StoredBlock]:
+        """Every stored key starting with ``prefix`` (blocks and manifests alike)."""
+
+    def _read_small(self, key: str) -> bytes | None:
+        """A whole small value (manifests); the default goes through ``_read_into``."""
+        size = self._read_into([key], [memoryview(bytearray(0))], [memoryview(bytearray(0))])[0]
+        if size is None:
+            return None
+        buf = bytearray(size)
+        got = self._read_into([key], [memoryview(buf)[:0]], [memoryview(buf)])[0]
+        return bytes(buf) if got == size else None
+
+    def _write_small(self, key: str, data: bytes) -> None:
+        """Store a small raw value (manifests); the default goes through ``_write``."""
+        self._write([key], [(b"", memoryview(data))])
+
+    def _close(self) -> None:
+        pass
+
+    def _health(self) -> None:
+        """Raise if the backend is unusable; the default probes one absent key."""
+        self._exists([f"{'0' * 32}/{'0' * 32}"])
+
+    def _usage(self) -> dict[str, Any]:
+        """Current usage, e.g. {"blocks": n, "bytes": b, "capacity_bytes": c}; optional."""
+        return {}
+
+    # ------------------------------------------------------------------ public API (used by the stack)
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys of the chain ``keys`` are present."""
+        if not keys:
+            return 0
+        present = self._call(self._exists, keys)
+        n = 0
+        for ok in present:
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return list(self._call(self._exists, keys)) if keys else []
+
+    def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int) -> list[bool]:
+        """Store each payload (any contiguous buffer) as a verified block; per-key success."""
+        if len(keys) != len(payloads):
+            raise ValueError(f"put: {len(keys)} keys but {len(payloads)} payloads")
+        if not keys:
+            return []
+        values = []
+        for key, p in zip(keys, payloads):
+            ns, h = split_key(key)
+            mv = memoryview(p).cast("B")
+            values.append((blockformat.encode_header(ns, h, layout_id, mv), mv))
+        t0 = time.perf_counter()
+        try:
+            ok = list(self._call(self._write, keys, values))
+        except BackendError:
+            with self._lock:
+                self._stats.put_failures += len(keys)
+            raise
+        nbytes = sum(v[1].nbytes for v, good in zip(values, ok) if good)
+        with self._lock:
+            s = self._stats
+            s.puts += sum(ok)
+            s.put_failures += len(ok) - sum(ok)
+            s.put_bytes += nbytes
+            s.put_seconds += time.perf_counter() - t0
+        return ok
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int) -> list[bool]:
+        """Read each key's payload into the matching writable buffer; per-key ok.  A value that fails
+        any check is a miss, counted as corrupt, and deleted."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        headers = [memoryview(bytearray(blockformat.HEADER_SIZE)) for _ in keys]
+        views = [memoryview(b).cast("B") for b in buffers]
+        t0 = time.perf_counter()
+        try:
+            sizes = self._call(self._read_into, keys, headers, views)
+        except BackendError:
+            with self._lock:
+                self._stats.gets += len(keys)
+                self._stats.get_failures += len(keys)
+            raise
+        ok: list[bool] = []
+        corrupt: list[str] = []
+        for key, size, header, view in zip(keys, sizes, headers, views):
+            if size is None:
+                ok.append(False)
+                continue
+            ns, h = split_key(key)
+            if size != blockformat.HEADER_SIZE + view.nbytes:
+                why = f"stored value is {size} bytes, expected {blockformat.HEADER_SIZE + view.nbytes}"
+            else:
+                why = blockformat.check_block(header, view, ns, h, layout_id)
+            if why is not None:
+                corrupt.append(key)
+                self._on_corrupt(key, why)
+            ok.append(why is None)
+        if corrupt:
+            try:
+                self._call(self._delete, corrupt)
+            except BackendError:
+                pass  # it stays a miss; `kvtier verify --fix` can remove it later
+        hits = sum(ok)
+        with self._lock:
+            s = self._stats
+            s.gets += len(keys)
+            s.hits += hits
+            s.misses += len(keys) - hits
+            s.corrupt += len(corrupt)
+            s.get_bytes += sum(v.nbytes for v, good in zip(views, ok) if good)
+            s.get_seconds += time.perf_counter() - t0
+        return ok
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        n = self._call(self._delete, keys)
+        with self._lock:
+            self._stats.deletes += n
+        return n
+
+    def scan(self, namespace_id: str | None = None) -> Iterator[StoredBlock]:
+        """Stored blocks (not manifests), of one namespace or of all."""
+        prefix = f"{namespace_id}/" if namespace_id else ""
+        try:
+            for blk in self._scan(prefix):
+                if _BLOCK_KEY.match(blk.key):
+                    yield blk
+        except BackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - typed for the caller
+            raise self._wrap(e, prefix or None) from e
+
+    def namespaces(self) -> list[str]:
+        """Namespace ids that have a manifest or at least one block."""
+        seen: set[str] = set()
+        for blk in self._call(lambda: list(self._scan(""))):
+            ns = blk.key.partition("/")[0]
+            if len(ns) == 32:
+                seen.add(ns)
+        return sorted(seen)
+
+    def put_manifest(self, namespace) -> None:
+        """Store a namespace's fields so tools can say what a namespace id means."""
+        import json
+
+        data = json.dumps(namespace.manifest(), sort_keys=True).encode()
+        self._call(self._write_small, f"{namespace.id}/{MANIFEST_NAME}", data)
+
+    def get_manifest(self, namespace_id: str) -> dict | None:
+        import json
+
+        raw = self._call(self._read_small, f"{namespace_id}/{MANIFEST_NAME}")
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return None
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
+        try:
+            s.extra = dict(self._usage())
+        except Exception as e:  # noqa: BLE001 - usage is best-effort
+            s.extra = {"usage_error": str(e)}
+        return s
+
+    def health(self) -> bool:
+        try:
+            self._call(self._health)
+            return True
+        except BackendError:
+            return False
+
+    def close(self) -> None:
+        self._call(self._close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _on_corrupt(self, key: str, why: str) -> None:
+        import logging
+
+        logging.getLogger("kvtier.backend").warning("backend %r: corrupt block %s (%s); deleting",
+                                                    self.name, key, why)
+
+    def _call(self, fn, *args):
+        """Run a hook, turning any exception into a typed BackendError naming backend and key."""
+        try:
+            return fn(*args)
+        except BackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every fault is typed for the stack
+            key = args[0][0] if args and isinstance(args[0], Sequence) and args[0] and \
+                isinstance(args[0][0], str) else (args[0] if args and isinstance(args[0], str) else None)
+            raise self._wrap(e, key) from e
+
+    def _wrap(self, e: Exception, key: str | None) -> BackendError:
+        if isinstance(e, TimeoutError) or "timeout" in type(e).__name__.lower() or \
+                "timed out" in str(e).lower():
+            return BackendTimeout(self.name, key, f"timed out: {type(e).__name__}: {e}")
+        if isinstance(e, (ConnectionError, OSError)) or "connection" in type(e).__name__.lower():
+            return BackendUnavailable(self.name, key, f"unavailable: {type(e).__name__}: {e}")
+        return BackendError(self.name, key, f"{type(e).__name__}: {e}")

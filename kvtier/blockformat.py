@@ -1,0 +1,84 @@
+"""The stored block: one self-describing value per block, format version 1.
+
+    offset size  field
+    0      4     magic  b"KVTB"
+    4      2     format version (1)
+    6      2     header length (88)
+    8      8     payload length in bytes
+    16     16    namespace digest (kvtier.keys.Namespace.digest)
+    32     1     block hash length (16 or 32)
+    33     32    block hash, zero padded
+    65     3     reserved, zero
+    68     4     layout id (kvtier.keys.Namespace.layout_id)
+    72     8     xxh3-64 of the payload
+    80     8     xxh3-64 of bytes 0..80 of this header
+    88     ...   payload: the block's K and V for all layers, contiguous
+
+All integers little-endian.  A reader knows what it asked for (namespace, key, layout, length), so every
+field is checked against an expectation; the header checksum also covers the reserved bytes.  This layout
+is frozen: a change is a new version number, and readers keep accepting the versions they know.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQ16sB32s3xIQ")
+_HCHECK = struct.Struct("<Q")
+HEADER_SIZE = _HEADER.size + _HCHECK.size
+assert HEADER_SIZE == 88
+
+
+def payload_checksum(payload) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload) -> bytes:
+    """The 88-byte header for ``payload`` (any buffer; it is only hashed, never copied)."""
+    mv = memoryview(payload).cast("B")
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, mv.nbytes, namespace_digest,
+                        len(block_hash), block_hash, layout_id, payload_checksum(mv))
+    return head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def check_header(header, namespace_digest: bytes, block_hash: bytes, layout_id: int,
+                 payload_len: int) -> str | None:
+    """Why ``header`` does not describe the expected block, or None if it does (payload not checked)."""
+    header = bytes(header)
+    if len(header) != HEADER_SIZE:
+        return f"header is {len(header)} bytes, expected {HEADER_SIZE}"
+    magic, version, hlen, plen, ns, klen, key, layout, _ = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        return f"bad magic {magic!r}"
+    if version != FORMAT_VERSION:
+        return f"unsupported format version {version} (this kvtier reads {FORMAT_VERSION})"
+    if _HCHECK.unpack_from(header, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
+        return "header checksum mismatch"
+    if hlen != HEADER_SIZE:
+        return f"header length {hlen}, expected {HEADER_SIZE}"
+    if plen != payload_len:
+        return f"payload length {plen}, expected {payload_len}"
+    if ns != namespace_digest:
+        return f"namespace {ns.hex()}, expected {namespace_digest.hex()}"
+    if klen != len(block_hash) or key[:klen] != block_hash:
+        return f"block hash {key[:klen].hex()}, expected {block_hash.hex()}"
+    if layout != layout_id:
+        return f"layout id {layout:#x}, expected {layout_id:#x}"
+    return None
+
+
+def stored_checksum(header) -> int:
+    return _HEADER.unpack_from(bytes(header))[8]
+
+
+def check_block(header, payload, namespace_digest: bytes, block_hash: bytes, layout_id: int) -> str | None:
+    """Why (header, payload) is not the expected block, or None if every field and the checksum hold."""
+    mv = memoryview(payload).cast("B")
+    why = check_header(header, namespace_digest, block_hash, layout_id, mv.nbytes)
+    if why is None and stored_checksum(header) != payload_checksum(mv):
+        why = "payload checksum mismatch"
+    return why

@@ -1,0 +1,1 @@
+"""One module per ``kvtier`` subcommand, each with ``add_parser(subparsers)``."""

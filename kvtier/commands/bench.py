@@ -1,0 +1,21 @@
+"""``kvtier bench NAME``: every module in ``kvtier/bench/`` with ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> int`` is a benchmark."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+
+def add_parser(sub) -> None:
+    from .. import bench
+
+    p = sub.add_parser("bench", help="benchmarks: throughput beside the raw ceiling of the same run")
+    bsub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for mod in sorted(pkgutil.iter_modules(bench.__path__), key=lambda m: m.name):
+        if mod.name.startswith("_"):
+            continue
+        m = importlib.import_module(f"{bench.__name__}.{mod.name}")
+        bp = bsub.add_parser(mod.name, help=m.HELP, description=m.HELP)
+        m.add_arguments(bp)
+        bp.set_defaults(func=m.run)
