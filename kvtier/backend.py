@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -132,8 +133,8 @@ class StorageBackend(ABC):
         """Store a small raw value (manifests); the default goes through ``_write``."""
         self._write([key], [(b"", memoryview(data))])
 
-    def _close(self) -> None:
-        pass
+    def _close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release connections, threads and file handles."""
 
     def _health(self) -> None:
         """Raise if the backend is unusable; the default probes one absent key."""
@@ -220,10 +221,9 @@ class StorageBackend(ABC):
                 self._on_corrupt(key, why)
             ok.append(why is None)
         if corrupt:
-            try:
+            # If the delete fails it stays a miss; `kvtier verify --fix` can remove it later.
+            with contextlib.suppress(BackendError):
                 self._call(self._delete, corrupt)
-            except BackendError:
-                pass  # it stays a miss; `kvtier verify --fix` can remove it later
         hits = sum(ok)
         with self._lock:
             s = self._stats

@@ -1,0 +1,1 @@
+"""Example deployment configs; local.yaml is the embedded default."""
