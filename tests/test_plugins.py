@@ -1,0 +1,60 @@
+"""Entry-point plugins: built-ins and a real third-party package register the same way."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import plugins
+from kvtier.cli import main
+
+
+def test_builtins_register_through_entry_points():
+    infos = {(p.group, p.name): p for p in plugins.available()}
+    for group, name in [("kvtier.backends", "local_disk"), ("kvtier.backends", "redis"),
+                        ("kvtier.backends", "s3"), ("kvtier.write_policies", "write_through"),
+                        ("kvtier.write_policies", "write_through_selective"),
+                        ("kvtier.write_policies", "write_back"), ("kvtier.prefetch_policies", "best_effort"),
+                        ("kvtier.prefetch_policies", "wait_complete"), ("kvtier.prefetch_policies", "timeout"),
+                        ("kvtier.eviction_policies", "lru")]:
+        assert infos[(group, name)].distribution == "kvtier"
+
+
+def test_third_party_backend_is_found_with_its_distribution():
+    info = next(p for p in plugins.available("backend") if p.name == "memstore")
+    assert (info.distribution, info.version) == ("kvtier-memstore", "0.3.1")
+    cls = plugins.load("backend", "memstore")
+    assert cls.__module__ == "kvtier_memstore"
+
+
+def test_unknown_plugin_lists_available_names():
+    with pytest.raises(plugins.PluginError) as e:
+        plugins.load("backend", "nfs")
+    msg = str(e.value)
+    assert "unknown backend 'nfs'; available:" in msg
+    for name in ("local_disk", "memstore", "redis", "s3"):
+        assert name in msg
+
+
+def test_broken_plugin_names_itself_and_its_distribution_and_leaves_others_usable():
+    with pytest.raises(plugins.PluginError) as e:
+        plugins.load("backend", "broken")
+    msg = str(e.value)
+    assert "backend plugin 'broken'" in msg and "kvtier-memstore 0.3.1" in msg
+    assert "kvtier_memstore_missing_dependency" in msg
+    assert plugins.load("backend", "memstore") is not None  # the same distribution's other plugin works
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="unknown plugin kind 'codec'"):
+        plugins.load("codec", "x")
+
+
+def test_plugins_command_lists_group_name_distribution_version(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if " memstore " in f" {ln} ")
+    assert "kvtier.backends" in line and "kvtier-memstore" in line and "0.3.1" in line
+    assert main(["plugins", "--check"]) == 1  # the broken plugin is reported, the rest still listed
+    out = capsys.readouterr().out
+    assert "error:" in next(ln for ln in out.splitlines() if " broken " in ln)
+    assert " ok" in next(ln for ln in out.splitlines() if " memstore " in ln)
