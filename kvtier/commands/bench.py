@@ -1,5 +1,6 @@
 """``kvtier bench NAME``: every module in ``kvtier/bench/`` with ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int`` is a benchmark."""
+``run(args) -> int`` is a benchmark.  ``_*`` modules are helpers and ``backend_*`` modules are the
+per-backend cases of ``kvtier bench backends``, so neither is a command of its own."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: throughput beside the raw ceiling of the same run")
     bsub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
     for mod in sorted(pkgutil.iter_modules(bench.__path__), key=lambda m: m.name):
-        if mod.name.startswith("_"):
+        if mod.name.startswith(("_", "backend_")):
             continue
         m = importlib.import_module(f"{bench.__name__}.{mod.name}")
         bp = bsub.add_parser(mod.name, help=m.HELP, description=m.HELP)

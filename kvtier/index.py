@@ -1,0 +1,594 @@
+"""Block index: where a block is.
+
+The scheduler-side map from a block key (the hash ``bytes`` from :mod:`kvtier.keys`) to where that block
+lives: a device block id, a host slot, a set of storage backends (a bitmask over up to 32 backend indices),
+plus a ref count, a hit count and the last access time.  It never touches a tensor.
+
+Layout: struct-of-arrays.  A dict maps key -> slot (an int); every attribute is a column (``array.array``,
+typed, 4-8 bytes a slot) indexed by slot; freed slots go on a free list and are reused; columns grow by
+doubling.  At 1 M entries this costs ~200 B an entry (tracemalloc; ~225 B RSS) including the 32-byte key
+``bytes`` themselves, where an object an entry with an OrderedDict per tier costs several times that.
+
+Tiers are plain int codes (:class:`Tier`): ``DEVICE`` = 0, ``HOST`` = 1, backend ``i`` = ``2 + i``.
+
+Invariant of the LRU lists: DEVICE and HOST each keep an intrusive doubly-linked list (prev/next columns)
+that holds **exactly** the live entries present in that tier with ref count 0, least recently used at the
+head.  Pinning (0 -> 1 refs) unlinks an entry, so eviction candidates are a walk from the head that never
+meets a pinned entry; unpinning to 0 relinks it at the MRU end, the way vLLM's free-block queue treats a
+released block.  Touch, set_device and set_host also move it to the MRU end.
+"""
+
+from __future__ import annotations
+
+import array
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_BACKENDS = 32
+_ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
+_HITS_MAX = 2**32 - 1
+
+
+class Tier:
+    """Tier codes, plain ints so they pack into an ``int8`` array: lower is faster to serve from."""
+
+    MISSING = -1
+    DEVICE = 0
+    HOST = 1
+
+    @staticmethod
+    def backend(i: int) -> int:
+        """Code of backend index ``i`` (0 <= i < 32)."""
+        _check_backend(i)
+        return 2 + i
+
+    @staticmethod
+    def backend_index(code: int) -> int | None:
+        """Backend index of a tier code, or None for DEVICE / HOST / MISSING."""
+        return code - 2 if code >= 2 else None
+
+    @staticmethod
+    def name(code: int) -> str:
+        code = int(code)
+        return {-1: "missing", 0: "device", 1: "host"}.get(code) or f"backend[{code - 2}]"
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    """A snapshot of one entry (not live: later changes to the index do not show here).
+
+    ``last_access`` is in the index's clock (``time.monotonic`` seconds unless one was given).
+    """
+
+    key: bytes
+    device: int | None
+    host: int | None
+    backends: tuple[int, ...]
+    refs: int
+    hits: int
+    last_access: float
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Result of :meth:`BlockIndex.lookup_prefix`: the leading ``length`` keys are available somewhere.
+
+    ``tiers[i]`` is the tier block ``i`` is best served from (device > host > lowest backend index);
+    ``device_ids[i]`` / ``host_slots[i]`` are its device block id / host slot, -1 where absent.
+    """
+
+    length: int
+    tiers: np.ndarray  # int8[length]
+    device_ids: np.ndarray  # int32[length]
+    host_slots: np.ndarray  # int32[length]
+
+    def counts(self) -> dict[int, int]:
+        codes, n = np.unique(self.tiers, return_counts=True)
+        return {int(c): int(k) for c, k in zip(codes, n)}
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Maximal runs of one tier as ``(tier, start, stop)``, e.g. device 0..10, host 10..15."""
+        if not self.length:
+            return []
+        cuts = np.flatnonzero(np.diff(self.tiers)) + 1
+        starts = [0, *cuts.tolist()]
+        stops = [*cuts.tolist(), self.length]
+        return [(int(self.tiers[a]), a, b) for a, b in zip(starts, stops)]
+
+
+def _hex(key: bytes) -> str:
+    return key.hex() if isinstance(key, (bytes, bytearray)) else repr(key)
+
+
+def _check_backend(i: int) -> None:
+    if not isinstance(i, int) or not 0 <= i < MAX_BACKENDS:
+        raise ValueError(f"backend index must be an int in [0, {MAX_BACKENDS}), got {i!r}")
+
+
+def _filled(typecode: str, value: float, n: int) -> array.array:
+    return array.array(typecode, [value]) * n
+
+
+class BlockIndex:
+    """key -> (device block id, host slot, backend set, refs, hits, last access), with per-tier LRU.
+
+    Every single-key operation is O(1).  Not thread-safe: the tier stack calls it under its own lock, and
+    readers (``lookup_prefix``) must hold it too, since a concurrent insert may grow the columns.
+
+    Device block ids and host slots are unique: one id is held by at most one key (setting an id another
+    key holds is a ValueError); they are small dense ints (reverse maps are arrays sized by the largest id).
+    An entry may be present nowhere (e.g. a load in flight); lookups treat it as missing.
+    """
+
+    def __init__(self, capacity: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        cap = max(1, int(capacity))
+        self._clock = clock
+        self._slots: dict[bytes, int] = {}
+        self._keys: list[bytes | None] = [None] * cap
+        self._free: list[int] = []
+        self._top = 0  # slots >= _top have never been used
+        self._cap = cap
+        self._dev = _filled("i", -1, cap)
+        self._host = _filled("i", -1, cap)
+        self._mask = _filled("I", 0, cap)
+        self._refs = _filled("i", -1, cap)  # -1 marks a free slot, so vector scans need no live column
+        self._hits = _filled("I", 0, cap)
+        self._last = _filled("d", 0.0, cap)
+        self._loc = (self._dev, self._host)  # indexed by Tier.DEVICE / Tier.HOST
+        self._prev = (_filled("i", -1, cap), _filled("i", -1, cap))
+        self._next = (_filled("i", -1, cap), _filled("i", -1, cap))
+        self._head = [-1, -1]  # least recently used
+        self._tail = [-1, -1]  # most recently used
+        self._lru_len = [0, 0]
+        self._rev = (array.array("i"), array.array("i"))  # device id / host slot -> slot
+        self._count = [0, 0]
+        self._bcount = [0] * MAX_BACKENDS
+        self._pinned = 0
+        self._views: tuple[np.ndarray, ...] | None = None
+
+    # -- basics
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Keys in insertion order; do not mutate the index while iterating."""
+        return iter(self._slots)
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def _slot(self, key: bytes) -> int:
+        s = self._slots.get(key)
+        if s is None:
+            raise KeyError(f"block {_hex(key)}: not in the index")
+        return s
+
+    def _grow(self, need: int) -> None:
+        new = self._cap
+        while new < need:
+            new *= 2
+        extra = new - self._cap
+        self._views = None  # release numpy views: an exported array.array cannot be resized
+        for col, fill in ((self._dev, -1), (self._host, -1), (self._mask, 0), (self._refs, -1),
+                          (self._hits, 0), (self._last, 0.0), *((c, -1) for c in self._prev + self._next)):
+            col.extend(_filled(col.typecode, fill, extra))
+        self._keys.extend([None] * extra)
+        self._cap = new
+
+    def _alloc(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._top == self._cap:
+            self._grow(self._cap * 2)
+        self._top += 1
+        return self._top - 1
+
+    def _np(self) -> tuple[np.ndarray, ...]:
+        if self._views is None:
+            self._views = tuple(np.frombuffer(c, dtype=c.typecode) for c in
+                                (self._dev, self._host, self._mask, self._refs, self._last))
+        return self._views
+
+    # -- LRU lists (intrusive, in the prev/next columns)
+    def _link_mru(self, t: int, s: int) -> None:
+        tail, nxt = self._tail, self._next[t]
+        p = tail[t]
+        self._prev[t][s] = p
+        nxt[s] = -1
+        if p >= 0:
+            nxt[p] = s
+        else:
+            self._head[t] = s
+        tail[t] = s
+        self._lru_len[t] += 1
+
+    def _unlink(self, t: int, s: int) -> None:
+        prev, nxt = self._prev[t], self._next[t]
+        p, n = prev[s], nxt[s]
+        if p >= 0:
+            nxt[p] = n
+        else:
+            self._head[t] = n
+        if n >= 0:
+            prev[n] = p
+        else:
+            self._tail[t] = p
+        prev[s] = nxt[s] = -1
+        self._lru_len[t] -= 1
+
+    def _to_mru(self, t: int, s: int) -> None:
+        tail = self._tail
+        last = tail[t]
+        if last == s:
+            return
+        prev, nxt = self._prev[t], self._next[t]
+        p, n = prev[s], nxt[s]  # s is linked and not the tail, so n >= 0 and last >= 0
+        if p >= 0:
+            nxt[p] = n
+        else:
+            self._head[t] = n
+        prev[n] = p
+        prev[s] = last
+        nxt[s] = -1
+        nxt[last] = s
+        tail[t] = s
+
+    # -- insert / remove
+    def insert(self, key: bytes, *, device: int | None = None, host: int | None = None,
+               backends: Iterable[int] = ()) -> None:
+        """Add a new entry (refs 0, hits 0, last access now).  ValueError if the key is already present."""
+        if not isinstance(key, bytes) or not key:
+            raise TypeError(f"block key must be non-empty bytes, got {type(key).__name__}")
+        if key in self._slots:
+            raise ValueError(f"block {key.hex()}: already in the index")
+        mask = _mask_of(backends)
+        # validate ids before allocating, so a bad call leaves the index unchanged
+        if device is not None:
+            self._check_free_id(0, device, key, -1)
+        if host is not None:
+            self._check_free_id(1, host, key, -1)
+        s = self._alloc()
+        self._slots[key] = s
+        self._keys[s] = key
+        self._refs[s] = 0
+        self._hits[s] = 0
+        self._last[s] = self._clock()
+        if mask:
+            self._mask[s] = mask
+            for i in _bits(mask):
+                self._bcount[i] += 1
+        if device is not None:
+            self._attach(0, s, device)
+        if host is not None:
+            self._attach(1, s, host)
+
+    def insert_many(self, keys: Sequence[bytes], *, backends: Iterable[int] = ()) -> None:
+        """Bulk-add new keys present only in ``backends`` (e.g. rebuilding from a disk listing at start).
+
+        All-or-nothing: ValueError if any key is already present or repeated, before anything changes.
+        """
+        mask = _mask_of(backends)
+        keys = list(keys)
+        n = len(keys)
+        for k in keys:
+            if not isinstance(k, bytes) or not k:
+                raise TypeError(f"block key must be non-empty bytes, got {type(k).__name__}")
+        if len(set(keys)) != n or not self._slots.keys().isdisjoint(keys):
+            seen: set[bytes] = set()
+            dup = next(k for k in keys if k in self._slots or k in seen or seen.add(k))
+            raise ValueError(f"block {dup.hex()}: " + ("already in the index" if dup in self else "repeated"))
+        a, b = self._top, self._top + n
+        if b > self._cap:
+            self._grow(b)
+        self._top = b
+        self._slots.update(zip(keys, range(a, b)))
+        self._keys[a:b] = keys
+        self._refs[a:b] = _filled("i", 0, n)
+        self._hits[a:b] = _filled("I", 0, n)
+        self._last[a:b] = _filled("d", self._clock(), n)
+        self._mask[a:b] = _filled("I", mask, n)
+        for i in _bits(mask):
+            self._bcount[i] += n
+
+    def remove(self, key: bytes) -> BlockEntry:
+        """Drop an entry and return its last state.  ValueError if pinned; KeyError if absent."""
+        s = self._slot(key)
+        if self._refs[s] > 0:
+            raise ValueError(f"block {key.hex()}: cannot remove, pinned (ref count {self._refs[s]})")
+        snap = self._snapshot(key, s)
+        for t in (0, 1):
+            self._detach(t, s)
+        for i in _bits(self._mask[s]):
+            self._bcount[i] -= 1
+        self._mask[s] = 0
+        self._refs[s] = -1
+        self._hits[s] = 0
+        self._keys[s] = None
+        del self._slots[key]
+        self._free.append(s)
+        return snap
+
+    # -- reading
+    def _snapshot(self, key: bytes, s: int) -> BlockEntry:
+        d, h = self._dev[s], self._host[s]
+        return BlockEntry(key, d if d >= 0 else None, h if h >= 0 else None, _bits(self._mask[s]),
+                          self._refs[s], self._hits[s], self._last[s])
+
+    def get(self, key: bytes) -> BlockEntry | None:
+        s = self._slots.get(key)
+        return None if s is None else self._snapshot(key, s)
+
+    def entry(self, key: bytes) -> BlockEntry:
+        return self._snapshot(key, self._slot(key))
+
+    def key_at_device(self, block_id: int) -> bytes | None:
+        return self._key_at(0, block_id)
+
+    def key_at_host(self, slot: int) -> bytes | None:
+        return self._key_at(1, slot)
+
+    def _key_at(self, t: int, ident: int) -> bytes | None:
+        rev = self._rev[t]
+        return self._keys[rev[ident]] if 0 <= ident < len(rev) and rev[ident] >= 0 else None
+
+    # -- refs and recency
+    def pin(self, key: bytes, n: int = 1) -> int:
+        """Add ``n`` references; a pinned entry is never an eviction candidate.  Returns the new count."""
+        s = self._slot(key)
+        if n < 1:
+            raise ValueError(f"block {key.hex()}: pin count must be >= 1, got {n}")
+        r = self._refs[s]
+        if r == 0:
+            self._pinned += 1
+            for t in (0, 1):
+                if self._loc[t][s] >= 0:
+                    self._unlink(t, s)
+        self._refs[s] = r + n
+        return r + n
+
+    def unpin(self, key: bytes, n: int = 1) -> int:
+        """Drop ``n`` references; at 0 the entry rejoins its tiers' LRU lists at the MRU end."""
+        s = self._slot(key)
+        r = self._refs[s]
+        if n < 1 or n > r:
+            raise ValueError(f"block {key.hex()}: cannot unpin by {n}, ref count is {r}"
+                             + (" (would go below zero)" if n > r else ""))
+        r -= n
+        self._refs[s] = r
+        if r == 0:
+            self._pinned -= 1
+            for t in (0, 1):
+                if self._loc[t][s] >= 0:
+                    self._link_mru(t, s)
+        return r
+
+    def touch(self, key: bytes, now: float | None = None) -> None:
+        """Count a hit, stamp the access time, and move the entry to MRU in its memory tiers."""
+        s = self._slot(key)
+        h = self._hits[s]
+        if h < _HITS_MAX:
+            self._hits[s] = h + 1
+        self._last[s] = self._clock() if now is None else now
+        if self._refs[s] == 0:
+            if self._dev[s] >= 0:
+                self._to_mru(0, s)
+            if self._host[s] >= 0:
+                self._to_mru(1, s)
+
+    def touch_many(self, keys: Iterable[bytes], now: float | None = None) -> None:
+        """``touch`` each key in order with one timestamp (so the last key ends up most recent)."""
+        now = self._clock() if now is None else now
+        for k in keys:
+            self.touch(k, now)
+
+    # -- locations
+    def _check_free_id(self, t: int, ident: int, key: bytes, s: int) -> None:
+        what = ("device block", "host slot")[t]
+        if not isinstance(ident, (int, np.integer)) or not 0 <= ident <= _ID_MAX:
+            raise ValueError(f"block {key.hex()}: {what} must be an int in [0, {_ID_MAX}], got {ident!r}")
+        rev = self._rev[t]
+        owner = rev[ident] if ident < len(rev) else -1
+        if owner >= 0 and owner != s:
+            raise ValueError(f"block {key.hex()}: {what} {ident} already holds block "
+                             f"{_hex(self._keys[owner])}")
+
+    def _attach(self, t: int, s: int, ident: int) -> None:
+        ident = int(ident)
+        rev, loc = self._rev[t], self._loc[t]
+        if ident >= len(rev):
+            rev.extend(_filled("i", -1, max(ident + 1, 2 * len(rev)) - len(rev)))
+        old = loc[s]
+        if old >= 0:
+            rev[old] = -1
+        else:
+            self._count[t] += 1
+        loc[s] = ident
+        rev[ident] = s
+        if self._refs[s] == 0:
+            if old >= 0:
+                self._to_mru(t, s)
+            else:
+                self._link_mru(t, s)
+
+    def _detach(self, t: int, s: int) -> int | None:
+        old = self._loc[t][s]
+        if old < 0:
+            return None
+        if self._refs[s] == 0:
+            self._unlink(t, s)
+        self._loc[t][s] = -1
+        self._rev[t][old] = -1
+        self._count[t] -= 1
+        return old
+
+    def set_device(self, key: bytes, block_id: int) -> int | None:
+        """Record the block in device block ``block_id`` (MRU); returns the id it replaced, if any."""
+        return self._set(0, key, block_id)
+
+    def set_host(self, key: bytes, slot: int) -> int | None:
+        """Record the block in host slot ``slot`` (MRU); returns the slot it replaced, if any."""
+        return self._set(1, key, slot)
+
+    def clear_device(self, key: bytes) -> int | None:
+        """Forget the device copy; returns the device block id it had, or None."""
+        return self._detach(0, self._slot(key))
+
+    def clear_host(self, key: bytes) -> int | None:
+        """Forget the host copy; returns the host slot it had, or None."""
+        return self._detach(1, self._slot(key))
+
+    def _set(self, t: int, key: bytes, ident: int) -> int | None:
+        s = self._slot(key)
+        self._check_free_id(t, ident, key, s)
+        old = self._loc[t][s]
+        self._attach(t, s, ident)
+        return old if old >= 0 else None
+
+    def add_backend(self, key: bytes, i: int) -> bool:
+        """Mark the block stored in backend ``i``; returns False if it already was."""
+        return self._flip(key, i, True)
+
+    def remove_backend(self, key: bytes, i: int) -> bool:
+        """Unmark backend ``i``; returns False if it was not marked."""
+        return self._flip(key, i, False)
+
+    def _flip(self, key: bytes, i: int, on: bool) -> bool:
+        _check_backend(i)
+        s = self._slot(key)
+        m = self._mask[s]
+        if bool((m >> i) & 1) == on:
+            return False
+        self._mask[s] = m ^ (1 << i)
+        self._bcount[i] += 1 if on else -1
+        return True
+
+    # -- tier-wide queries
+    def count(self, tier: int) -> int:
+        """Entries present in ``tier`` (pinned or not)."""
+        return self._count[tier] if tier in (0, 1) else self._bcount[_tier_backend(tier)]
+
+    @property
+    def pinned(self) -> int:
+        """Entries with ref count > 0."""
+        return self._pinned
+
+    def evictable_count(self, tier: int) -> int:
+        """Entries present in ``tier`` with ref count 0."""
+        if tier in (0, 1):
+            return self._lru_len[tier]
+        _dev, _host, mask, refs, _last = self._np()
+        return int(np.count_nonzero(((mask >> _tier_backend(tier)) & 1).astype(bool) & (refs == 0)))
+
+    def eviction_candidates(self, tier: int, n: int) -> list[bytes]:
+        """Up to ``n`` keys present in ``tier`` with ref count 0, least recently used first.
+
+        DEVICE / HOST: a walk of the tier's LRU list, O(n), never visiting a pinned entry.  Backends keep
+        no list (they evict on their own): O(capacity) numpy scan ordered by last access, then slot.
+        The list is a copy, so the caller may evict while going through it.
+        """
+        if tier in (0, 1):
+            out, s, nxt, keys = [], self._head[tier], self._next[tier], self._keys
+            while s >= 0 and len(out) < n:
+                out.append(keys[s])
+                s = nxt[s]
+            return out
+        b = _tier_backend(tier)
+        if n <= 0:
+            return []
+        _dev, _host, mask, refs, last = self._np()
+        sel = np.flatnonzero(((mask >> b) & 1).astype(bool) & (refs == 0))
+        order = sel[np.argsort(last[sel], kind="stable")[:n]]
+        return [self._keys[s] for s in order.tolist()]
+
+    # -- prefix lookup
+    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
+        """Longest run of leading ``keys`` present in some tier, with the best tier of each block.
+
+        Read-only (no touch, no hit counted: a scheduler asks again every step until it admits a
+        request).  The chain stops at the first key that is absent or present in no tier.
+        """
+        get, total = self._slots.get, len(keys)
+        slots: list[int] = []
+        pos, chunk = 0, 64
+        # growing chunks: a chain that misses early costs a few dict probes, a full hit ~log(n) chunks
+        while pos < total:
+            part = list(map(get, keys[pos:pos + chunk]))
+            if None in part:
+                slots += part[:part.index(None)]
+                break
+            slots += part
+            pos += chunk
+            chunk *= 4
+        idx = np.frombuffer(array.array("q", slots), dtype=np.int64)
+        dev_col, host_col, mask_col, _refs, _last = self._np()
+        dev, host = dev_col[idx], host_col[idx]
+        mask = mask_col[idx].astype(np.int64)
+        low_bit = np.frexp((mask & -mask).astype(np.float64))[1] - 1  # index of lowest set bit; -1 if none
+        tiers = np.where(dev >= 0, Tier.DEVICE,
+                         np.where(host >= 0, Tier.HOST, np.where(mask != 0, low_bit + 2, Tier.MISSING)))
+        holes = np.flatnonzero(tiers < 0)
+        n = int(holes[0]) if holes.size else len(slots)
+        return PrefixMatch(n, tiers[:n].astype(np.int8), dev[:n].copy(), host[:n].copy())
+
+    # -- self-check (tests, debugging)
+    def validate(self) -> None:
+        """Check every invariant in O(capacity); raises AssertionError naming the first broken one."""
+        live = set(self._slots.values())
+        checks = [
+            (len(live) == len(self._slots) and all(self._keys[s] is k for k, s in self._slots.items()),
+             "dict and key column disagree"),
+            (not set(self._free) & live and len(self._free) + len(live) == self._top, "free list leaks"),
+            (all((s in live) == (self._refs[s] >= 0) for s in range(self._cap)), "refs -1 iff slot free"),
+            (sum(self._refs[s] > 0 for s in live) == self._pinned, "pinned count"),
+            *((sum((self._mask[s] >> i) & 1 for s in live) == self._bcount[i], f"backend[{i}] count")
+              for i in range(MAX_BACKENDS)),
+        ]
+        for t in (0, 1):
+            order, s, p = [], self._head[t], -1
+            while s >= 0 and len(order) <= self._cap and self._prev[t][s] == p:
+                order.append(s)
+                p, s = s, self._next[t][s]
+            present = [x for x in live if self._loc[t][x] >= 0]
+            name = Tier.name(t)
+            checks += [
+                (s < 0 and p == self._tail[t] and len(order) == self._lru_len[t], f"{name} LRU links"),
+                (set(order) == {x for x in present if self._refs[x] == 0},
+                 f"{name} LRU must hold exactly the unpinned entries present in {name}"),
+                (len(present) == self._count[t], f"{name} count"),
+                (all(self._rev[t][self._loc[t][x]] == x for x in present)
+                 and sum(v >= 0 for v in self._rev[t]) == len(present), f"{name} reverse map"),
+            ]
+        for ok, msg in checks:
+            if not ok:
+                raise AssertionError(f"BlockIndex invariant broken: {msg}")
+
+
+def _mask_of(backends: Iterable[int]) -> int:
+    mask = 0
+    for i in backends:
+        _check_backend(i)
+        mask |= 1 << i
+    return mask
+
+
+def _bits(mask: int) -> tuple[int, ...]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return tuple(out)
+
+
+def _tier_backend(tier: int) -> int:
+    i = Tier.backend_index(tier)
+    if i is None or i >= MAX_BACKENDS:
+        raise ValueError(f"unknown tier code {tier!r}: expected DEVICE (0), HOST (1) or Tier.backend(i)")
+    return i
