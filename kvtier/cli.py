@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvtier ... | head`: the reader left, which is not an error
+        sys.stdout = None  # type: ignore[assignment]  # keep the interpreter from flushing again
+        return 0
 
 
 if __name__ == "__main__":
