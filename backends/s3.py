@@ -1,0 +1,448 @@
+"""S3 backend: one object per block (header + payload), for AWS S3 and S3-compatible stores.
+
+Invariants:
+* One object per block, ``<prefix>/<namespace id>/<block hash hex>``; a PUT replaces it atomically, so a
+  reader sees the old block or the new one, never a mix.  A missing object is a miss (None), never an error.
+* Puts stream the caller's header and payload memoryviews to the socket (no joined copy); gets read the
+  response body straight into the caller's header and payload buffers (no intermediate bytes object).
+* Every hook returns within ``call_budget_s = (retries + 1) * timeout_s + backoff`` (backoff is botocore's
+  jittered exponential, at most ``sum(min(2**i, 20) for i < retries)`` s): each request has connect/read
+  timeouts of ``timeout_s`` and botocore's retries, and the batch wait itself is cut at the budget.  A read
+  abandoned at the budget is stopped before the hook returns (its socket is shut down), so no byte reaches a
+  caller's buffer after the call.  An abandoned put may still finish later; it then stores either the whole
+  block or bytes whose checksum fails on read (a miss), never a wrong block.
+* Credentials come from boto3's standard chain unless given as options (``SecretStr``); they never appear
+  in ``repr``, exception messages or log records (botocore's DEBUG output is scrubbed of them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, SecretStr
+
+from kvtier import blockformat
+from kvtier.backend import BackendOptions, StorageBackend, StoredBlock, frame, verify
+
+log = logging.getLogger("kvtier.backends.s3")
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+_READ_CHUNK = 1 << 20  # bytes per socket read: the granularity at which an abandoned read can be stopped
+_DELETE_BATCH = 1000  # the DeleteObjects limit
+
+
+class S3Options(BackendOptions):
+    """YAML ``options:`` of the ``s3`` backend."""
+
+    # A misspelt secret key must not be echoed back in the "extra inputs are not permitted" error.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+    bucket: str = Field(min_length=3)
+    prefix: str = ""  # key prefix; normalised to end in exactly one "/" (or empty)
+    endpoint_url: str | None = None  # MinIO, Ceph, moto; None: AWS
+    region: str | None = None  # None: the standard chain, else us-east-1
+    max_workers: int = Field(8, ge=1, le=256)  # concurrent requests per batch (and pooled connections)
+    retries: int = Field(2, ge=0, le=10)  # retries after the first attempt (botocore "standard" mode)
+    create_bucket: bool = False
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    # The block carries its own xxh3 checksum, verified on every read; the transport CRCs botocore adds by
+    # default cost another pass over each byte and some S3-compatible stores reject them.
+    transport_checksums: bool = False
+    access_key_id: SecretStr | None = None
+    secret_access_key: SecretStr | None = None
+    session_token: SecretStr | None = None
+    usage_ttl_s: float = Field(30.0, ge=0)  # how long a usage listing is reused by stats()
+    usage_max_objects: int = Field(100_000, ge=0)  # listing cap for usage; beyond it usage is partial
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _ReadGuard:
+    """Lets a batch stop its in-flight body reads before returning: readers register how to shut down
+    the socket they read from; ``cancel`` refuses new reads, shuts those down and waits for readers to
+    leave (each socket read is bounded by the read timeout anyway, so the wait is too)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active: dict[int, Callable[[], None] | None] = {}
+        self.cancelled = False
+
+    @contextlib.contextmanager
+    def reading(self, shutdown: Callable[[], None] | None) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            if self.cancelled:
+                raise _Cancelled
+            self._active[me] = shutdown
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active.pop(me, None)
+                self._cond.notify_all()
+
+    def cancel(self, timeout_s: float) -> None:
+        with self._cond:
+            self.cancelled = True
+            shutdowns = list(self._active.values())
+        for shutdown in shutdowns:
+            if shutdown is not None:
+                with contextlib.suppress(Exception):  # already closed or released: nothing to wake
+                    shutdown()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._active, timeout_s)
+
+
+class _TwoPartBody:
+    """A seekable file-like body over (header, payload) memoryviews: botocore hashes and sends it
+    without a joined copy.  ``read`` returns memoryview slices, whole parts at a time when asked for less,
+    so urllib3's 16 KiB reads become one ``sendall`` per part."""
+
+    def __init__(self, header: bytes, payload: memoryview, guard: _ReadGuard):
+        self._parts = [memoryview(header), payload]
+        self._len = len(header) + payload.nbytes
+        self._pos = 0
+        self._guard = guard
+
+    def __len__(self) -> int:
+        return self._len
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = min(max(base + pos, 0), self._len)
+        return self._pos
+
+    def read(self, n: int = -1) -> memoryview:
+        if self._guard.cancelled:  # the batch gave up: stop reading the caller's buffer
+            raise _Cancelled
+        hlen = self._parts[0].nbytes
+        part, off = (self._parts[0], self._pos) if self._pos < hlen else (self._parts[1], self._pos - hlen)
+        chunk = part[off:]
+        if n is not None and n >= 0:
+            chunk = chunk[: max(n, 1 << 24)]
+        self._pos += chunk.nbytes
+        return chunk
+
+
+class _Redactor(logging.Filter):
+    """Replaces configured secrets in botocore's log records (its DEBUG output prints signed headers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            msg = record.getMessage()
+            if any(s in msg for s in self.secrets):
+                for s in self.secrets:
+                    msg = msg.replace(s, "***")
+                record.msg, record.args = msg, ()
+        return True
+
+
+_REDACTOR = _Redactor()
+
+
+def _guard_logs(secrets: set[str]) -> None:
+    """Scrub ``secrets`` from every botocore / boto3 / urllib3 logger (a filter on a logger does not
+    reach its children, so each one gets it; they all exist once a client has been built)."""
+    _REDACTOR.secrets |= secrets
+    names = [n for n in logging.root.manager.loggerDict if n.split(".")[0] in ("botocore", "boto3", "urllib3")]
+    for n in (*names, "botocore", "boto3", "urllib3"):
+        lg = logging.getLogger(n)
+        if _REDACTOR not in lg.filters:
+            lg.addFilter(_REDACTOR)
+
+
+class S3Backend(StorageBackend):
+    """Blocks as S3 objects; batches run on a pool of ``max_workers`` threads sharing one boto3 client."""
+
+    Options = S3Options
+    options: S3Options
+
+    def __init__(self, options: S3Options | dict | None = None, *, name: str | None = None):
+        super().__init__(options, name=name or "s3")
+        import boto3
+        from botocore.config import Config
+
+        o = self.options
+        self._prefix = o.prefix.strip("/") + "/" if o.prefix.strip("/") else ""
+        self._bucket = o.bucket
+        secret = {k: getattr(o, k).get_secret_value() for k in
+                  ("access_key_id", "secret_access_key", "session_token") if getattr(o, k) is not None}
+        session = boto3.session.Session(
+            aws_access_key_id=secret.get("access_key_id"),
+            aws_secret_access_key=secret.get("secret_access_key"),
+            aws_session_token=secret.get("session_token"), region_name=o.region)
+        self._secrets = {v for v in secret.values() if len(v) >= 8}
+        with contextlib.suppress(Exception):  # the chain's own credentials are scrubbed too
+            creds = session.get_credentials()
+            if creds is not None:
+                frozen = creds.get_frozen_credentials()
+                self._secrets |= {v for v in (frozen.access_key, frozen.secret_key, frozen.token)
+                                  if v and len(v) >= 8}
+        when = "when_supported" if o.transport_checksums else "when_required"
+        config = Config(connect_timeout=o.timeout_s, read_timeout=o.timeout_s,
+                        retries={"total_max_attempts": o.retries + 1, "mode": "standard"},
+                        max_pool_connections=o.max_workers, s3={"addressing_style": o.addressing_style},
+                        request_checksum_calculation=when, response_checksum_validation=when)
+        self._client = session.client("s3", endpoint_url=o.endpoint_url,
+                                      region_name=session.region_name or "us-east-1", config=config)
+        _guard_logs(self._secrets)
+        # botocore asks for "100 Continue" before sending any file-like body, costing a round trip per
+        # PUT; a block is small enough that sending it to a server that then refuses it is cheaper.
+        self._client.meta.events.register_last("before-call.s3", _no_expect_header)
+        self._pool = ThreadPoolExecutor(o.max_workers, thread_name_prefix=f"kvtier-s3-{self.name}")
+        self.call_budget_s = (o.retries + 1) * o.timeout_s + sum(min(2**i, 20) for i in range(o.retries))
+        self._usage_cache: tuple[float, dict[str, Any]] | None = None
+        if o.create_bucket:
+            self._call(self._ensure_bucket)
+
+    def __repr__(self) -> str:
+        o = self.options
+        return f"S3Backend(name={self.name!r}, bucket={o.bucket!r}, prefix={self._prefix!r}, " \
+               f"endpoint_url={o.endpoint_url!r})"
+
+    # ------------------------------------------------------------------ hooks
+
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
+        # Frame in the workers: each payload is checksummed right before it is sent, in parallel.
+        guard = _ReadGuard()
+        return self._batch(keys, lambda i: self._put_one(
+            keys[i], (frame(keys[i], payloads[i], layout_id), payloads[i]), guard), guard, writes=True)
+
+    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
+                    layout_id: int) -> list[bool | str]:
+        guard = _ReadGuard()
+
+        def one(i: int) -> bool | str:
+            header = memoryview(bytearray(blockformat.HEADER_SIZE))
+            size = self._get_one(keys[i], (header, payloads[i]), guard)
+            return False if size is None else (verify(keys[i], size, header, payloads[i], layout_id) or True)
+
+        return self._batch(keys, one, guard)
+
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        guard = _ReadGuard()
+        return self._batch(keys, lambda i: self._put_one(keys[i], values[i], guard), guard, writes=True)
+
+    def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
+                   payloads: Sequence[memoryview]) -> list[int | None]:
+        guard = _ReadGuard()
+        return self._batch(keys, lambda i: self._get_one(keys[i], (headers[i], payloads[i]), guard), guard)
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._batch(keys, lambda i: self._head(keys[i]), None)
+
+    def _delete(self, keys: Sequence[str]) -> int:
+        present = [k for k, ok in zip(keys, self._exists(keys)) if ok]
+        groups = [present[i:i + _DELETE_BATCH] for i in range(0, len(present), _DELETE_BATCH)]
+        self._batch(groups, lambda i: self._delete_group(groups[i]), None)
+        return len(present)
+
+    def _scan(self, prefix: str) -> Iterator[StoredBlock]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self._bucket, Prefix=self._prefix + prefix)
+        cut = len(self._prefix)
+        for page in pages:
+            for obj in page.get("Contents", ()):
+                yield StoredBlock(obj["Key"][cut:], obj["Size"])
+
+    def _read_small(self, key: str) -> bytes | None:
+        def get() -> bytes | None:
+            try:
+                resp = self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
+            except Exception as e:
+                if _is_missing(e):
+                    return None
+                raise
+            with contextlib.closing(resp["Body"]) as body:
+                return body.read()
+
+        return self._batch([key], lambda i: get(), None)[0]
+
+    def _write_small(self, key: str, data: bytes) -> None:
+        self._batch([key], lambda i: self._client.put_object(
+            Bucket=self._bucket, Key=self._prefix + key, Body=bytes(data)), None)
+
+    def _health(self) -> None:
+        self._batch([self._bucket], lambda i: self._client.head_bucket(Bucket=self._bucket), None)
+
+    def _usage(self) -> dict[str, Any]:
+        """Blocks and bytes under the prefix, from a listing reused for ``usage_ttl_s`` and cut at
+        ``usage_max_objects`` (then marked partial): stats() must stay cheap on a huge bucket."""
+        from kvtier.backend import _BLOCK_KEY
+
+        now = time.monotonic()
+        if self._usage_cache is None or now - self._usage_cache[0] >= self.options.usage_ttl_s:
+            cap = self.options.usage_max_objects
+            listed = list(itertools.islice(self._scan(""), cap + 1))
+            sizes = [b.size for b in listed[:cap] if _BLOCK_KEY.match(b.key)]
+            usage: dict[str, Any] = {"blocks": len(sizes), "bytes": sum(sizes)}
+            if len(listed) > cap:
+                usage["partial"] = True
+            self._usage_cache = (now, usage)
+        return dict(self._usage_cache[1])
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    # ------------------------------------------------------------------ one request each
+
+    def _put_one(self, key: str, value: tuple[bytes, memoryview], guard: _ReadGuard) -> bool:
+        body = _TwoPartBody(value[0], value[1], guard)
+        self._client.put_object(Bucket=self._bucket, Key=self._prefix + key, Body=body,
+                                ContentLength=len(body))
+        return True
+
+    def _get_one(self, key: str, bufs: tuple[memoryview, memoryview], guard: _ReadGuard) -> int | None:
+        try:
+            resp = self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
+        except Exception as e:
+            if _is_missing(e):
+                return None
+            raise
+        body = resp["Body"]
+        size = int(resp["ContentLength"])  # S3 always announces it; its absence fails loudly
+        raw = getattr(body, "_raw_stream", None)
+        fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse: its readinto fills our buffer in place
+        direct = fp is not None and hasattr(fp, "readinto") and not raw.headers.get("content-encoding")
+        readinto = fp.readinto if direct else _copying_readinto(body)
+        # Fill what fits; a longer value is left unread (its length alone makes it a miss upstream).
+        want = [min(bufs[0].nbytes, size), min(bufs[1].nbytes, max(size - bufs[0].nbytes, 0))]
+        clean = False
+        try:
+            with guard.reading(_shutdown_of(raw)):
+                for buf, n in zip(bufs, want):
+                    if n and _fill(readinto, buf[:n]) < n:
+                        # Never report a truncated transfer as the stored length: that would make a
+                        # good block look corrupt and get it deleted.
+                        raise ConnectionError(f"response body ended early ({size} bytes announced)")
+            clean = direct and sum(want) == size and fp.isclosed()
+        finally:
+            if clean:
+                raw.release_conn()  # fully read: the connection goes back to the pool
+            else:
+                body.close()  # unread bytes or a failed read: drop the connection
+        return size
+
+    def _head(self, key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self._bucket, Key=self._prefix + key)
+            return True
+        except Exception as e:
+            if _is_missing(e):
+                return False
+            raise
+
+    def _delete_group(self, keys: list[str]) -> None:
+        resp = self._client.delete_objects(Bucket=self._bucket, Delete={
+            "Objects": [{"Key": self._prefix + k} for k in keys], "Quiet": True})
+        errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in _MISSING]
+        if errors:
+            raise OSError(f"DeleteObjects failed for {len(errors)} key(s), first "
+                          f"{errors[0].get('Key')!r}: {errors[0].get('Code')}")
+
+    def _ensure_bucket(self) -> None:
+        region = self._client.meta.region_name
+        kw: dict[str, Any] = {} if region == "us-east-1" else {
+            "CreateBucketConfiguration": {"LocationConstraint": region}}
+        try:
+            self._client.create_bucket(Bucket=self._bucket, **kw)
+        except Exception as e:
+            if _error_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+    # ------------------------------------------------------------------ batching
+
+    def _batch(self, items: Sequence[Any], fn: Callable[[int], Any], guard: _ReadGuard | None,
+               writes: bool = False) -> list[Any]:
+        """Run ``fn(i)`` for every item on the pool, in order, within ``call_budget_s``.
+
+        A put that fails on some keys reports False for them (logged); otherwise, and for every other
+        operation, the first error is raised (the base class types it) -- a read error is never a miss."""
+        if not items:
+            return []
+        futures = [self._pool.submit(fn, i) for i in range(len(items))]
+        done, pending = wait(futures, timeout=self.call_budget_s)
+        if pending:
+            if guard is not None:
+                guard.cancel(self.options.timeout_s)
+            for f in pending:
+                f.cancel()
+        errors = [f.exception() for f in futures if f in done and f.exception() is not None]
+        failed = len(errors) + len(pending)
+        if failed and (not writes or failed == len(futures)):
+            if errors:
+                raise self._scrub(errors[0])
+            raise TimeoutError(f"{len(pending)} of {len(items)} request(s) still unanswered after the "
+                               f"call budget of {self.call_budget_s:g}s")
+        if failed:
+            log.warning("backend %r: %d of %d put(s) failed, first: %s", self.name, failed, len(items),
+                        self._scrub(errors[0]) if errors else "call budget exceeded")
+        return [f.result() if f in done and f.exception() is None else False for f in futures]
+
+    def _scrub(self, e: BaseException) -> BaseException:
+        """``e``, or if its message holds a credential, a scrubbed copy (typed like it by name)."""
+        text = str(e)
+        if not any(s in text for s in self._secrets):
+            return e
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return (ConnectionError if "connect" in type(e).__name__.lower() else RuntimeError)(
+            f"{type(e).__name__}: {text}")
+
+
+def _no_expect_header(params: dict[str, Any], **kwargs: Any) -> None:
+    params.get("headers", {}).pop("Expect", None)
+
+
+def _error_code(e: BaseException) -> str | None:
+    resp = getattr(e, "response", None)
+    return str(resp.get("Error", {}).get("Code")) if isinstance(resp, dict) else None
+
+
+def _is_missing(e: BaseException) -> bool:
+    return _error_code(e) in _MISSING
+
+
+def _shutdown_of(raw: Any) -> Callable[[], None] | None:
+    """How to wake a thread blocked reading ``raw`` (a urllib3 response): shut its socket down."""
+    if callable(getattr(raw, "_sock_shutdown", None)):  # urllib3 >= 2.3 keeps it for this purpose
+        return raw.shutdown
+    sock = getattr(getattr(raw, "connection", None), "sock", None)
+    return (lambda: sock.shutdown(socket.SHUT_RDWR)) if sock is not None else None
+
+
+def _fill(readinto: Callable[[memoryview], int], buf: memoryview) -> int:
+    """Read into ``buf`` until it is full or the body ends; return the bytes read."""
+    pos = 0
+    while pos < buf.nbytes:
+        n = readinto(buf[pos:pos + _READ_CHUNK])
+        if not n:
+            break
+        pos += n
+    return pos
+
+
+def _copying_readinto(body: Any) -> Callable[[memoryview], int]:
+    """Fallback for bodies without a raw ``readinto`` (e.g. content-encoded): read, then copy."""
+    def readinto(mv: memoryview) -> int:
+        data = body.read(mv.nbytes)
+        mv[:len(data)] = data
+        return len(data)
+    return readinto
+
