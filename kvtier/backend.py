@@ -76,6 +76,21 @@ class BackendStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def frame(key: str, payload: memoryview, layout_id: int) -> bytes:
+    """The stored header for ``payload`` under ``key``; thread-safe, hashes the payload without copying."""
+    ns, h = split_key(key)
+    return blockformat.encode_header(ns, h, layout_id, payload)
+
+
+def verify(key: str, size: int, header, payload: memoryview, layout_id: int) -> str | None:
+    """Why a stored value of ``size`` bytes, read as (header, payload), is not ``key``'s block; None if it is."""
+    expected = blockformat.HEADER_SIZE + payload.nbytes
+    if size != expected:
+        return f"stored value is {size} bytes, expected {expected}"
+    ns, h = split_key(key)
+    return blockformat.check_block(header, payload, ns, h, layout_id)
+
+
 @dataclass
 class StoredBlock:
     key: str
@@ -133,6 +148,24 @@ class StorageBackend(ABC):
         """Store a small raw value (manifests); the default goes through ``_write``."""
         self._write([key], [(b"", memoryview(data))])
 
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
+        """Frame and store each payload; per-key success.  The default encodes every header here, in the
+        calling thread, then calls ``_write`` once.  A backend may override this to frame inside its own
+        workers (checksumming a payload while it is hot in cache); it must store exactly
+        ``frame(key, payload, layout_id) + payload``, atomically per key."""
+        return self._write(keys, [(frame(k, p, layout_id), p) for k, p in zip(keys, payloads)])
+
+    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
+                    layout_id: int) -> list[bool | str]:
+        """Per key: True (a verified block, payload now in the buffer), False (absent), or why the stored
+        value is not the expected block (``get_into`` then counts and deletes it).  The default reads with
+        ``_read_into`` and verifies here; a backend may override this to verify inside its own workers,
+        but must report True only for values that passed ``verify``."""
+        headers = [memoryview(bytearray(blockformat.HEADER_SIZE)) for _ in keys]
+        sizes = self._read_into(keys, headers, payloads)
+        return [False if size is None else (verify(key, size, header, view, layout_id) or True)
+                for key, size, header, view in zip(keys, sizes, headers, payloads)]
+
     def _close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections, threads and file handles."""
 
@@ -167,19 +200,17 @@ class StorageBackend(ABC):
             raise ValueError(f"put: {len(keys)} keys but {len(payloads)} payloads")
         if not keys:
             return []
-        values = []
-        for key, p in zip(keys, payloads):
-            ns, h = split_key(key)
-            mv = memoryview(p).cast("B")
-            values.append((blockformat.encode_header(ns, h, layout_id, mv), mv))
+        for key in keys:
+            split_key(key)  # a malformed key is the caller's bug: ValueError naming it, before any I/O
+        views = [memoryview(p).cast("B") for p in payloads]
         t0 = time.perf_counter()
         try:
-            ok = list(self._call(self._write, keys, values))
+            ok = list(self._call(self._put_blocks, keys, views, layout_id))
         except BackendError:
             with self._lock:
                 self._stats.put_failures += len(keys)
             raise
-        nbytes = sum(v[1].nbytes for v, good in zip(values, ok) if good)
+        nbytes = sum(v.nbytes for v, good in zip(views, ok) if good)
         with self._lock:
             s = self._stats
             s.puts += sum(ok)
@@ -195,11 +226,10 @@ class StorageBackend(ABC):
             raise ValueError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
-        headers = [memoryview(bytearray(blockformat.HEADER_SIZE)) for _ in keys]
         views = [memoryview(b).cast("B") for b in buffers]
         t0 = time.perf_counter()
         try:
-            sizes = self._call(self._read_into, keys, headers, views)
+            results = self._call(self._get_blocks, keys, views, layout_id)
         except BackendError:
             with self._lock:
                 self._stats.gets += len(keys)
@@ -207,19 +237,11 @@ class StorageBackend(ABC):
             raise
         ok: list[bool] = []
         corrupt: list[str] = []
-        for key, size, header, view in zip(keys, sizes, headers, views):
-            if size is None:
-                ok.append(False)
-                continue
-            ns, h = split_key(key)
-            if size != blockformat.HEADER_SIZE + view.nbytes:
-                why = f"stored value is {size} bytes, expected {blockformat.HEADER_SIZE + view.nbytes}"
-            else:
-                why = blockformat.check_block(header, view, ns, h, layout_id)
-            if why is not None:
+        for key, res in zip(keys, results):
+            if isinstance(res, str):
                 corrupt.append(key)
-                self._on_corrupt(key, why)
-            ok.append(why is None)
+                self._on_corrupt(key, res)
+            ok.append(res is True)
         if corrupt:
             # If the delete fails it stays a miss; `kvtier verify --fix` can remove it later.
             with contextlib.suppress(BackendError):
