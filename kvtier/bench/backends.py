@@ -1,0 +1,105 @@
+"""``kvtier bench backends``: put / get GiB/s of every storage backend beside its ceiling, same run, same
+payloads.
+
+Each backend's cases live in ``kvtier/bench/backend_<name>.py``, which exposes
+``run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict]`` returning rows
+``{"backend", "op" ("put"|"get"), "block_bytes", "gib_s", "ceiling_gib_s", "ratio", "note"}``
+(medians over ``repeats``; ``ratio`` = backend / ceiling).  A module whose import or set-up fails (no
+``redis-server``, no moto) prints a ``SKIP`` line with the reason and the run goes on.
+
+Default block sizes: 2 MiB = 32 layers x 8 kv heads x 128 head dim x 2 bytes (bf16) x 16 tokens x 2 (K, V),
+and 256 KiB.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import statistics
+import sys
+import time
+import traceback
+
+from ._util import print_table, write_json
+
+HELP = "storage backends put/get GiB/s beside each one's ceiling (disk: raw files; redis: wire; s3: boto3)"
+DEFAULT_BLOCKS = (2 * 2**20, 256 * 2**10)
+COLUMNS = ["backend", "op", "block", "gib_s", "ceiling_gib_s", "ratio"]
+
+
+def discover() -> list[str]:
+    """Backend names that have a ``backend_<name>`` bench module."""
+    from .. import bench
+
+    return sorted(m.name[len("backend_"):] for m in pkgutil.iter_modules(bench.__path__)
+                  if m.name.startswith("backend_"))
+
+
+def _size(text: str) -> int:
+    try:
+        from ..units import parse_size
+    except ImportError:  # pragma: no cover - units ships with kvtier
+        return int(text)
+    return parse_size(text)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--backends", default=",".join(discover()),
+                   help=f"comma-separated (default: all = {','.join(discover())})")
+    p.add_argument("--block-sizes", default="2MiB,256KiB",
+                   help='comma-separated block sizes (default "2MiB,256KiB")')
+    p.add_argument("--total", default="1GiB",
+                   help='bytes moved per case and repeat (default "1GiB"; use less for a quick look)')
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per case; medians (default 5)")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+
+
+def run(args) -> int:
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    sizes = [_size(s.strip()) for s in args.block_sizes.split(",") if s.strip()]
+    total = _size(args.total)
+    rows: list[dict] = []
+    skipped: dict[str, str] = {}
+    for name in wanted:
+        t0 = time.perf_counter()
+        try:
+            mod = importlib.import_module(f"{__package__}.backend_{name}")
+            got = mod.run_cases(sizes, total, args.repeats)
+        except ModuleNotFoundError as e:
+            if e.name == f"{__package__}.backend_{name}":
+                skipped[name] = f"no benchmark module backend_{name} (have: {', '.join(discover())})"
+            else:
+                skipped[name] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - one backend's set-up failure must not stop the others
+            skipped[name] = f"{type(e).__name__}: {e}"
+            if getattr(args, "verbose", False):
+                traceback.print_exc()
+        else:
+            rows.extend(got)
+            print(f"{name}: {len(got)} cases in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            continue
+        print(f"SKIP {name}: {skipped[name]}")
+    if rows:
+        table = [{**r, "block": _fmt_block(r["block_bytes"])} for r in rows]
+        # A backend may add its own figures (a second ceiling, start-up time): shown after the standard ones.
+        extra = [k for r in rows for k in r if k not in (*COLUMNS, "block_bytes", "note")]
+        print_table(table, COLUMNS + list(dict.fromkeys(extra)) + ["note"])
+    summary = {}
+    for name in sorted({r["backend"] for r in rows}):
+        for op in ("put", "get"):
+            ratios = [r["ratio"] for r in rows if r["backend"] == name and r["op"] == op]
+            if ratios:
+                summary[f"{name}_{op}_median_ratio"] = statistics.median(ratios)
+    if summary:
+        print("median ratios: " + ", ".join(f"{k.removesuffix('_median_ratio')} {v:.2f}x"
+                                            for k, v in summary.items()))
+    write_json(args.json, {"rows": rows, "summary": summary, "skipped": skipped,
+                           "block_sizes": sizes, "total_bytes": total, "repeats": args.repeats})
+    return 0 if rows or not wanted else 1
+
+
+def _fmt_block(n: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"

@@ -1,0 +1,328 @@
+"""local_disk specifics: atomic files, capacity + LRU, restart, shared directories, path safety."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from kvtier.backends.local_disk import _HOST_TAG, LocalDiskBackend
+
+from kvtier import blockformat, plugins
+from kvtier.backend import BackendError
+from kvtier.keys import Namespace
+
+NS = Namespace("m", "bfloat16", 2, 2, 64, 16)
+LID = NS.layout_id
+H = blockformat.HEADER_SIZE
+
+
+def mk(tmp_path, **opts):
+    opts.setdefault("capacity", "1GiB")
+    return LocalDiskBackend({"path": str(tmp_path / "d"), **opts})
+
+
+def newkeys(n):
+    return NS.keys([os.urandom(16) for _ in range(n)])
+
+
+def get(b, key, size):
+    buf = bytearray(size)
+    return bytes(buf) if b.get_into([key], [buf], LID) == [True] else None
+
+
+def disk_bytes(root):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
+               if not f.endswith(".json"))
+
+
+# ------------------------------------------------------------------ options and registry
+
+
+def test_registered_as_entry_point():
+    assert plugins.load("backend", "local_disk") is LocalDiskBackend
+
+
+def test_options(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVT_DIR", str(tmp_path))
+    b = LocalDiskBackend({"path": "$KVT_DIR/x", "capacity": "2GiB", "threads": 2})
+    assert b.root == str(tmp_path / "x") and b.capacity == 2 * 2**30 and os.path.isdir(b.root)
+    assert LocalDiskBackend.Options(path="~/y").path == os.path.expanduser("~/y")
+    with pytest.raises(ValueError, match="size"):
+        LocalDiskBackend.Options(path=str(tmp_path), capacity="2 gallons")
+    with pytest.raises(ValueError, match="extra"):
+        LocalDiskBackend.Options(path=str(tmp_path), capcity=1)
+
+
+# ------------------------------------------------------------------ layout and atomicity
+
+
+def test_layout_is_sharded(tmp_path):
+    b = mk(tmp_path)
+    k = newkeys(1)[0]
+    b.put([k], [b"x" * 10], LID)
+    ns, h = k.split("/")
+    assert os.path.getsize(os.path.join(b.root, ns, h[:2], h)) == H + 10
+
+
+def test_temp_files_are_never_blocks_and_are_cleaned_at_start(tmp_path):
+    b = mk(tmp_path)
+    k = newkeys(1)[0]
+    ns, h = k.split("/")
+    shard = os.path.join(b.root, ns, h[:2])
+    os.makedirs(shard)
+    dead = os.path.join(shard, f".{h}.{_HOST_TAG}.999999999.0.tmp")  # no such pid
+    alive = os.path.join(shard, f".{h}.{_HOST_TAG}.{os.getpid()}.0.tmp")
+    stale = os.path.join(shard, f".{h}.0badf00d.1.0.tmp")  # another host's, old
+    for p in (dead, alive, stale):
+        with open(p, "wb") as f:
+            f.write(b"half a block")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    assert b.exists([k]) == [False] and get(b, k, 10) is None and list(b.scan()) == []
+    b2 = mk(tmp_path)
+    assert not os.path.exists(dead) and not os.path.exists(stale)
+    assert os.path.exists(alive), "a live writer's temp file must survive another instance's start-up"
+    assert b2.stats().extra["blocks"] == 0
+
+
+def test_killed_writer_leaves_no_block(tmp_path):
+    """A writer killed between writing its temp file and renaming it: nothing visible, temp cleaned."""
+    root = str(tmp_path / "d")
+    k = newkeys(1)[0]
+    code = textwrap.dedent(f"""
+        import os, signal
+        from kvtier.backends.local_disk import LocalDiskBackend
+        b = LocalDiskBackend({{"path": {root!r}}})
+        os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+        b.put([{k!r}], [os.urandom(1 << 20)], {LID})
+    """)
+    r = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert r.returncode == -9
+    ns, h = k.split("/")
+    assert [f for f in os.listdir(os.path.join(root, ns, h[:2])) if f.endswith(".tmp")]
+    b = LocalDiskBackend({"path": root})
+    assert b.exists([k]) == [False] and get(b, k, 1 << 20) is None
+    assert os.listdir(os.path.join(root, ns, h[:2])) == []
+
+
+# ------------------------------------------------------------------ capacity and LRU
+
+
+def test_capacity_evicts_lru(tmp_path):
+    size = 1000
+    b = mk(tmp_path, capacity=10 * (H + size))
+    ks = newkeys(30)
+    for i, k in enumerate(ks):
+        assert b.put([k], [os.urandom(size)], LID) == [True]
+        if i == 24:
+            assert get(b, ks[15], size) is not None  # the oldest of ks[15..24] becomes the most recent
+        u = b.stats().extra
+        assert u["bytes"] <= b.capacity and disk_bytes(b.root) <= b.capacity
+    present = b.exists(ks)
+    assert sum(present) == 10 and present[-9:] == [True] * 9
+    assert present[15] and not present[20], "a block read recently outlives older unread ones"
+
+
+def test_block_bigger_than_capacity_is_refused(tmp_path):
+    b = mk(tmp_path, capacity=1000)
+    assert b.put(newkeys(1), [os.urandom(2000)], LID) == [False]
+    assert b.stats().put_failures == 1 and b.stats().extra["bytes"] == 0
+
+
+def test_capacity_holds_under_concurrent_puts(tmp_path):
+    size = 4096
+    b = mk(tmp_path, capacity=20 * (H + size), threads=4)
+    stop = threading.Event()
+    over: list[int] = []
+
+    def monitor():
+        while not stop.is_set():
+            used = b.stats().extra["bytes"]
+            if used > b.capacity:
+                over.append(used)
+
+    def writer():
+        for _ in range(20):
+            ks = newkeys(8)
+            b.put(ks, [os.urandom(size) for _ in ks], LID)
+
+    m = threading.Thread(target=monitor)
+    m.start()
+    ws = [threading.Thread(target=writer) for _ in range(8)]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.join()
+    stop.set()
+    m.join()
+    assert not over and disk_bytes(b.root) <= b.capacity
+    assert b.stats().extra["bytes"] == disk_bytes(b.root)
+
+
+def test_manifests_are_not_evicted(tmp_path):
+    b = mk(tmp_path, capacity=3 * (H + 100))
+    b.put_manifest(NS)
+    for _ in range(10):
+        b.put(newkeys(1), [os.urandom(100)], LID)
+    assert b.get_manifest(NS.id) == NS.manifest()
+
+
+# ------------------------------------------------------------------ restart
+
+
+def test_restart_keeps_hits_and_lru_order(tmp_path):
+    size = 500
+    b = mk(tmp_path, capacity=10 * (H + size))
+    ks = newkeys(10)
+    data = [os.urandom(size) for _ in ks]
+    for i, (k, d) in enumerate(zip(ks, data)):
+        b.put([k], [d], LID)
+        t = 1_000_000 + i  # an explicit order, immune to coarse timestamps
+        os.utime(b._where(k)[1], (t, t))
+    b.close()
+    b2 = mk(tmp_path, capacity=10 * (H + size))
+    assert b2.stats().extra["blocks"] == 10 and b2.stats().extra["bytes"] == 10 * (H + size)
+    b2.close()
+    b3 = mk(tmp_path, capacity=5 * (H + size))  # shrunk: the oldest go first, at start-up
+    assert b3.exists(ks) == [False] * 5 + [True] * 5
+    assert all(get(b3, k, size) == d for k, d in zip(ks[5:], data[5:]))
+
+
+def test_startup_with_20k_blocks(tmp_path):
+    b = mk(tmp_path)
+    n = 20_000
+    for _ in range(0, n, 1000):
+        assert all(b.put(newkeys(1000), [os.urandom(64) for _ in range(1000)], LID))
+    b.close()
+    b2 = mk(tmp_path)
+    print(f"\nlocal_disk start-up with {n} blocks: {b2.startup_seconds * 1000:.0f} ms")
+    assert b2.stats().extra["blocks"] == n
+    assert b2.startup_seconds < 20
+
+
+# ------------------------------------------------------------------ sharing a directory
+
+
+def test_two_instances_share_a_directory(tmp_path):
+    a, b = mk(tmp_path), mk(tmp_path)  # b starts before a writes anything
+    ks = newkeys(3)
+    data = [os.urandom(300) for _ in ks]
+    a.put(ks, data, LID)
+    assert b.contains_prefix(ks) == 3
+    assert all(get(b, k, 300) == d for k, d in zip(ks, data))
+    assert b.stats().extra["blocks"] == 3, "blocks read from another writer are adopted"
+    assert b.delete([ks[0]]) == 1
+    assert get(a, ks[0], 300) is None and a.stats().extra["blocks"] == 2, "vanished files are forgotten"
+    assert a.stats().corrupt == 0
+
+
+def test_evicting_files_another_process_removed(tmp_path):
+    size = 100
+    a = mk(tmp_path, capacity=3 * (H + size))
+    ks = newkeys(3)
+    a.put(ks, [os.urandom(size) for _ in ks], LID)
+    for k in ks:
+        os.unlink(a._where(k)[1])  # gone behind a's back
+    assert a.put(newkeys(2), [os.urandom(size), os.urandom(size)], LID) == [True, True]
+    assert a.stats().extra["bytes"] <= a.capacity
+
+
+# ------------------------------------------------------------------ path safety
+
+BAD_KEYS = [
+    "../../etc/passwd",
+    f"{NS.id}/../../{'0' * 32}",
+    f"/{NS.id}/{'0' * 32}",
+    f"{NS.id}/{'A' * 32}",  # upper case would alias on case-insensitive filesystems
+    f"{NS.id}/{'0' * 32}/x",
+    f"{NS.id}/{'0' * 31}",
+    f"{NS.id}/{'0' * 32}\n",
+    f"{NS.id}/{'0' * 16}\x00{'0' * 15}",
+    f"{NS.id}/.{'0' * 31}",
+]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_keys_cannot_escape_the_root(tmp_path, key):
+    b = mk(tmp_path)
+    for op in (lambda: b.exists([key]), lambda: b.get_into([key], [bytearray(8)], LID),
+               lambda: b.delete([key]), lambda: b.put([key], [b"x" * 8], LID)):
+        with pytest.raises((ValueError, BackendError)) as e:
+            op()
+        assert repr(key) in str(e.value), str(e.value)
+    assert not os.path.exists(tmp_path / "etc")
+
+
+def test_symlinks_are_not_followed(tmp_path):
+    b = mk(tmp_path)
+    k = newkeys(1)[0]
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * (H + 8))
+    path = b._where(k)[1]
+    os.makedirs(os.path.dirname(path))
+    os.symlink(secret, path)
+    assert get(b, k, 8) is None
+    assert secret.read_bytes() == b"s" * (H + 8)
+
+
+def test_use_after_close_is_a_typed_error(tmp_path):
+    b = mk(tmp_path)
+    b.close()
+    with pytest.raises(BackendError, match="closed"):
+        b.exists(newkeys(1))
+    assert b.health() is False
+
+
+def test_two_processes_writing_and_evicting_one_directory(tmp_path):
+    """A prefill-like writer process and this process share a small directory: both evict, neither
+    ever reads a torn or foreign value (corrupt stays 0), and reads of the other's blocks succeed."""
+    root, size = str(tmp_path / "d"), 64 * 1024
+    cap = 40 * (H + size)
+    code = textwrap.dedent(f"""
+        import os, sys
+        from kvtier.backends.local_disk import LocalDiskBackend
+        from kvtier.keys import Namespace
+        ns = Namespace("m", "bfloat16", 2, 2, 64, 16)
+        b = LocalDiskBackend({{"path": {root!r}, "capacity": {cap}}})
+        for i in range(60):
+            h = i.to_bytes(16, "big")
+            assert b.put([ns.key(h)], [bytes([i % 251 + 1]) * {size}], ns.layout_id) == [True]
+        print(b.stats().corrupt)
+    """)
+    b = LocalDiskBackend({"path": root, "capacity": cap})
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    seen = 0
+    while child.poll() is None or seen == 0:
+        for i in range(60):
+            k = NS.key(i.to_bytes(16, "big"))
+            got = get(b, k, size)
+            if got is not None:
+                assert got == bytes([i % 251 + 1]) * size
+                seen += 1
+        mine = newkeys(4)
+        b.put(mine, [os.urandom(size) for _ in mine], LID)
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0 and out.strip() == "0"
+    assert seen > 0 and b.stats().corrupt == 0
+    assert b.stats().extra["bytes"] <= cap
+
+
+def test_bench_backends_disk_smoke(tmp_path, monkeypatch, capsys):
+    import json
+
+    from kvtier.bench import backend_disk
+    from kvtier.cli import main
+
+    monkeypatch.setattr(backend_disk, "STARTUP_BLOCKS", 2000)
+    out = tmp_path / "b.json"
+    assert main(["bench", "backends", "--backends", "disk,nosuch", "--block-sizes", "256KiB",
+                 "--total", "4MiB", "--repeats", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "SKIP nosuch" in text and "disk" in text
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert {(r["op"], r["block_bytes"]) for r in rows} == {("put", 262144), ("get", 262144)}
+    assert all(r["ratio"] > 0 and r["gib_s"] > 0 and r["ceiling_gib_s"] > 0 for r in rows)
+    assert res["summary"]["disk_get_median_ratio"] > 0 and "startup_2k_blocks_s" in rows[-1]

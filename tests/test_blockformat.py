@@ -1,0 +1,118 @@
+"""The stored block format v1: layout, and a precise reason for every way a header can be wrong."""
+
+import os
+import struct
+
+import pytest
+import xxhash
+
+from kvtier import blockformat as bf
+from kvtier.keys import Namespace
+
+NS = Namespace("m", "bfloat16", 32, 8, 128, 16)
+OTHER = Namespace("m", "float8_e4m3fn", 32, 8, 128, 16)
+HASH = bytes(range(16))
+PAYLOAD = os.urandom(1000)
+
+
+def header(payload=PAYLOAD, ns=NS, h=HASH):
+    return bf.encode_header(ns.digest, h, ns.layout_id, payload)
+
+
+def forge(hdr: bytes, offset: int, new: bytes) -> bytes:
+    """Change a field and recompute the header checksum, so the field's own check must catch it."""
+    b = bytearray(hdr)
+    b[offset : offset + len(new)] = new
+    b[80:88] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b[:80])))
+    return bytes(b)
+
+
+def check(hdr, payload=PAYLOAD, ns=NS, h=HASH):
+    return bf.check_block(hdr, payload, ns.digest, h, ns.layout_id)
+
+
+def test_layout_is_frozen():
+    hdr = header()
+    assert len(hdr) == bf.HEADER_SIZE == 88
+    assert hdr[:4] == b"KVTB"
+    assert struct.unpack_from("<HHQ", hdr, 4) == (1, 88, len(PAYLOAD))
+    assert hdr[16:32] == NS.digest
+    assert hdr[32] == 16 and hdr[33:49] == HASH and hdr[49:65] == bytes(16)
+    assert hdr[65:68] == bytes(3)
+    assert struct.unpack_from("<IQQ", hdr, 68) == (NS.layout_id, xxhash.xxh3_64_intdigest(PAYLOAD),
+                                                   xxhash.xxh3_64_intdigest(hdr[:80]))
+
+
+@pytest.mark.parametrize("h", [HASH, bytes(range(32))])
+def test_round_trip_both_hash_lengths(h):
+    assert check(header(h=h), h=h) is None
+    assert bf.check_header(header(h=h), NS.digest, h, NS.layout_id, len(PAYLOAD)) is None
+
+
+def test_accepts_any_buffer_type():
+    hdr = header()
+    assert check(memoryview(bytearray(hdr)), memoryview(bytearray(PAYLOAD))) is None
+    assert check(bytearray(hdr), bytes(PAYLOAD)) is None
+
+
+# Each field changed (with a valid header checksum, so the field check itself fires) -> its reason.
+FORGED = [
+    ("magic", 0, b"XXXX", "bad magic"),
+    ("version", 4, struct.pack("<H", 2), "unsupported format version 2"),
+    ("header length", 6, struct.pack("<H", 96), "header length 96, expected 88"),
+    ("payload length", 8, struct.pack("<Q", 999), "payload length 999, expected 1000"),
+    ("namespace", 16, OTHER.digest, f"namespace {OTHER.digest.hex()}, expected {NS.digest.hex()}"),
+    ("hash length", 32, b"\x20", "block hash"),
+    ("hash", 33, b"\xff", "block hash ff0102"),
+    ("layout id", 68, struct.pack("<I", OTHER.layout_id), f"layout id {OTHER.layout_id:#x}"),
+    ("payload checksum", 72, b"\x00" * 8, "payload checksum mismatch"),
+]
+
+
+@pytest.mark.parametrize("name,offset,new,reason", FORGED, ids=[f[0] for f in FORGED])
+def test_each_forged_field_names_its_reason(name, offset, new, reason):
+    why = check(forge(header(), offset, new))
+    assert why is not None and reason in why, (name, why)
+
+
+@pytest.mark.parametrize("offset", [*range(0, 4), 4, 6, 8, 16, 31, 32, 33, 64, 65, 67, 68, 72, 80, 87])
+def test_any_flipped_header_byte_is_refused(offset):
+    b = bytearray(header())
+    b[offset] ^= 0x01
+    why = check(bytes(b))
+    assert why is not None
+    # The magic and version are read before the checksum; everything after is caught by it.
+    if offset >= 6:
+        assert why == "header checksum mismatch"
+
+
+def test_reserved_bytes_are_covered_by_the_header_checksum():
+    b = bytearray(header())
+    b[66] = 7
+    assert check(bytes(b)) == "header checksum mismatch"
+
+
+@pytest.mark.parametrize("pos", [0, 500, 999])
+def test_flipped_payload_byte(pos):
+    p = bytearray(PAYLOAD)
+    p[pos] ^= 0x80
+    assert check(header(), bytes(p)) == "payload checksum mismatch"
+
+
+def test_expectations_that_differ():
+    hdr = header()
+    assert "namespace" in check(hdr, ns=Namespace("m2", "bfloat16", 32, 8, 128, 16))
+    assert "block hash" in check(hdr, h=bytes(16))
+    assert "layout id" in bf.check_block(hdr, PAYLOAD, NS.digest, HASH, NS.layout_id ^ 1)
+    assert "payload length" in check(hdr, PAYLOAD[:-1])
+
+
+@pytest.mark.parametrize("n", [0, 10, 87, 89])
+def test_wrong_header_size(n):
+    hdr = (header() + b"\x00")[:n]
+    assert bf.check_header(hdr, NS.digest, HASH, NS.layout_id, len(PAYLOAD)) == \
+        f"header is {n} bytes, expected 88"
+
+
+def test_empty_payload():
+    assert check(header(b""), b"") is None
