@@ -1,0 +1,26 @@
+"""Shared test plumbing: the ``figures`` fixture collects the numbers reliability and benchmark-style tests
+measure, and they are printed together at the end of the run (so CI output carries them)."""
+
+from __future__ import annotations
+
+import pytest
+
+_FIGURES: list[tuple[str, str, object]] = []
+
+
+@pytest.fixture
+def figures(request):
+    """``figures("wrong blocks served", 0)``: record a figure under the current test's name."""
+
+    def record(name: str, value: object) -> None:
+        _FIGURES.append((request.node.nodeid, name, value))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FIGURES:
+        return
+    terminalreporter.section("kvtier figures")
+    for nodeid, name, value in _FIGURES:
+        terminalreporter.write_line(f"{nodeid}: {name} = {value}")
