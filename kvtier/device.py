@@ -1,0 +1,452 @@
+"""Device tier: the engine's KV tensors, registered once, and the copies between them and payload rows.
+
+The engine owns the tensors; kvtier never allocates or frees them.  Everything here is worker-side and
+synchronous *with respect to the current stream*: on CPU a call returns when the bytes are there; on CUDA
+it enqueues its copies on ``torch.cuda.current_stream()`` and returns (the caller - normally
+:class:`kvtier.transfer.TransferEngine` - picks the stream and records the events).
+
+Invariant: a payload written by :meth:`DeviceTier.gather` and read back by :meth:`DeviceTier.scatter`
+restores every byte of the blocks, whatever the layout kind (see :mod:`kvtier.layout`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .layout import KVLayout, LayoutError, _as_list, _layers
+
+
+@dataclass
+class CopyPlan:
+    """A checked batch: ``ids`` on the KV device; ``rows`` = where the payloads sit in a same-device
+    buffer (runs of rows, or an index tensor); ``runs`` = (position, first host row, length) for
+    host <-> CUDA copies."""
+
+    n: int
+    ids: torch.Tensor
+    rows: list[tuple[int, int, int]] | torch.Tensor | None
+    runs: list[tuple[int, int, int]]
+
+
+class DeviceTier:
+    """The engine's registered KV tensors (CPU or CUDA) and gather / scatter of whole blocks.
+
+    ``gather(block_ids, dst, slots)``: payload of ``block_ids[i]`` -> row ``slots[i]`` of ``dst``.
+    ``scatter(src, block_ids, slots)``: row ``slots[i]`` of ``src`` -> block ``block_ids[i]``.
+    ``dst`` / ``src`` are ``[rows, block_nbytes]`` uint8 tensors (a host slab, a staging buffer, or a
+    tensor on the KV device); ``slots`` defaults to rows ``0..n-1``.  ``layers=`` restricts a call to
+    some layers (layer-wise loading); the other layers' bytes are left alone on both sides.
+
+    Copies are one indexed copy per layer-component, never a Python loop per block (see
+    :mod:`kvtier.layout` for which primitive and why).  Between CUDA KV and host memory the bytes go through a device staging buffer on the current stream:
+    one ``copy_`` per contiguous run of host rows for whole blocks, one 2-D copy per run and layer for
+    layer-wise calls (``cudaMemcpy2DAsync``; a plain strided ``copy_`` where that is unavailable).
+    """
+
+    def __init__(self, layout: KVLayout, tensors: torch.Tensor | Sequence[torch.Tensor], *,
+                 device: Any = None):
+        layout.validate(tensors, device=device)
+        self.layout = layout
+        self.tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        self.device = self.tensors[0].device
+        self._codec = _Codec(layout, self.tensors)
+        self.copy_dtype = self._codec.copy_dtype
+        # Tests set this to run the host<->CUDA staging logic (runs, per-layer rows) on a CPU cache.
+        self._force_staging = False
+
+    @classmethod
+    def allocate(cls, layout: KVLayout, device: Any = "cpu") -> DeviceTier:
+        """A tier over freshly allocated (uninitialised) tensors: for tests, benchmarks and standalone
+        use without an engine."""
+        shapes = layout.tensor_shapes()
+        return cls(layout, [torch.empty(s, dtype=layout.dtype, device=device) for s in shapes])
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.layout.block_nbytes
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def valid_block_ids(self, block_ids: Any) -> np.ndarray:
+        """A bool array: which ids are in ``[0, num_blocks)``."""
+        ids = np.asarray(block_ids.cpu() if isinstance(block_ids, torch.Tensor) else list(block_ids),
+                         dtype=np.int64).reshape(-1)
+        return (ids >= 0) & (ids < self.num_blocks)
+
+    def plan(self, block_ids: Any, buf: torch.Tensor, slots: Any = None) -> CopyPlan:
+        """Check ``block_ids`` / ``slots`` against this tier and ``buf`` once, and precompute the index
+        tensors, so a batch copied layer by layer pays for it once (pass ``plan=`` to gather/scatter)."""
+        ids = as_index(block_ids, "cpu")
+        bad = ~self.valid_block_ids(ids)
+        if bad.any():
+            raise IndexError(f"block ids {ids[torch.from_numpy(bad)].tolist()} out of range "
+                             f"[0, {self.num_blocks})")
+        n = ids.numel()
+        if slots is not None:
+            sl = as_index(slots, "cpu")
+            if sl.numel() != n:
+                raise ValueError(f"{n} block ids but {sl.numel()} slots")
+            if n and (int(sl.min()) < 0 or int(sl.max()) >= buf.shape[0]):
+                raise IndexError(f"slots out of range [0, {buf.shape[0]}): {sl.tolist()}")
+        elif n > buf.shape[0]:
+            raise ValueError(f"{n} block ids but the buffer has {buf.shape[0]} rows")
+        else:
+            sl = None
+        same = buf.device == self.device and not self._force_staging
+        if not same and not (self.is_cuda and buf.device.type == "cpu") and not self._force_staging:
+            raise LayoutError(f"buffer on {buf.device}, KV on {self.device}: copies go between the KV "
+                              "device and itself or host memory")
+        dev_ids = ids.to(self.device, non_blocking=True) if self.is_cuda else ids
+        if same:
+            return CopyPlan(n, dev_ids, self._codec.rows(n, sl, buf.shape[0]), [])
+        runs = contiguous_runs(sl) if sl is not None else [(0, 0, n)]
+        return CopyPlan(n, dev_ids, None, runs)
+
+    # ------------------------------------------------------------------ copies
+
+    def gather(self, block_ids: Any, dst: torch.Tensor, slots: Any = None, *,
+               layers: Sequence[int] | None = None, plan: CopyPlan | None = None) -> torch.Tensor:
+        """Blocks -> payload rows of ``dst``.  Returns ``dst``."""
+        p = plan or self.plan(block_ids, dst, slots)
+        if p.n == 0:
+            return dst
+        if p.rows is not None:
+            self._codec.gather(p.ids, dst, None, layers, p.rows)
+            return dst
+        # CUDA KV -> host rows: gather on the GPU into staging, then DMA per run of host rows.
+        staging = torch.empty((p.n, self.block_nbytes), dtype=torch.uint8, device=self.device)
+        self._codec.gather(p.ids, staging, None, layers, [(0, 0, p.n)])
+        for pos, first, length in p.runs:
+            self._rows_copy(dst[first:first + length], staging[pos:pos + length], layers)
+        return dst
+
+    def scatter(self, src: torch.Tensor, block_ids: Any, slots: Any = None, *,
+                layers: Sequence[int] | None = None, plan: CopyPlan | None = None) -> None:
+        """Payload rows of ``src`` -> blocks."""
+        p = plan or self.plan(block_ids, src, slots)
+        if p.n == 0:
+            return
+        if p.rows is not None:
+            self._codec.scatter(src, p.ids, None, layers, p.rows)
+            return
+        if layers is None:
+            staging = torch.empty((p.n, self.block_nbytes), dtype=torch.uint8, device=self.device)
+            for pos, first, length in p.runs:
+                staging[pos:pos + length].copy_(src[first:first + length], non_blocking=True)
+            self._codec.scatter(staging, p.ids, None, None, [(0, 0, p.n)])
+            return
+        # Layer-wise: only the requested layers cross the bus, each as its own staging rows, so a
+        # layer is complete in device memory before the next one's bytes have been sent.
+        lay, cd = self.layout, self.copy_dtype
+        ln = lay.layer_nbytes
+        for li in layers:
+            if not 0 <= li < lay.num_layers:
+                raise IndexError(f"layer {li} out of range [0, {lay.num_layers})")
+            staging = torch.empty((p.n, ln), dtype=torch.uint8, device=self.device)
+            for pos, first, length in p.runs:
+                copy_2d(staging[pos:pos + length], src[first:first + length, li * ln:(li + 1) * ln])
+            rows = staging.view(cd).view(p.n, lay.num_components, -1)
+            for c, view in enumerate(self._codec.views[li]):
+                view.index_copy_(0, p.ids, rows[:, c])
+
+    def gather_layer(self, layer: int, block_ids: Any, dst: torch.Tensor, slots: Any = None, *,
+                     plan: CopyPlan | None = None) -> torch.Tensor:
+        """Layer ``layer`` of each block -> its byte range in the payload rows (a layer-wise save)."""
+        return self.gather(block_ids, dst, slots, layers=[layer], plan=plan)
+
+    def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Any, slots: Any = None, *,
+                      plan: CopyPlan | None = None) -> None:
+        """Layer ``layer``'s byte range of each payload row -> the blocks (a layer-wise load)."""
+        self.scatter(src, block_ids, slots, layers=[layer], plan=plan)
+
+    def _rows_copy(self, dst: torch.Tensor, src: torch.Tensor, layers: Sequence[int] | None) -> None:
+        """Whole rows, or only the given layers' byte ranges of each row (2-D copies)."""
+        if layers is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        ln = self.layout.layer_nbytes
+        for li in layers:
+            copy_2d(dst[:, li * ln:(li + 1) * ln], src[:, li * ln:(li + 1) * ln])
+
+    def read_blocks(self, block_ids: Any) -> torch.Tensor:
+        """The payloads of ``block_ids`` as a new CPU ``[n, block_nbytes]`` tensor (synchronous)."""
+        ids = as_index(block_ids, "cpu")
+        out = torch.empty((ids.numel(), self.block_nbytes), dtype=torch.uint8)
+        self.gather(ids, out)
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def write_blocks(self, payloads: torch.Tensor, block_ids: Any) -> None:
+        """Write CPU payload rows into ``block_ids`` (synchronous)."""
+        self.scatter(payloads, block_ids)
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+# ---------------------------------------------------------------------- row copies (same device)
+
+
+Rows = list[tuple[int, int, int]] | torch.Tensor  # see _Codec.rows
+
+
+class _Codec:
+    """Row copies between registered KV tensors and payload rows on the same device: to gather,
+    ``index_select(out=)`` into the strided payload rows; to scatter, numpy fancy assignment on CPU
+    (memcpy speed, GIL released) and ``index_copy_`` on CUDA.  Rows are views in ``copy_dtype``."""
+
+    def __init__(self, layout: KVLayout, tensors: torch.Tensor | Sequence[torch.Tensor],
+                 copy_dtype: torch.dtype | None = None):
+        self.layout = layout
+        self.copy_dtype = copy_dtype or layout.copy_dtype(tensors)
+        self.views = layout.component_views(tensors, self.copy_dtype)
+        self.device = _as_list(tensors)[0].device
+        # numpy aliases of the same rows (CPU only): the scatter's fast path.
+        self.np_views = ([[v.detach().numpy() for v in comps] for comps in self.views]
+                         if self.device.type == "cpu" else None)
+
+    def rows(self, n: int, slots: Any, nrows: int) -> Rows:
+        """Where ``n`` payloads sit in a ``nrows``-row buffer: runs of consecutive rows
+        ``[(position in batch, first row, length)]`` when they are long enough to copy in place
+        (8 rows on average), else one index tensor of rows."""
+        if slots is None:
+            if n > nrows:
+                raise LayoutError(f"payload buffer has {nrows} rows, {n} blocks given")
+            return [(0, 0, n)]
+        runs = contiguous_runs(slots)
+        return runs if len(runs) <= max(1, n // 8) else as_index(slots, self.device)
+
+    def gather(self, block_ids: Any, out: torch.Tensor, slots: Any, layers: Sequence[int] | None,
+               rows: Rows | None = None) -> None:
+        ids = as_index(block_ids, self.device)
+        dst = self.layout.payload_view(out, self.copy_dtype)
+        if rows is None:
+            rows = self.rows(ids.numel(), slots, out.shape[0])
+        if isinstance(rows, list):
+            parts = [(ids[p:p + k], first, k) for p, first, k in rows]
+
+            def run(chunk: list[tuple[int, int]]) -> None:
+                for li, c in chunk:
+                    for part, first, k in parts:
+                        # One pass: index_select writes straight into the strided payload rows.
+                        torch.index_select(self.views[li][c], 0, part, out=dst[first:first + k, li, c])
+        else:
+            # Scattered rows: through a temporary the size of one layer-component of the batch.
+            dst_np, rows_np = (dst.numpy(), rows.numpy()) if self.np_views is not None else (None, None)
+
+            def run(chunk: list[tuple[int, int]]) -> None:
+                for li, c in chunk:
+                    tmp = self.views[li][c].index_select(0, ids)
+                    if dst_np is not None:
+                        dst_np[rows_np, li, c] = tmp.numpy()
+                    else:
+                        dst[:, li, c].index_copy_(0, rows, tmp)
+
+        self._run(run, layers, ids.numel())
+
+    def scatter(self, payload: torch.Tensor, block_ids: Any, slots: Any, layers: Sequence[int] | None,
+                rows: Rows | None = None) -> None:
+        ids = as_index(block_ids, self.device)
+        src = self.layout.payload_view(payload, self.copy_dtype)
+        if rows is None:
+            rows = self.rows(ids.numel(), slots, payload.shape[0])
+        runs = rows if isinstance(rows, list) else None
+        if self.np_views is not None:
+            src_np, ids_np = src.numpy(), ids.numpy()
+            parts = [(ids_np[p:p + k], slice(first, first + k)) for p, first, k in runs] if runs else \
+                [(ids_np, rows.numpy())]
+
+            def run(chunk: list[tuple[int, int]]) -> None:
+                for li, c in chunk:
+                    dst = self.np_views[li][c]
+                    for part, sel in parts:
+                        dst[part] = src_np[sel, li, c]
+        else:
+            def run(chunk: list[tuple[int, int]]) -> None:
+                for li, c in chunk:
+                    dst = self.views[li][c]
+                    if runs:
+                        for p, first, k in runs:
+                            dst.index_copy_(0, ids[p:p + k], src[first:first + k, li, c])
+                    else:
+                        dst.index_copy_(0, ids, src[:, li, c].index_select(0, rows))
+
+        self._run(run, layers, ids.numel())
+
+    def _run(self, run: Any, layers: Sequence[int] | None, n: int) -> None:
+        work = [(li, c) for li in _layers(layers, self.layout.num_layers)
+                for c in range(self.layout.num_components)]
+        if self.device.type == "cpu":
+            _parallel(run, work, n * len(work) * self.layout.row_nbytes)
+        else:
+            run(work)  # CUDA: kernels on the current stream
+
+
+# ---------------------------------------------------------------------- CPU copy threads
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_PID = 0
+_POOL_LOCK = threading.Lock()
+_POOL_SIZE = 8
+_PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _parallel(fn: Any, work: list, nbytes: int) -> None:
+    """``fn(chunk)`` over ``work`` (layer-components) split across as many threads as torch uses for
+    intra-op work, in kvtier's own pool whose threads run torch ops single-threaded.
+
+    Why: dozens of short parallel ops (one per layer-component) each pay an OpenMP fork/join, and on a
+    busy host every join waits for the slowest, descheduled thread: measured here, torch's own
+    threading fell to 0.1-0.4x of ``copy_`` while this split held 0.7-0.9x.  Independent serial
+    copies (numpy and torch both release the GIL) have no barrier between them.  Small batches run
+    inline."""
+    k = min(torch.get_num_threads(), len(work), _POOL_SIZE)
+    if k <= 1 or nbytes < _PARALLEL_MIN_BYTES:
+        fn(work)
+        return
+    global _POOL, _POOL_PID
+    with _POOL_LOCK:
+        if _POOL is None or os.getpid() != _POOL_PID:  # a forked child has the object but no threads
+            _POOL = ThreadPoolExecutor(_POOL_SIZE, "kvtier-copy", initializer=_serial_torch_thread)
+            _POOL_PID = os.getpid()
+    # Leaf tasks only (they never submit more), so a shared pool cannot deadlock.
+    futures = [_POOL.submit(fn, work[i::k]) for i in range(k)]
+    for f in futures:
+        f.result()
+
+
+def _serial_torch_thread() -> None:
+    """Make torch ops in this (pool) thread single-threaded, without touching the process setting.
+
+    torch's ``set_num_threads`` is process-wide, but OpenMP's thread count is a per-thread setting:
+    after torch initialised this thread's (``get_num_threads`` does that), ``omp_set_num_threads(1)``
+    from the OpenMP runtime torch loaded applies to this thread only."""
+    torch.get_num_threads()
+    fn = _omp_set_num_threads()
+    if fn is not None:
+        fn(1)
+
+
+@functools.lru_cache(maxsize=1)
+def _omp_set_num_threads():
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f
+                            if ("libgomp" in line or "libiomp" in line or "libomp" in line) and "/" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        return fn
+    return None
+
+
+def as_index(ids: Any, device: torch.device | str) -> torch.Tensor:
+    """Block ids / slots (list, range, numpy array or tensor) as a 1-D int64 tensor on ``device``."""
+    if isinstance(ids, torch.Tensor):
+        t = ids.reshape(-1)
+        if t.dtype != torch.int64:
+            t = t.to(torch.int64)
+    else:
+        t = torch.as_tensor(list(ids) if isinstance(ids, range) else ids, dtype=torch.int64).reshape(-1)
+    return t.to(device, non_blocking=True) if t.device != torch.device(device) else t
+
+
+def contiguous_runs(values: Any) -> list[tuple[int, int, int]]:
+    """``values`` split into maximal runs ``v, v+1, ...``: a list of (position, first value, length)."""
+    if isinstance(values, torch.Tensor):
+        values = values.cpu().numpy()
+    v = np.asarray(values, dtype=np.int64).reshape(-1)
+    if v.size == 0:
+        return []
+    starts = np.flatnonzero(np.diff(v) != 1) + 1  # vectorised: no Python loop per block
+    bounds = np.concatenate(([0], starts, [v.size])).tolist()
+    firsts = v[bounds[:-1]].tolist()
+    return [(a, f, b - a) for a, b, f in zip(bounds[:-1], bounds[1:], firsts)]
+
+
+# ---------------------------------------------------------------------- 2-D copies host <-> device
+
+_H2D, _D2H = 1, 2  # cudaMemcpyKind
+FORCE_TORCH_2D = os.environ.get("KVTIER_NO_MEMCPY2D", "") not in ("", "0")
+
+
+def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src, non_blocking=True)`` for 2-D uint8 views whose rows are contiguous but whose row
+    pitch may differ, on the current CUDA stream.
+
+    torch copies a strided host<->device view through a pageable temporary (a host-side copy that
+    blocks); ``cudaMemcpy2DAsync`` lets the DMA engine walk the pitch itself, one call per view.  The
+    runtime is the one torch already loaded (found in ``/proc/self/maps``), so streams and pointers are
+    shared; without it we fall back to torch's copy, which is correct but slower."""
+    if dst.shape != src.shape or dst.dtype != torch.uint8 or src.dtype != torch.uint8:
+        raise ValueError(f"copy_2d: {list(dst.shape)} {dst.dtype} <- {list(src.shape)} {src.dtype}")
+    if dst.numel() == 0:
+        return
+    fn = None if FORCE_TORCH_2D else _memcpy2d_fn()
+    cross = dst.device.type != src.device.type
+    if fn is None or not cross or dst.stride(1) != 1 or src.stride(1) != 1 or (
+            src.device.type == "cpu" and not src.is_pinned()) or (
+            dst.device.type == "cpu" and not dst.is_pinned()):
+        dst.copy_(src, non_blocking=True)
+        return
+    kind = _H2D if dst.device.type == "cuda" else _D2H
+    dev = dst.device if dst.device.type == "cuda" else src.device
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    height, width = src.shape
+    dpitch = dst.stride(0) if height > 1 else width
+    spitch = src.stride(0) if height > 1 else width
+    err = fn(ctypes.c_void_p(dst.data_ptr()), ctypes.c_size_t(dpitch), ctypes.c_void_p(src.data_ptr()),
+             ctypes.c_size_t(spitch), ctypes.c_size_t(width), ctypes.c_size_t(height), ctypes.c_int(kind),
+             ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed with cudaError {err} "
+                           f"({height} rows x {width} B, pitches {dpitch}/{spitch})")
+
+
+@functools.lru_cache(maxsize=1)
+def _memcpy2d_fn():
+    if not torch.cuda.is_available():
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).cudaMemcpy2DAsync
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        return fn
+    return None
+
+
+def memcpy2d_available() -> bool:
+    """Whether layer-wise host<->device copies use ``cudaMemcpy2DAsync`` (else a strided ``copy_``)."""
+    return not FORCE_TORCH_2D and _memcpy2d_fn() is not None

@@ -1,0 +1,321 @@
+"""Host tier: one pre-allocated slab of fixed-size block slots in CPU memory.
+
+The slab is a ``[num_slots, block_nbytes]`` uint8 tensor allocated once (page-locked when CUDA is
+available, so host<->device copies are asynchronous DMA).  Each slot holds one block's canonical payload
+(:mod:`kvtier.layout`).  Backends read and write a slot through :meth:`HostTier.slot_view`, a writable
+buffer over the slab (no copy).
+
+Slot life cycle::
+
+    FREE --allocate--> WRITING --commit--> READY --evict_lru--> EVICTING --free--> FREE
+                          |                  |  ^                   |
+                          +------free--------+  +-----restore-------+
+    READY: pin / unpin (ref counted), touch
+
+Invariants:
+* nothing here waits: ``allocate`` returns what it can at once (``skipped`` counts the rest);
+* a pinned slot (pin count > 0) is never handed out by ``evict_lru`` nor freed: pin a slot for as long
+  as a transfer or a backend read uses its bytes;
+* the LRU order holds exactly the READY slots with pin count 0, least recently used first;
+* only READY slots hold a valid block; WRITING slots are being filled and are never readable.
+
+"Pinned" has two meanings, kept apart: ``pin_memory`` is about page-locked memory; ``pin()`` /
+``unpin()`` are reference counts that protect a slot from eviction.  All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FREE, WRITING, READY, EVICTING = "free", "writing", "ready", "evicting"
+
+
+@dataclass
+class Allocation:
+    """Result of :meth:`HostTier.allocate`: the slots obtained (in WRITING state), how many of the
+    requested were not (``skipped``: count them as skipped stores), and, with ``evict=True``, the
+    (slot, key) pairs whose blocks were evicted to make room (the caller updates its index)."""
+
+    slots: list[int]
+    skipped: int = 0
+    evicted: list[tuple[int, Hashable | None]] = field(default_factory=list)
+
+
+@dataclass
+class HostTierStats:
+    num_slots: int
+    block_nbytes: int
+    free: int
+    writing: int
+    ready: int
+    evicting: int
+    pinned_slots: int
+    allocated: int  # slots handed out since start
+    skipped: int  # slots asked for but not available
+    evicted: int  # slots taken by evict_lru
+
+
+def resolve_pin_memory(pinned: bool | str) -> bool:
+    """``"auto"`` -> whether CUDA is available; True without CUDA is an error (it cannot be honoured)."""
+    if pinned == "auto":
+        return torch.cuda.is_available()
+    if pinned is True:
+        if not torch.cuda.is_available():
+            raise ValueError("host.pinned: true needs CUDA (page-locked memory is a CUDA feature); "
+                             "use \"auto\" or false on a machine without a GPU")
+        return True
+    if pinned is False:
+        return False
+    raise ValueError(f'host.pinned: expected "auto", true or false, got {pinned!r}')
+
+
+class HostTier:
+    """The slab, a free list (lowest slot first, so fresh allocations are contiguous runs that copy in
+    one piece), per-slot state, key, pin count, and the LRU among unpinned READY slots."""
+
+    def __init__(self, block_nbytes: int, *, capacity_bytes: int | None = None, num_slots: int | None = None,
+                 pinned: bool | str = "auto"):
+        if block_nbytes < 1:
+            raise ValueError(f"block_nbytes: expected >= 1, got {block_nbytes}")
+        if (capacity_bytes is None) == (num_slots is None):
+            raise ValueError("HostTier: give exactly one of capacity_bytes and num_slots")
+        if num_slots is None:
+            num_slots = int(capacity_bytes) // block_nbytes
+            if num_slots < 1:
+                raise ValueError(f"host capacity {capacity_bytes} B holds no block of {block_nbytes} B "
+                                 "(raise host.capacity)")
+        if num_slots < 1:
+            raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
+        self.block_nbytes = block_nbytes
+        self.num_slots = num_slots
+        self.pin_memory = resolve_pin_memory(pinned)
+        self.slab = _alloc_slab(num_slots, block_nbytes, self.pin_memory)
+        self._np = self.slab.numpy()  # numpy view of the same memory: slot_view builds on it
+        self._finalizer = weakref.finalize(self, _release_slab, self.slab, self.pin_memory)
+        self._lock = threading.Lock()
+        self._state = [FREE] * num_slots
+        self._key: list[Hashable | None] = [None] * num_slots
+        self._pins = [0] * num_slots
+        self._free = list(range(num_slots))  # a heap (sorted list is one)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._n_writing = self._n_evicting = self._n_pinned = 0
+        self._allocated = self._skipped = self._evicted = 0
+
+    @classmethod
+    def from_config(cls, host: Any, block_nbytes: int) -> HostTier:
+        """From a config ``host`` section (``capacity`` in bytes, ``pinned``: "auto" / true / false)."""
+        return cls(block_nbytes, capacity_bytes=int(host.capacity), pinned=host.pinned)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.block_nbytes
+
+    # ------------------------------------------------------------------ buffers (no lock: views only)
+
+    def slot_view(self, slot: int) -> memoryview:
+        """A writable buffer over slot ``slot`` (no copy): what a backend reads into or writes from."""
+        return memoryview(self._np[self._check(slot)])
+
+    def slot_views(self, slots: Sequence[int]) -> list[memoryview]:
+        return [self.slot_view(s) for s in slots]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Slots ``start..stop-1`` as a ``[n, block_nbytes]`` tensor view of the slab."""
+        return self.slab[start:stop]
+
+    # ------------------------------------------------------------------ state changes
+
+    def allocate(self, n: int, *, evict: bool = False) -> Allocation:
+        """Up to ``n`` slots in WRITING state, lowest free slots first.  With ``evict=True``, unpinned
+        READY slots are evicted (LRU first) and reused when free ones run out.  Never waits."""
+        if n < 0:
+            raise ValueError(f"allocate: n must be >= 0, got {n}")
+        with self._lock:
+            slots = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+            evicted: list[tuple[int, Hashable | None]] = []
+            while evict and len(slots) < n and self._lru:
+                s, _ = self._lru.popitem(last=False)
+                evicted.append((s, self._key[s]))
+                self._key[s] = None
+                slots.append(s)
+            for s in slots:
+                self._state[s] = WRITING
+            self._n_writing += len(slots)
+            self._allocated += len(slots)
+            self._evicted += len(evicted)
+            self._skipped += n - len(slots)
+            return Allocation(slots, n - len(slots), evicted)
+
+    def commit(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> None:
+        """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``), most
+        recently used, unpinned.  Commit only slots whose bytes fully arrived."""
+        if keys is not None and len(keys) != len(slots):
+            raise ValueError(f"commit: {len(slots)} slots but {len(keys)} keys")
+        with self._lock:
+            self._expect(slots, (WRITING,), "commit")
+            for i, s in enumerate(slots):
+                self._state[s] = READY
+                self._key[s] = None if keys is None else keys[i]
+                self._lru[s] = None
+            self._n_writing -= len(slots)
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Back to FREE (a failed or abandoned write, an evicted block, a dropped one).  Raises for a
+        pinned slot or one already free; all or nothing."""
+        with self._lock:
+            self._expect(slots, (WRITING, READY, EVICTING), "free")
+            for s in slots:
+                if self._pins[s]:
+                    raise ValueError(f"free: slot {s} is pinned ({self._pins[s]} pins)")
+            for s in slots:
+                st = self._state[s]
+                if st == WRITING:
+                    self._n_writing -= 1
+                elif st == EVICTING:
+                    self._n_evicting -= 1
+                else:
+                    del self._lru[s]
+                self._state[s] = FREE
+                self._key[s] = None
+                heapq.heappush(self._free, s)
+
+    def pin(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
+        """Take a reference on each READY slot so it is neither evicted nor freed; per slot, whether it
+        was pinned (False: it was evicted or freed meanwhile - treat as a miss).  With ``keys``, a slot
+        is pinned only if it still holds that key (it may have been evicted and refilled since the
+        caller looked it up)."""
+        if keys is not None and len(keys) != len(slots):
+            raise ValueError(f"pin: {len(slots)} slots but {len(keys)} keys")
+        with self._lock:
+            out = []
+            for i, s in enumerate(slots):
+                ok = self._state[self._check(s)] == READY and (keys is None or self._key[s] == keys[i])
+                if ok:
+                    if self._pins[s] == 0:
+                        del self._lru[s]
+                        self._n_pinned += 1
+                    self._pins[s] += 1
+                out.append(ok)
+            return out
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        """Drop a reference; at 0 the slot rejoins the LRU as most recently used."""
+        with self._lock:
+            for s in slots:
+                if self._pins[self._check(s)] <= 0:
+                    raise ValueError(f"unpin: slot {s} is not pinned")
+            for s in slots:
+                self._pins[s] -= 1
+                if self._pins[s] == 0:
+                    self._lru[s] = None
+                    self._n_pinned -= 1
+
+    def touch(self, slots: Sequence[int]) -> None:
+        """Mark READY unpinned slots most recently used (a hit)."""
+        with self._lock:
+            for s in slots:
+                if s in self._lru:
+                    self._lru.move_to_end(s)
+
+    def evict_lru(self, n: int) -> list[tuple[int, Hashable | None]]:
+        """Up to ``n`` least recently used unpinned READY slots, moved to EVICTING (their bytes stay
+        intact until :meth:`free`, so a write-back can still copy them down; :meth:`restore` undoes)."""
+        with self._lock:
+            out = []
+            while len(out) < n and self._lru:
+                s, _ = self._lru.popitem(last=False)
+                self._state[s] = EVICTING
+                out.append((s, self._key[s]))
+            self._n_evicting += len(out)
+            self._evicted += len(out)
+            return out
+
+    def restore(self, slots: Sequence[int]) -> None:
+        """EVICTING -> READY (most recently used), e.g. when a write-back could not complete."""
+        with self._lock:
+            self._expect(slots, (EVICTING,), "restore")
+            for s in slots:
+                self._state[s] = READY
+                self._lru[s] = None
+            self._n_evicting -= len(slots)
+
+    # ------------------------------------------------------------------ queries
+
+    def state(self, slot: int) -> str:
+        return self._state[self._check(slot)]
+
+    def key(self, slot: int) -> Hashable | None:
+        return self._key[self._check(slot)]
+
+    def pins(self, slot: int) -> int:
+        return self._pins[self._check(slot)]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    def lru_order(self) -> list[int]:
+        """Evictable slots, least recently used first (tests, debugging)."""
+        with self._lock:
+            return list(self._lru)
+
+    def stats(self) -> HostTierStats:
+        with self._lock:
+            ready = len(self._lru) + self._n_pinned
+            return HostTierStats(self.num_slots, self.block_nbytes, len(self._free), self._n_writing, ready,
+                                 self._n_evicting, self._n_pinned, self._allocated, self._skipped,
+                                 self._evicted)
+
+    def close(self) -> None:
+        """Release the slab (unregistering page-locked memory).  The tier is unusable afterwards."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check(self, s: int) -> int:
+        if not 0 <= s < self.num_slots:
+            raise IndexError(f"slot {s} out of range [0, {self.num_slots})")
+        return s
+
+    def _expect(self, slots: Sequence[int], states: tuple[str, ...], what: str) -> None:
+        seen = set()
+        for s in slots:
+            if self._state[self._check(s)] not in states:
+                raise ValueError(f"{what}: slot {s} is {self._state[s]}, expected {' or '.join(states)}")
+            if s in seen:
+                raise ValueError(f"{what}: slot {s} given twice")
+            seen.add(s)
+
+
+def _alloc_slab(num_slots: int, block_nbytes: int, pin: bool) -> torch.Tensor:
+    if not pin:
+        return torch.empty((num_slots, block_nbytes), dtype=torch.uint8)
+    # Register an ordinary allocation rather than use pin_memory=True: torch's caching host allocator
+    # rounds every request up to a power of two, which would page-lock up to twice the capacity.
+    slab = torch.empty((num_slots, block_nbytes), dtype=torch.uint8)
+    err = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0))
+    if err == 0:
+        slab._kvtier_registered = True  # type: ignore[attr-defined]
+        return slab
+    return torch.empty((num_slots, block_nbytes), dtype=torch.uint8, pin_memory=True)
+
+
+def _release_slab(slab: torch.Tensor, pin: bool) -> None:
+    if pin and getattr(slab, "_kvtier_registered", False):
+        # At interpreter exit CUDA may already be gone; the memory is released with the process anyway.
+        with contextlib.suppress(Exception):
+            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+        slab._kvtier_registered = False  # type: ignore[attr-defined]

@@ -1,0 +1,388 @@
+"""KV tensor layouts and the canonical block payload: what a block looks like as bytes.
+
+An engine keeps its KV cache in one of these shapes (``N`` = num_blocks, ``B`` = block_size,
+``H`` = kv heads, ``D`` = head dim, or the latent dim for MLA):
+
+==============  ===========================================  ==========================
+kind            tensors                                      one layer
+==============  ===========================================  ==========================
+``flash_attn``  one per layer                                ``[2, N, B, H, D]``
+``flashinfer``  one per layer                                ``[N, 2, B, H, D]``
+``mla``         one per layer                                ``[N, B, D]``
+``stacked``     one tensor, layer first                      ``[L, <inner layer shape>]``
+==============  ===========================================  ==========================
+
+``stacked`` takes an ``inner`` kind (default ``flash_attn``, so ``[L, 2, N, B, H, D]``; ``inner="mla"``
+gives ``[L, N, B, D]``).
+
+**The canonical block payload** (what the host tier and every backend store for one block) is, in
+this order and with nothing in between::
+
+    for layer in 0 .. L-1:
+        for component in (K, V)        # MHA; MLA has the single latent component
+            B x H x D elements, row-major (token, head, dim), in the KV dtype's native bytes
+
+so ``block_nbytes = L * (2 or 1) * B * H * D * itemsize``.  It depends only on
+:meth:`KVLayout.payload_signature` (dtype, layers, components, B, H, D) and never on the kind: a
+flash_attn prefill and a flashinfer decode with the same KV dtype and shape write and read identical
+bytes.  Values are treated as raw bytes (never converted), so every dtype, fp8 included, round-trips
+bit-exactly.
+
+Copies move whole rows (one layer-component of one block, ``B*H*D*itemsize`` bytes) with one indexed
+copy per layer-component, never a Python loop per block: ``index_select(out=)`` to gather, and to
+scatter ``index_copy_`` (CUDA) or numpy fancy assignment (CPU: one GIL-free single-threaded pass that
+stays at memcpy speed where torch's element-wise CPU ``index_copy_`` reaches ~0.7x and its intra-op
+threads stall on a busy host).  Rows are viewed as the widest integer type that divides them
+(``copy_dtype``), so no float semantics ever touch the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+KINDS = ("flash_attn", "flashinfer", "mla", "stacked")
+
+_SHAPE_DOC = {
+    "flash_attn": "[2, num_blocks, block_size, kv_heads, head_dim]",
+    "flashinfer": "[num_blocks, 2, block_size, kv_heads, head_dim]",
+    "mla": "[num_blocks, block_size, latent_dim]",
+}
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8, "int8": torch.int8,
+}
+for _name in ("float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _DTYPE_ALIASES[_name] = getattr(torch, _name)
+
+# Element types used to move rows, by width in bytes (see the module docstring).
+_COPY_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+class LayoutError(ValueError):
+    """Tensors (or a buffer) do not match the declared layout; the message says what was expected and
+    what was found."""
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or a name ("bfloat16", "bf16", "fp8_e4m3", "float8_e5m2", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key in _DTYPE_ALIASES:
+            return _DTYPE_ALIASES[key]
+    raise LayoutError(f"dtype: expected a torch dtype or one of {', '.join(sorted(_DTYPE_ALIASES))}, "
+                      f"got {dtype!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name of a dtype, as used in namespaces and configs ("bfloat16", "float8_e4m3fn")."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one engine's KV tensors are shaped, and the payload of one block.
+
+    Invariants: every field is validated on construction; ``block_nbytes`` and the payload order depend
+    only on ``payload_signature``; ``validate(tensors)`` accepts exactly the tensors ``component_views``
+    can address without copying.
+    """
+
+    kind: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    inner: str | None = None  # per-layer kind of a "stacked" tensor; None otherwise
+    _rows: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LayoutError(f"kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.kind == "stacked":
+            inner = self.inner or "flash_attn"
+            if inner not in ("flash_attn", "flashinfer", "mla"):
+                raise LayoutError(f"inner: a stacked layout's per-layer kind must be flash_attn, "
+                                  f"flashinfer or mla, got {inner!r}")
+            object.__setattr__(self, "inner", inner)
+        elif self.inner is not None:
+            raise LayoutError(f"inner: only a stacked layout has an inner kind, got inner={self.inner!r} "
+                              f"for kind {self.kind!r}")
+        for f in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"{f}: expected an integer >= 1, got {v!r}")
+        if self.attention == "mla" and self.num_kv_heads != 1:
+            raise LayoutError(f"num_kv_heads: an MLA layout has one latent vector per token, so "
+                              f"num_kv_heads must be 1, got {self.num_kv_heads}")
+        object.__setattr__(self, "_rows", self.block_size * self.num_kv_heads * self.head_dim)
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_namespace(cls, ns: Any, num_blocks: int, kind: str | None = None, *,
+                       inner: str | None = None) -> KVLayout:
+        """The layout of a :class:`kvtier.keys.Namespace` with ``num_blocks`` blocks.
+
+        ``kind`` defaults to ``flash_attn`` (``mla`` for an MLA namespace)."""
+        if kind is None:
+            kind = "mla" if ns.attention == "mla" else "flash_attn"
+        layout = cls(kind, ns.num_layers, num_blocks, ns.block_size, ns.num_kv_heads, ns.head_dim,
+                     parse_dtype(ns.kv_dtype), inner)
+        if layout.attention != ns.attention:
+            raise LayoutError(f"kind {kind!r} stores {layout.attention.upper()} KV but the namespace's "
+                              f"attention is {ns.attention!r}")
+        return layout
+
+    @classmethod
+    def infer(cls, kind: str, tensors: torch.Tensor | Sequence[torch.Tensor], *,
+              inner: str | None = None) -> KVLayout:
+        """The layout of an engine's existing tensors (then checked with :meth:`validate`)."""
+        ts = _as_list(tensors)
+        if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
+            raise LayoutError("infer: expected a tensor or a non-empty list of tensors")
+        t = ts[0]
+        per_layer_kind = (inner or "flash_attn") if kind == "stacked" else kind
+        want = (3 if per_layer_kind == "mla" else 5) + (kind == "stacked")
+        if t.dim() != want:
+            raise LayoutError(f"infer: a {kind} tensor has {want} dims, got shape {tuple(t.shape)}")
+        shape = tuple(t.shape[1:]) if kind == "stacked" else tuple(t.shape)
+        num_layers = t.shape[0] if kind == "stacked" else len(ts)
+        if per_layer_kind == "flash_attn":
+            _, n, b, h, d = shape
+        elif per_layer_kind == "flashinfer":
+            n, _, b, h, d = shape
+        else:
+            (n, b, d), h = shape[:3], 1
+        layout = cls(kind, num_layers, n, b, h, d, t.dtype, inner)
+        layout.validate(tensors)
+        return layout
+
+    # ------------------------------------------------------------------ derived facts
+
+    @property
+    def attention(self) -> str:
+        """"mha" (K and V per token) or "mla" (one latent vector per token)."""
+        return "mla" if (self.inner or self.kind) == "mla" else "mha"
+
+    @property
+    def num_components(self) -> int:
+        """Components per layer in the payload: 2 (K, V) for MHA, 1 for MLA."""
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one component of one layer of one block (``B*H*D*itemsize``)."""
+        return self._rows * self.itemsize
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer of one block in the payload (all its components)."""
+        return self.num_components * self.row_nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's payload: all layers."""
+        return self.num_layers * self.layer_nbytes
+
+    @property
+    def payload_signature(self) -> tuple:
+        """Two layouts with equal signatures produce identical payload bytes for identical KV."""
+        return (dtype_name(self.dtype), self.num_layers, self.num_components, self.block_size,
+                self.num_kv_heads, self.head_dim)
+
+    def compatible(self, other: KVLayout) -> bool:
+        """Whether blocks stored through ``other`` can be loaded through this layout."""
+        return self.payload_signature == other.payload_signature
+
+    def layer_shape(self) -> tuple[int, ...]:
+        """Expected shape of one layer's tensor (for ``stacked``: of ``tensor[layer]``)."""
+        k = self.inner if self.kind == "stacked" else self.kind
+        n, b, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+        return {"flash_attn": (2, n, b, h, d), "flashinfer": (n, 2, b, h, d), "mla": (n, b, d)}[k]
+
+    def tensor_shapes(self) -> list[tuple[int, ...]]:
+        """Expected shape of every tensor the engine registers."""
+        if self.kind == "stacked":
+            return [(self.num_layers, *self.layer_shape())]
+        return [self.layer_shape()] * self.num_layers
+
+    def describe(self) -> str:
+        k = self.inner if self.kind == "stacked" else self.kind
+        doc = _SHAPE_DOC[k]
+        return f"stacked [num_layers, {doc[1:]}" if self.kind == "stacked" else f"{self.kind}: {doc}"
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, tensors: torch.Tensor | Sequence[torch.Tensor], device: Any = None) -> None:
+        """Raise :class:`LayoutError` unless ``tensors`` match this layout exactly: count, type, dtype,
+        shape (block and layer counts), one device (``device`` if given), and each block's component
+        (``[block_size, kv_heads, head_dim]``) contiguous in memory."""
+        ts = _as_list(tensors)
+        stacked = self.kind == "stacked"
+        want_n = 1 if stacked else self.num_layers
+        if len(ts) != want_n:
+            what = "1 stacked tensor" if stacked else f"{want_n} layer tensors ({self.kind}: one per layer)"
+            raise LayoutError(f"expected {what}, got {len(ts)}")
+        want_dev = torch.device(device) if device is not None else None
+        first_dev = None
+        for i, (t, shape) in enumerate(zip(ts, self.tensor_shapes())):
+            where = "stacked tensor" if stacked else f"layer {i}"
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise LayoutError(f"{where}: expected dtype {dtype_name(self.dtype)}, got {dtype_name(t.dtype)}")
+            if tuple(t.shape) != shape:
+                raise LayoutError(f"{where}: expected shape {shape} ({self.describe()}), got "
+                                  f"{tuple(t.shape)}{self._shape_hint(tuple(t.shape), shape)}")
+            if want_dev is not None and not _same_device(t.device, want_dev):
+                raise LayoutError(f"{where}: expected device {want_dev}, found {t.device}")
+            if first_dev is None:
+                first_dev = t.device
+            elif t.device != first_dev:
+                raise LayoutError(f"{where}: on {t.device} but layer 0 is on {first_dev}; "
+                                  "all KV tensors must be on one device")
+            inner = t.stride()[-3:] if self.attention == "mha" else t.stride()[-2:]
+            want = (self.num_kv_heads * self.head_dim, self.head_dim, 1)[-len(inner):]
+            if tuple(inner) != want:
+                raise LayoutError(f"{where}: not contiguous within a block: the last {len(want)} dims must "
+                                  f"have strides {want}, found strides {tuple(t.stride())} "
+                                  "(register a .contiguous() tensor)")
+
+    def _shape_hint(self, got: tuple, want: tuple) -> str:
+        if len(got) != len(want):
+            return f": {len(got)} dims, expected {len(want)}"
+        off = 1 if self.kind == "stacked" else 0
+        k = self.inner if self.kind == "stacked" else self.kind
+        blocks_dim = off + (1 if k == "flash_attn" else 0)
+        diff = [i for i in range(len(want)) if got[i] != want[i]]
+        if diff == [blocks_dim]:
+            return f": {got[blocks_dim]} blocks, expected {want[blocks_dim]}"
+        if self.kind == "stacked" and diff == [0]:
+            return f": {got[0]} layers, expected {want[0]}"
+        return ""
+
+    # ------------------------------------------------------------------ copy views (worker side)
+
+    def copy_dtype(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> torch.dtype:
+        """The widest integer type that every row of ``tensors`` (and of any aligned payload buffer)
+        can be viewed as: rows are moved as that type, bit for bit."""
+        rows = [r for comps in self._rows_native(tensors) for r in comps]
+        for width, dt in _COPY_DTYPES:
+            if self.row_nbytes % width == 0 and all(
+                    (r.storage_offset() * r.element_size()) % width == 0
+                    and (r.stride(0) * r.element_size()) % width == 0 for r in rows):
+                return dt
+        return torch.uint8
+
+    def component_views(self, tensors: torch.Tensor | Sequence[torch.Tensor],
+                        copy_dtype: torch.dtype | None = None) -> list[list[torch.Tensor]]:
+        """For each layer, for each payload component, a ``[num_blocks, row]`` view of the KV tensors in
+        ``copy_dtype`` (no copy).  Row ``b`` of ``views[l][c]`` is component ``c`` of layer ``l`` of
+        block ``b``.  The tensors must pass :meth:`validate`."""
+        cd = copy_dtype or self.copy_dtype(tensors)
+        # A reinterpretation of the bytes, never a conversion.
+        return [[r if r.dtype == cd else r.view(cd) for r in comps] for comps in self._rows_native(tensors)]
+
+    def _rows_native(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``component_views`` in the KV dtype: each block's component flattened to one row (a view,
+        since validate() checked the within-block dims are contiguous)."""
+        ts = _as_list(tensors)
+        per_layer = list(ts[0].unbind(0)) if self.kind == "stacked" else ts
+        k = self.inner if self.kind == "stacked" else self.kind
+        out = []
+        for t in per_layer:
+            comps = [t[0], t[1]] if k == "flash_attn" else [t[:, 0], t[:, 1]] if k == "flashinfer" else [t]
+            out.append([c.reshape(c.shape[0], -1) for c in comps])
+        return out
+
+    def payload_view(self, buf: torch.Tensor, copy_dtype: torch.dtype) -> torch.Tensor:
+        """``buf`` (``[n, block_nbytes]`` uint8 rows, each row contiguous) as ``[n, L, C, row]`` of
+        ``copy_dtype``, without copying; raises :class:`LayoutError` when it cannot be viewed so."""
+        if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != self.block_nbytes:
+            raise LayoutError(f"payload buffer: expected a [n, {self.block_nbytes}] uint8 tensor, got "
+                              f"{list(buf.shape)} {dtype_name(buf.dtype)}")
+        if buf.stride(1) != 1:
+            raise LayoutError(f"payload buffer: each row must be contiguous, found strides {buf.stride()}")
+        try:
+            v = buf.view(copy_dtype)
+        except RuntimeError as e:
+            raise LayoutError(f"payload buffer: cannot view its rows as {dtype_name(copy_dtype)} "
+                              f"(misaligned, storage offset {buf.storage_offset()}): {e}") from None
+        n = buf.shape[0]
+        return v.view(n, self.num_layers, self.num_components, -1)
+
+    # ------------------------------------------------------------------ codec (same-device tensors)
+
+    def gather(self, tensors: torch.Tensor | Sequence[torch.Tensor], block_ids: Any, out: torch.Tensor,
+               slots: Any = None, *, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Write the canonical payload of ``block_ids`` into rows ``slots`` (default ``0..n-1``) of
+        ``out`` (``[rows, block_nbytes]`` uint8 on the tensors' device).  ``layers`` limits it to some
+        layers (the rest of each row is left alone).  Returns ``out``."""
+        from .device import _Codec  # the row-copy machinery lives with the device tier
+
+        _Codec(self, tensors).gather(block_ids, out, slots, layers)
+        return out
+
+    def scatter(self, tensors: torch.Tensor | Sequence[torch.Tensor], payload: torch.Tensor, block_ids: Any,
+                slots: Any = None, *, layers: Sequence[int] | None = None) -> None:
+        """Write payload rows ``slots`` (default ``0..n-1``) into blocks ``block_ids`` of the tensors."""
+        from .device import _Codec
+
+        _Codec(self, tensors).scatter(payload, block_ids, slots, layers)
+
+    def to_payload(self, tensors: torch.Tensor | Sequence[torch.Tensor], block_ids: Any) -> torch.Tensor:
+        """A new ``[n, block_nbytes]`` uint8 tensor (on the tensors' device) holding the payloads."""
+        from .device import as_index
+
+        ids = as_index(block_ids, "cpu")
+        dev = _as_list(tensors)[0].device
+        out = torch.empty((ids.numel(), self.block_nbytes), dtype=torch.uint8, device=dev)
+        return self.gather(tensors, ids, out)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _as_list(tensors: Any) -> list:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return list(tensors)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if b.index is None or a.index is None:
+        return True
+    return a.index == b.index
+
+
+def _layers(layers: Sequence[int] | None, num_layers: int) -> Sequence[int]:
+    if layers is None:
+        return range(num_layers)
+    for li in layers:
+        if not 0 <= li < num_layers:
+            raise IndexError(f"layer {li} out of range [0, {num_layers})")
+    return layers
+
+
+__all__ = ["KINDS", "KVLayout", "LayoutError", "dtype_name", "parse_dtype"]

@@ -1,0 +1,367 @@
+"""Device tier, the standalone block pool and the host tier: allocation, LRU, pins, ref counts, the
+never-waits rule, thread safety."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from kvtier.layout import KVLayout, LayoutError
+from kvtier.tiers import (
+    EVICTING,
+    FREE,
+    READY,
+    WRITING,
+    BlockPool,
+    DeviceTier,
+    HostTier,
+    PoolExhausted,
+    resolve_pin_memory,
+)
+
+
+def random_tensors(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:
+    """Random bytes (never zeros) in the layout's dtype and shapes."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (layout.itemsize * torch.Size(s).numel(),), dtype=torch.uint8, generator=g)
+            .view(layout.dtype).view(s) for s in layout.tensor_shapes()]
+
+# ---------------------------------------------------------------------- BlockPool
+
+
+def test_pool_allocates_in_order_and_reuses_least_recently_freed():
+    pool = BlockPool(6)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_free == 3
+    assert [pool.ref_count(b) for b in a] == [1, 1, 1]
+    pool.free([2, 0])  # freed in this order: 2 is the least recently freed of them
+    assert pool.allocate(4) == [3, 4, 5, 2]
+    assert pool.allocate(1) == [0]
+    pool.check()
+
+
+def test_pool_cached_blocks_survive_free_until_reallocated():
+    evicted = []
+    pool = BlockPool(4, on_evict=lambda k, b: evicted.append((k, b)))
+    blocks = pool.allocate(3)
+    for b, k in zip(blocks, [b"k0", b"k1", b"k2"]):
+        assert pool.cache(b, k)
+    pool.free(list(reversed(blocks)))  # tail first, as vLLM frees a request
+    assert pool.num_free == 4 and pool.num_cached == 3
+    # A new request with the same prefix revives the cached blocks.
+    hit = pool.lookup_prefix([b"k0", b"k1", b"zz", b"k2"])
+    assert hit == [0, 1]
+    pool.touch(hit)
+    assert pool.ref_count(0) == 1 and pool.num_free == 2
+    # Allocation takes the never-cached block 3 first, then the LRU cached one (k2), evicting its key.
+    assert pool.allocate(2) == [3, 2]
+    assert evicted == [(b"k2", 2)] and pool.lookup(b"k2") is None and pool.lookup(b"k0") == 0
+    assert pool.evictions == 1
+    pool.check()
+
+
+def test_pool_ref_counts_shared_blocks():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.cache(b, "key")
+    pool.touch([b, b])
+    assert pool.ref_count(b) == 3
+    pool.free([b, b])
+    assert pool.num_free == 1  # still referenced once
+    pool.free([b])
+    assert pool.num_free == 2 and pool.lookup("key") == b
+    with pytest.raises(ValueError, match="free: block 0 has ref count 0, freed 1 time"):
+        pool.free([b])
+    pool.check()
+
+
+def test_pool_exhaustion_raises_at_once_and_takes_nothing():
+    pool = BlockPool(3)
+    pool.allocate(2)
+    t0 = time.monotonic()
+    with pytest.raises(PoolExhausted, match=r"block pool exhausted: 2 blocks wanted, 1 free of 3"):
+        pool.allocate(2)
+    assert time.monotonic() - t0 < 0.5
+    assert pool.num_free == 1
+    pool.check()
+
+
+def test_pool_cache_rules():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    assert pool.cache(a, "x")
+    assert not pool.cache(b, "x")  # already cached elsewhere: block tables stay append-only
+    assert pool.cache(a, "x")
+    assert pool.cache(a, "y") and pool.lookup("x") is None  # re-keying drops the old key
+    assert pool.uncache(a) == "y" and pool.key_of(a) is None
+    with pytest.raises(ValueError, match="cache: block 2 is not allocated"):
+        pool.cache(2, "z")
+    with pytest.raises(IndexError, match=r"block id 9 out of range \[0, 3\)"):
+        pool.touch([0, 9])
+    assert pool.ref_count(0) == 1  # all or nothing
+    pool.check()
+
+
+def test_pool_random_operations_keep_invariants():
+    rng = random.Random(0)
+    pool = BlockPool(16)
+    held: list[int] = []
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randint(0, 5)
+            if n > pool.num_free:
+                with pytest.raises(PoolExhausted):
+                    pool.allocate(n)
+            else:
+                got = pool.allocate(n)
+                for b in got:
+                    pool.cache(b, rng.randrange(40))
+                held += got
+        elif op < 0.7 and held:
+            b = held.pop(rng.randrange(len(held)))
+            pool.free([b])
+        else:
+            hit = pool.lookup_prefix([rng.randrange(40)])
+            pool.touch(hit)
+            held += hit
+        if step % 100 == 0:
+            pool.check()
+    pool.check()
+
+
+# ---------------------------------------------------------------------- HostTier
+
+
+def test_host_capacity_and_pinned_resolution():
+    h = HostTier(1000, capacity_bytes=10_500, pinned="auto")
+    assert h.num_slots == 10 and h.capacity_bytes == 10_000
+    assert h.pin_memory == torch.cuda.is_available()
+    assert h.slab.shape == (10, 1000) and h.slab.dtype == torch.uint8
+    with pytest.raises(ValueError, match="host capacity 999 B holds no block of 1000 B"):
+        HostTier(1000, capacity_bytes=999)
+    with pytest.raises(ValueError, match="give exactly one of capacity_bytes and num_slots"):
+        HostTier(1000)
+    assert resolve_pin_memory(False) is False
+    with pytest.raises(ValueError, match='expected "auto", true or false'):
+        resolve_pin_memory("yes")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="host.pinned: true needs CUDA"):
+            HostTier(10, num_slots=1, pinned=True)
+
+
+def test_host_full_allocate_returns_fewer_and_never_blocks():
+    h = HostTier(64, num_slots=4, pinned=False)
+    a = h.allocate(3)
+    assert a.slots == [0, 1, 2] and a.skipped == 0
+    t0 = time.monotonic()
+    b = h.allocate(3)
+    assert b.slots == [3] and b.skipped == 2 and b.evicted == []
+    c = h.allocate(5)
+    assert c.slots == [] and c.skipped == 5
+    assert time.monotonic() - t0 < 0.5
+    st = h.stats()
+    assert (st.free, st.writing, st.allocated, st.skipped) == (0, 4, 4, 7)
+
+
+def test_host_lru_eviction_respects_pins():
+    h = HostTier(8, num_slots=4, pinned=False)
+    slots = h.allocate(4).slots
+    h.commit(slots, ["a", "b", "c", "d"])
+    assert h.lru_order() == [0, 1, 2, 3]
+    h.touch([0])
+    assert h.lru_order() == [1, 2, 3, 0]
+    assert h.pin([1, 2]) == [True, True]
+    assert h.pin([1]) == [True]  # ref counted
+    got = h.evict_lru(10)
+    assert got == [(3, "d"), (0, "a")]  # pinned 1 and 2 are never candidates
+    assert h.state(3) == EVICTING and h.evict_lru(1) == []
+    h.restore([0])
+    assert h.state(0) == READY and h.lru_order() == [0]
+    h.free([3])
+    assert h.state(3) == FREE and h.key(3) is None
+    with pytest.raises(ValueError, match=r"free: slot 1 is pinned \(2 pins\)"):
+        h.free([1])
+    h.unpin([1])
+    assert h.pins(1) == 1 and 1 not in h.lru_order()
+    h.unpin([1])
+    assert h.lru_order() == [0, 1]  # back as most recently used
+    with pytest.raises(ValueError, match="unpin: slot 1 is not pinned"):
+        h.unpin([1])
+
+
+def test_host_allocate_with_evict_reports_victims_and_skips_pinned():
+    h = HostTier(8, num_slots=3, pinned=False)
+    h.commit(h.allocate(3).slots, ["a", "b", "c"])
+    h.pin([0])
+    a = h.allocate(3, evict=True)
+    assert a.slots == [1, 2] and a.skipped == 1 and a.evicted == [(1, "b"), (2, "c")]
+    assert all(h.state(s) == WRITING for s in a.slots) and h.state(0) == READY
+    assert h.stats().evicted == 2
+
+
+def test_host_state_errors():
+    h = HostTier(8, num_slots=3, pinned=False)
+    with pytest.raises(ValueError, match="commit: slot 0 is free, expected writing"):
+        h.commit([0])
+    s = h.allocate(2).slots
+    with pytest.raises(ValueError, match="commit: slot 0 given twice"):
+        h.commit([0, 0])
+    with pytest.raises(ValueError, match="commit: 2 slots but 1 keys"):
+        h.commit(s, ["x"])
+    assert h.pin(s) == [False, False]  # WRITING slots are not readable
+    h.free(s)
+    with pytest.raises(ValueError, match="free: slot 0 is free"):
+        h.free([0])
+    with pytest.raises(IndexError, match=r"slot 7 out of range \[0, 3\)"):
+        h.slot_view(7)
+
+
+def test_host_slot_view_is_a_writable_window_on_the_slab():
+    h = HostTier(16, num_slots=2, pinned=False)
+    mv = h.slot_view(1)
+    assert mv.nbytes == 16 and not mv.readonly
+    mv[:4] = b"abcd"
+    assert bytes(h.slab[1, :4].tolist()) == b"abcd"
+    h.slab[1, 4] = 0x41
+    assert h.slot_view(1)[4] == 0x41
+    assert h.rows(0, 2).data_ptr() == h.slab.data_ptr()
+
+
+def test_host_thread_safety_smoke():
+    h = HostTier(8, num_slots=64, pinned=False)
+    writing: set[int] = set()  # slots some thread is filling: allocate must never hand them out again
+    pins: Counter[int] = Counter()  # pins the test holds: evict_lru must never return them
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def worker(tid: int) -> None:
+        rng = random.Random(tid)
+        for _ in range(300):
+            a = h.allocate(rng.randint(1, 6), evict=rng.random() < 0.3)
+            with lock:
+                errors.extend(f"slot {s} allocated twice" for s in a.slots if s in writing)
+                errors.extend(f"evicted slot {s} was pinned" for s, _ in a.evicted if pins[s])
+                writing.update(a.slots)
+            with lock:
+                writing.difference_update(a.slots)
+            h.commit(a.slots, [(tid, s) for s in a.slots])
+            cand = rng.sample(range(64), 4)
+            got = h.pin(cand)
+            held = [s for s, g in zip(cand, got) if g]
+            with lock:
+                pins.update(held)
+            victims = h.evict_lru(rng.randint(0, 3))
+            with lock:
+                errors.extend(f"evicted slot {s} was pinned" for s, _ in victims if pins[s])
+                pins.subtract(held)
+            h.unpin(held)
+            h.free([s for s, _ in victims])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[:5]
+    st = h.stats()
+    assert st.free + st.writing + st.ready + st.evicting == 64
+    assert st.writing == 0 and st.evicting == 0 and st.pinned_slots == 0
+    assert sorted(h.lru_order() + [s for s in range(64) if h.state(s) == FREE]) == list(range(64))
+
+
+# ---------------------------------------------------------------------- DeviceTier
+
+
+def test_device_tier_registers_and_copies_into_host_slots():
+    lay = KVLayout("flashinfer", 3, 10, 4, 2, 8, torch.float16)
+    dev = DeviceTier(lay, random_tensors(lay))
+    host = HostTier(lay.block_nbytes, num_slots=6, pinned=False)
+    want = lay.to_payload(dev.tensors, [9, 2, 4])
+    dev.gather([9, 2, 4], host.slab, [5, 0, 3])
+    assert torch.equal(host.slab[[5, 0, 3]], want)
+    assert torch.equal(torch.frombuffer(host.slot_view(5), dtype=torch.uint8), want[0])
+    dev.scatter(host.slab, [1, 0, 7], [5, 0, 3])
+    assert torch.equal(dev.read_blocks([1, 0, 7]), want)
+    plan = dev.plan([6, 5], host.slab, [5, 0])
+    for layer in range(lay.num_layers):
+        dev.scatter_layer(layer, host.slab, None, plan=plan)
+    assert torch.equal(dev.read_blocks([6, 5]), want[:2])
+    out = torch.zeros_like(want[:2])
+    for layer in range(lay.num_layers):
+        dev.gather_layer(layer, [6, 5], out)
+    assert torch.equal(out, want[:2])
+    dev.write_blocks(want[:1], [8])
+    assert torch.equal(dev.read_blocks([8]), want[:1])
+    with pytest.raises(IndexError, match=r"block ids \[10, -1\] out of range \[0, 10\)"):
+        dev.gather([1, 10, -1], host.slab, [0, 1, 2])
+    with pytest.raises(IndexError, match=r"slots out of range \[0, 6\)"):
+        dev.gather([1], host.slab, [6])
+    with pytest.raises(ValueError, match="2 block ids but 1 slots"):
+        dev.scatter(host.slab, [1, 2], [0])
+
+
+def test_device_tier_rejects_mismatched_tensors():
+    lay = KVLayout("flash_attn", 2, 8, 4, 2, 8, torch.bfloat16)
+    ts = random_tensors(lay)
+    ts[1] = ts[1][:, :4]
+    with pytest.raises(LayoutError, match=r"layer 1: expected shape \(2, 8, 4, 2, 8\) .* got \(2, 4, 4, 2, 8\): "
+                                          r"4 blocks, expected 8"):
+        DeviceTier(lay, ts)
+    with pytest.raises(LayoutError, match="expected device cuda"):
+        DeviceTier(lay, random_tensors(lay), device="cuda")
+    dev = DeviceTier.allocate(lay)
+    assert dev.num_blocks == 8 and dev.block_nbytes == lay.block_nbytes and not dev.is_cuda
+
+
+@pytest.mark.parametrize("kind,inner", [("flash_attn", None), ("flashinfer", None), ("stacked", "mla")])
+def test_staged_copy_path_matches_direct(kind, inner):
+    """The host <-> CUDA path (staging buffer, one copy per run of host rows, per-layer 2-D copies) run on
+    a CPU cache must move exactly the bytes the direct path moves."""
+    lay = KVLayout(kind, 3, 12, 4, 1 if "mla" in (kind, inner) else 2, 8, torch.bfloat16, inner)
+    src = DeviceTier(lay, random_tensors(lay))
+    staged = DeviceTier(lay, random_tensors(lay, seed=2))
+    staged._force_staging = True
+    ids, slots = [11, 2, 7, 0, 5], [6, 7, 0, 3, 4]  # three runs of host rows
+    want = src.read_blocks(ids)
+    host = torch.zeros((8, lay.block_nbytes), dtype=torch.uint8)
+    src._force_staging = True
+    src.gather(ids, host, slots)
+    assert torch.equal(host[slots], want)
+    host2 = torch.zeros_like(host)
+    for layer in range(lay.num_layers):
+        src.gather(ids, host2, slots, layers=[layer])
+    assert torch.equal(host2, host)
+    staged.scatter(host, [1, 3, 4, 6, 8], slots)
+    assert torch.equal(staged.read_blocks([1, 3, 4, 6, 8]), want)
+    for layer in range(lay.num_layers):
+        staged.scatter(host, [0, 9, 10, 2, 11], slots, layers=[layer])
+    assert torch.equal(staged.read_blocks([0, 9, 10, 2, 11]), want)
+
+
+def test_host_pin_by_key_refuses_a_refilled_slot():
+    h = HostTier(8, num_slots=1, pinned=False)
+    h.commit(h.allocate(1).slots, ["old"])
+    (s, key), = h.evict_lru(1)
+    h.free([s])
+    h.commit(h.allocate(1).slots, ["new"])  # same slot, another block
+    assert h.pin([s], ["old"]) == [False]
+    assert h.pin([s], ["new"]) == [True]
+
+
+def test_cpu_copy_threads_are_serial_and_leave_torch_setting_alone():
+    import kvtier.device as device_mod
+
+    before = torch.get_num_threads()
+    seen = []
+    device_mod._parallel(lambda chunk: seen.append((torch.get_num_threads(), chunk)), [1, 2, 3, 4], 64 << 20)
+    assert sorted(x for _, c in seen for x in c) == [1, 2, 3, 4]
+    assert torch.get_num_threads() == before
+    if before > 1 and device_mod._omp_set_num_threads() is not None:
+        assert all(n == 1 for n, _ in seen)  # copies run single-threaded in kvtier's pool
