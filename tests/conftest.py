@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+# Real servers shared by every test module (one redis-server, one 3-node cluster, one moto server per
+# session; each test that asks gets them flushed / a fresh bucket).
+pytest_plugins = ("kvtier.testing.redis_server", "kvtier.testing.moto_server")
+
 _FIGURES: list[tuple[str, str, object]] = []
 
 

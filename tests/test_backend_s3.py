@@ -18,16 +18,14 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from kvtier.backends.s3 import S3Backend  # noqa: E402
-
 from kvtier.backend import BackendError, BackendTimeout, BackendUnavailable  # noqa: E402
+from kvtier.backends.s3 import S3Backend  # noqa: E402
 from kvtier.keys import Namespace  # noqa: E402
 
 if TYPE_CHECKING:
     from kvtier.testing.moto_server import MotoServer
 
 # Fixtures: moto_server (session), moto_server_private (per test), s3_bucket (fresh bucket).
-pytest_plugins = ("kvtier.testing.moto_server",)
 
 NS = Namespace("s3-test/model", "bfloat16", 2, 2, 64, 16)
 SIZE = 64 << 10

@@ -6,10 +6,7 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 from kvtier.backends.s3 import S3Backend  # noqa: E402
-
 from kvtier.testing import BackendConformance  # noqa: E402
-
-pytest_plugins = ("kvtier.testing.moto_server",)  # fixtures moto_server, s3_bucket
 
 
 class TestS3Conformance(BackendConformance):

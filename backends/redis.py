@@ -1,0 +1,321 @@
+"""``redis`` backend: blocks in Redis or Redis Cluster, one key per block holding header + payload.
+
+The data path is kvtier's own RESP client (``kvtier.backends._resp``): pipelined SETs sent with
+scatter-gather from the caller's buffers and GET replies received straight into them, so a get costs
+one kernel copy per byte, as a raw socket loop does.  Each block is checksummed just before it is sent
+and verified just after it arrived, so that work overlaps with the server draining / filling the socket
+buffers instead of being a pass over the whole batch.  Routing, slot maps, redirects and partial
+failures live in ``_router``.  redis-py is not used at run time (one client, one timeout model, one
+place that sees the password; redis-py's MGET builds a bytes object per value and copies it again).
+
+Invariants:
+* One value per block, written by one SET: Redis replaces a key atomically, so a reader sees the old
+  value, the new value or nothing, never a mix; header and payload can never be evicted separately.
+* Every socket wait is bounded by ``timeout_s`` (connect, each send / receive without progress, a free
+  pooled connection): a hung server fails a call after about ``timeout_s`` with TimeoutError
+  (-> BackendTimeout), a dead one at once with ConnectionError (-> BackendUnavailable).  A batch that
+  keeps making progress is not cut short, however large.
+* A connection that failed is closed; a pooled connection that fails before any reply (the server
+  restarted since) is retried once on a fresh one, so the first call after a restart succeeds.
+* Cluster: keys are routed by hash slot; MOVED refreshes the slot map and ASK is followed once.  When
+  some nodes of a batch fail and others answer, the failed nodes' keys are misses / failed puts and the
+  rest succeed; when all fail, the call raises.
+* The password never appears in ``repr``, logs or exception messages: it is moved out of the URL into
+  a ``SecretStr`` at validation time, and only ``Connection`` ever sends it.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterator, Sequence
+from urllib.parse import quote, unquote, urlsplit
+
+from pydantic import Field, SecretStr, model_validator
+
+from kvtier.backend import BackendOptions, StorageBackend, StoredBlock, frame, verify
+from kvtier.blockformat import HEADER_SIZE
+
+from ._resp import NODE_ERRORS, Connection, RedisNodeError, ReplyError, command, pipeline
+from ._router import Addr, Router
+
+_ASKING = command("ASKING")
+
+
+class RedisOptions(BackendOptions):
+    """Options of the ``redis`` backend (YAML ``options:``)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """redis://[user[:password]@]host[:port][/db] or rediss:// for TLS.  A password found here is moved
+    to ``password`` when the options are validated, so the stored URL never holds it."""
+    password: SecretStr | None = None
+    username: str | None = None
+    cluster: bool | None = None
+    """True / False, or None to ask the server (INFO cluster) on first use."""
+    startup_nodes: list[str] = Field(default_factory=list)
+    """More cluster seed nodes as "host:port", tried when the URL's node does not answer."""
+    ttl_s: float | None = Field(default=None, gt=0)
+    """Expire each block this long after it was written (SET ... PX); None keeps blocks until evicted."""
+    connect_timeout_s: float | None = Field(default=None, gt=0)
+    """Connect timeout; defaults to ``timeout_s``."""
+    max_connections: int = Field(default=16, ge=1)
+    """Per node; a call waits at most ``timeout_s`` for a free one."""
+    key_prefix: str = "kvtier:"
+    """Prepended to every Redis key, so kvtier shares a database safely; must contain no '{'."""
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    window_bytes: int = Field(default=8 << 20, ge=1 << 16)
+    """Bytes per pipelined window; at most two windows are in flight per connection, which bounds
+    the server's output buffer (measured: faster than sending a whole batch's GETs at once)."""
+
+    @model_validator(mode="after")
+    def _split_password(self) -> RedisOptions:
+        u = urlsplit(self.url)
+        if u.scheme not in ("redis", "rediss"):
+            raise ValueError(f"url must start with redis:// or rediss://, not {u.scheme!r}://")
+        if not u.hostname:
+            raise ValueError("url has no host")
+        if u.query or u.fragment:
+            raise ValueError("url query parameters are not supported; use options instead")
+        db = u.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError("url path must be a database number")
+        if u.password is not None:
+            if self.password is not None:
+                raise ValueError("password given both in url and in the password option")
+            self.password = SecretStr(unquote(u.password))
+        if u.username and self.username is None:
+            self.username = unquote(u.username)
+        host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+        user = f"{quote(self.username, safe='')}@" if self.username else ""
+        self.url = f"{u.scheme}://{user}{host}:{u.port or 6379}/{db or 0}"
+        if "{" in self.key_prefix:
+            raise ValueError("key_prefix must not contain '{' (a hash tag would put every block in one slot)")
+        if self.cluster and db not in ("", "0"):
+            raise ValueError("Redis Cluster has only database 0; drop the /N from the url")
+        for node in self.startup_nodes:
+            _parse_addr(node)
+        return self
+
+
+class RedisBackend(StorageBackend):
+    """Redis / Redis Cluster backend.  Thread-safe: each call takes its own pooled connection per node."""
+
+    Options = RedisOptions
+
+    def __init__(self, options=None, *, name: str | None = None):
+        super().__init__(options, name=name or "redis")
+        o: RedisOptions = self.options
+        u = urlsplit(o.url)
+        seed = (u.hostname, u.port or 6379)
+        self._db = int(u.path.strip("/") or 0)
+        self._prefix = o.key_prefix.encode()
+        self._tls = _tls_context(o) if u.scheme == "rediss" else None
+        ms = None if o.ttl_s is None else b"%d" % max(1, round(o.ttl_s * 1000))
+        self._set_tail = b"\r\n" if ms is None else b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
+        self._set_argc = 3 if ms is None else 5
+        self._router = Router(self._connect, [seed] + [_parse_addr(a) for a in o.startup_nodes],
+                              o.cluster, o.max_connections, o.timeout_s, self.name)
+
+    def __repr__(self) -> str:
+        return f"RedisBackend(name={self.name!r}, url={self.options.url!r}, cluster={self._router.cluster})"
+
+    def _connect(self, addr: Addr, cluster: bool) -> Connection:
+        o = self.options
+        return Connection(addr, timeout=o.timeout_s, connect_timeout=o.connect_timeout_s or o.timeout_s,
+                          tls=self._tls, username=o.username,
+                          password=o.password.get_secret_value() if o.password else None,
+                          db=0 if cluster else self._db)
+
+    def _rkeys(self, keys: Sequence[str]) -> list[bytes]:
+        p = self._prefix
+        return [p + k.encode() for k in keys]
+
+    def _pipelined(self, rkeys: list[bytes], build, read, failed) -> list:
+        """One pipelined command per key over the nodes that own the keys; replies in key order."""
+        window = self.options.window_bytes
+
+        def run(conn, idxs, asking):
+            if asking:
+                def b(i):
+                    bufs, n = build(i)
+                    return ([_ASKING, *bufs], n + 5) if i in asking else (bufs, n)
+
+                def r(c, i):
+                    if i in asking:
+                        c.read_reply()
+                    return read(c, i)
+                return _checked(pipeline(conn, idxs, b, r, window), conn)
+            return _checked(pipeline(conn, idxs, build, read, window), conn)
+        return self._router.batch(rkeys, run, failed)
+
+    def _simple(self, keys: Sequence[str], name: bytes, failed) -> list:
+        """A one-key command (EXISTS / UNLINK / GET) per key, pipelined."""
+        rkeys = self._rkeys(keys)
+        return self._pipelined(
+            rkeys, lambda i: ([b"*2\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(name), name, len(rkeys[i]), rkeys[i])], 16),
+            lambda c, i: c.read_reply(), failed)
+
+    # ------------------------------------------------------------------ the data path
+
+    def _set(self, keys, header_of, payloads) -> list[bool]:
+        rkeys, argc, tail = self._rkeys(keys), self._set_argc, self._set_tail
+
+        def build(i):
+            k, header, payload = rkeys[i], header_of(i), payloads[i]
+            n = len(header) + payload.nbytes
+            head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(k), k, n) + header
+            return ([head, payload, tail] if n > len(header) else [head, tail]), 5
+        return [r == b"OK" for r in self._pipelined(rkeys, build, lambda c, i: c.read_reply(), False)]
+
+    def _get(self, keys, headers, payloads, on_value=None) -> list[int | None]:
+        rkeys = self._rkeys(keys)
+
+        def build(i):
+            k = rkeys[i]
+            return [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)], len(headers[i]) + len(payloads[i]) + 16
+
+        def read(c, i):
+            h, p = headers[i], payloads[i]
+            size = c.read_bulk_into(h, p, len(b"$%d\r\n" % (len(h) + len(p))))
+            if on_value is not None and isinstance(size, int):
+                on_value(i, size)
+            return size
+        return [r if isinstance(r, int) else None for r in self._pipelined(rkeys, build, read, None)]
+
+    def _write(self, keys, values) -> list[bool]:
+        return self._set(keys, lambda i: values[i][0], [memoryview(v[1]).cast("B") for v in values])
+
+    def _read_into(self, keys, headers, payloads) -> list[int | None]:
+        return self._get(keys, headers, payloads)
+
+    def _put_blocks(self, keys, payloads, layout_id) -> list[bool]:
+        """Frame each block just before its SET is sent, not the whole batch up front: the server is
+        still draining the socket buffer while the next checksum runs, and the payload is then in
+        cache for the kernel's copy."""
+        return self._set(keys, lambda i: frame(keys[i], payloads[i], layout_id), payloads)
+
+    def _get_blocks(self, keys, payloads, layout_id) -> list[bool | str]:
+        """Verify each block right after it arrived (hot in cache), while the server keeps filling the
+        socket buffer with the next ones; no verification pass over the whole batch at the end."""
+        headers = [memoryview(bytearray(HEADER_SIZE)) for _ in keys]
+        results: list[bool | str] = [False] * len(keys)
+
+        def on_value(i: int, size: int) -> None:
+            results[i] = verify(keys[i], size, headers[i], payloads[i], layout_id) or True
+        sizes = self._get(keys, headers, payloads, on_value)
+        return [False if s is None else r for s, r in zip(sizes, results)]
+
+    # ------------------------------------------------------------------ the rest of the contract
+
+    def _exists(self, keys) -> list[bool]:
+        return [r == 1 for r in self._simple(keys, b"EXISTS", 0)]
+
+    def _delete(self, keys) -> int:
+        return sum(r for r in self._simple(keys, b"UNLINK", 0) if isinstance(r, int))
+
+    def _read_small(self, key: str) -> bytes | None:
+        r = self._simple([key], b"GET", None)[0]
+        return r if isinstance(r, bytes) else None
+
+    def _scan(self, prefix: str) -> Iterator[StoredBlock]:
+        """SCAN MATCH over every master, sizes by pipelined STRLEN; one page at a time, so no
+        connection is held while the caller consumes."""
+        self._router.ensure()
+        pattern = _glob_escape(self._prefix + prefix.encode()) + b"*"
+        cut = len(self._prefix)
+        for addr in list(self._router.masters):
+            cursor = b"0"
+            while True:
+                def page(c, cursor=cursor):
+                    nxt, found = c.call("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
+                    c.sendv([command("STRLEN", k) for k in found])
+                    return nxt, [(k, c.read_reply()) for k in found]
+                cursor, found = self._router.on_node(addr, page)
+                for k, size in found:
+                    if isinstance(size, int) and size:  # 0: expired or deleted since SCAN saw it
+                        yield StoredBlock(k[cut:].decode(errors="replace"), size)
+                if cursor == b"0":
+                    break
+
+    def _usage(self) -> dict:
+        """Keys (all of the database, not only kvtier's) and used memory summed over the masters."""
+        self._router.ensure()
+        keys = used = cap = down = 0
+        for addr in list(self._router.masters):
+            try:
+                keys += self._router.on_node(addr, lambda c: c.call("DBSIZE"))
+                info = _info(self._router.on_node(addr, lambda c: c.call("INFO", "memory")))
+            except OSError:
+                down += 1
+                continue
+            used += int(info.get("used_memory", 0))
+            cap += int(info.get("maxmemory", 0))
+        out = {"keys": keys, "bytes": used, "nodes": len(self._router.masters), "nodes_down": down,
+               "partial_failures": self._router.partial_failures}
+        if cap:
+            out["capacity_bytes"] = cap
+        return out
+
+    def _health(self) -> None:
+        """Usable when at least one node answers PING (a degraded cluster still serves its other slots)."""
+        self._router.ensure()
+        errors = []
+        for addr in list(self._router.masters):
+            try:
+                self._router.on_node(addr, lambda c: c.call("PING"))
+                return
+            except OSError as e:
+                errors.append(e)
+        raise errors[0]
+
+    def _close(self) -> None:
+        self._router.close()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _checked(replies: list, conn: Connection) -> list:
+    """Replies of a pipeline; raise if the node itself refused (loading, cluster down) - after reading
+    every reply, so the connection is still in sync."""
+    for r in replies:
+        if isinstance(r, ReplyError) and r.kind in NODE_ERRORS:
+            raise RedisNodeError(f"redis {conn.addr[0]}:{conn.addr[1]}: {r.message}")
+    return replies
+
+
+def _parse_addr(s: str) -> Addr:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"startup node {s!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def _glob_escape(b: bytes) -> bytes:
+    out = bytearray()
+    for ch in b:
+        if ch in b"*?[]\\":
+            out += b"\\"
+        out.append(ch)
+    return bytes(out)
+
+
+def _info(raw: bytes) -> dict[str, str]:
+    out = {}
+    for line in raw.decode(errors="replace").splitlines():
+        k, sep, v = line.partition(":")
+        if sep and not k.startswith("#"):
+            out[k] = v.strip()
+    return out
+
+
+def _tls_context(o: RedisOptions) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=o.tls_ca_file)
+    if o.tls_cert_file:
+        ctx.load_cert_chain(o.tls_cert_file, o.tls_key_file)
+    if not o.tls_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
