@@ -1,0 +1,116 @@
+"""``kvtier bench prefix``: load a stored 4k-token prefix from each backend into the model's paged cache,
+beside recomputing it with the same model, in the same run.
+
+For each backend a prefill engine computes and stores the prefix; then a fresh engine (empty device and
+host tiers, as a decode instance on another host) times ``lookup + load`` of the whole prefix, and the
+same engine times the forward pass that would recompute it.  Ratio = recompute time / load time (> 1
+means loading wins)."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+
+import torch
+
+from ._util import print_table, write_json
+
+HELP = "load a 4k-token prefix from each backend vs recomputing it with the same model"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--backends", default="disk,redis,s3")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", metavar="PATH")
+
+
+def _backend_section(name: str, stack: ExitStack, tmp: str) -> dict:
+    if name == "disk":
+        return {"name": "disk", "type": "local_disk", "options": {"path": f"{tmp}/kv", "capacity": "4GiB"}}
+    if name == "redis":
+        from ..testing.redis_server import start_redis
+
+        srv = start_redis()
+        stack.callback(srv.stop)
+        return {"name": "redis", "type": "redis", "options": {"url": srv.url}}
+    if name == "s3":
+        from ..testing.moto_server import dummy_credentials, start_moto
+
+        stack.enter_context(dummy_credentials())
+        moto = stack.enter_context(start_moto())
+        return {"name": "s3", "type": "s3", "options": {"bucket": moto.new_bucket(),
+                                                        "endpoint_url": moto.endpoint_url,
+                                                        "region": "us-east-1", "max_workers": 8}}
+    raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
+
+
+def _config(args, backend: dict):
+    from ..config import parse_config
+
+    blocks = args.tokens // 16 + 8
+    return parse_config({
+        "model": {"id": "kvtier/bench-prefix", "kv_dtype": "float32", "num_layers": args.layers,
+                  "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "block_size": 16},
+        "device": {"kind": "auto", "num_blocks": blocks},
+        "host": {"capacity": 2 * blocks * 2 * args.layers * 16 * args.kv_heads * args.head_dim * 4},
+        "backends": [backend], "policies": {"prefetch": {"name": "wait_complete", "threshold_tokens": 0}},
+    })
+
+
+def bench_one(args, backend: dict) -> dict:
+    from ..integrations.engine import CachedEngine
+
+    prompt = torch.randint(0, 2048, (args.tokens + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = _config(args, backend)
+    prefill = CachedEngine.from_config(cfg)
+    try:
+        prefill.run_request(prompt, max_new_tokens=1)
+        prefill.flush()
+    finally:
+        prefill.close()
+    hashes = prefill.hasher.hash_blocks(prompt)[: args.tokens // 16]
+    loads, computes, nbytes = [], [], 0
+    for _ in range(args.repeats):
+        dec = CachedEngine.from_config(cfg)  # cold host and device: everything comes from the backend
+        try:
+            ids = dec.pool.allocate(len(hashes))
+            t0 = time.perf_counter()
+            found = dec.stack.lookup(hashes)
+            res = dec.stack.load(hashes[: found.num_blocks], ids[: found.num_blocks]).wait()
+            loads.append(time.perf_counter() - t0)
+            if res.num_loaded != len(hashes):
+                raise RuntimeError(f"{backend['name']}: loaded {res.num_loaded} of {len(hashes)} blocks")
+            nbytes = len(hashes) * dec.stack.layout.block_nbytes
+            t1 = time.perf_counter()
+            dec.model.forward(prompt[: args.tokens], ids, 0)
+            computes.append(time.perf_counter() - t1)
+        finally:
+            dec.close()
+    load, compute = statistics.median(loads), statistics.median(computes)
+    return {"backend": backend["name"], "tokens": args.tokens, "MiB": nbytes / 2**20,
+            "load_ms": load * 1e3, "recompute_ms": compute * 1e3, "GiB/s": nbytes / load / 2**30,
+            "ratio_recompute_over_load": compute / load}
+
+
+def run(args) -> int:
+    rows = []
+    for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+            try:
+                backend = _backend_section(name, stack, tmp)
+            except Exception as e:  # noqa: BLE001 - a missing server is a SKIP, not a crash
+                print(f"SKIP {name}: {e}")
+                continue
+            rows.append(bench_one(args, backend))
+    print(f"prefix of {args.tokens} tokens, model {args.layers} layers x {args.kv_heads} kv heads x "
+          f"{args.head_dim} head dim (float32), medians of {args.repeats}")
+    print_table(rows, ["backend", "tokens", "MiB", "load_ms", "recompute_ms", "GiB/s",
+                       "ratio_recompute_over_load"])
+    write_json(args.json, {"rows": rows})
+    return 0
