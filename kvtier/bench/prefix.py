@@ -40,12 +40,16 @@ def _backend_section(name: str, stack: ExitStack, tmp: str) -> dict:
         stack.callback(srv.stop)
         return {"name": "redis", "type": "redis", "options": {"url": srv.url}}
     if name == "s3":
-        from ..testing.moto_server import dummy_credentials, start_moto
+        import uuid
 
+        from ..testing.moto_server import dummy_credentials
+        from .backend_s3 import _ChildMoto
+
+        # moto in a child process, so the server does not compete with the model for this process's GIL.
         stack.enter_context(dummy_credentials())
-        moto = stack.enter_context(start_moto())
-        return {"name": "s3", "type": "s3", "options": {"bucket": moto.new_bucket(),
-                                                        "endpoint_url": moto.endpoint_url,
+        endpoint = stack.enter_context(_ChildMoto())
+        return {"name": "s3", "type": "s3", "options": {"bucket": f"prefix-{uuid.uuid4().hex[:8]}",
+                                                        "create_bucket": True, "endpoint_url": endpoint,
                                                         "region": "us-east-1", "max_workers": 8}}
     raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
 
