@@ -1,0 +1,121 @@
+"""The storage backends of one tier stack, used only through the backend contract.
+
+Invariant: nothing here raises because of a backend.  A ``BackendError`` (or any exception from a
+backend that breaks the contract) becomes 0 hits / a miss / a failed write, is logged, and is counted
+in the backend's ``failures``; hits, misses, bytes and latency are counted per backend by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .backend import BackendError, StorageBackend
+from .metrics import StackMetrics
+
+log = logging.getLogger("kvtier.stack")
+
+
+class BackendSet:
+    """Backends in lookup order (fastest first), each with a name and a writable flag."""
+
+    def __init__(self, backends: Sequence[StorageBackend], writable: Sequence[bool], metrics: StackMetrics,
+                 layout_id: int, block_nbytes: int):
+        self.backends = list(backends)
+        self.names = [b.name for b in self.backends]
+        self.writable = [i for i, w in enumerate(writable) if w]
+        self.metrics = metrics
+        self.layout_id = layout_id
+        self.block_nbytes = block_nbytes
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def _fault(self, i: int, what: str, e: BaseException) -> None:
+        name = self.names[i]
+        self.metrics.add(name, failures=1)
+        if isinstance(e, BackendError):
+            log.warning("backend %r: %s failed: %s", name, what, e)
+        else:  # a backend that breaks the contract: still never reaches the engine
+            log.error("backend %r: %s raised %s (not a BackendError): %s", name, what, type(e).__name__, e)
+
+    def contains_prefix(self, i: int, keys: Sequence[str]) -> int:
+        """Leading keys present in backend ``i``; 0 when it fails."""
+        if not keys:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            n = int(self.backends[i].contains_prefix(keys))
+        except Exception as e:  # noqa: BLE001 - a backend fault is a miss
+            self._fault(i, "contains_prefix", e)
+            return 0
+        self.metrics.observe(self.names[i], "lookup", time.perf_counter() - t0)
+        return max(0, min(n, len(keys)))
+
+    def put(self, i: int, keys: Sequence[str], payloads: Sequence[Any]) -> list[bool]:
+        """Store payloads in backend ``i``; per key, whether it took the block (all False when it fails)."""
+        if not keys:
+            return []
+        name = self.names[i]
+        t0 = time.perf_counter()
+        try:
+            ok = [bool(x) for x in self.backends[i].put(keys, payloads, self.layout_id)]
+            if len(ok) != len(keys):
+                raise BackendError(name, keys[0], f"put returned {len(ok)} results for {len(keys)} keys")
+        except Exception as e:  # noqa: BLE001 - a backend fault is a skipped store
+            self._fault(i, "put", e)
+            self.metrics.add(name, stores_skipped=len(keys))
+            return [False] * len(keys)
+        self.metrics.observe(name, "write", time.perf_counter() - t0)
+        n_ok = sum(ok)
+        self.metrics.add(name, bytes_in=n_ok * self.block_nbytes, stores_skipped=len(ok) - n_ok)
+        return ok
+
+    def get_into(self, i: int, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        """Read blocks of backend ``i`` into ``buffers``; per key ok (all False when it fails).  A buffer
+        whose key is not ok holds undefined bytes."""
+        if not keys:
+            return []
+        name = self.names[i]
+        t0 = time.perf_counter()
+        try:
+            ok = [bool(x) for x in self.backends[i].get_into(keys, buffers, self.layout_id)]
+            if len(ok) != len(keys):
+                raise BackendError(name, keys[0], f"get_into returned {len(ok)} results for {len(keys)} keys")
+        except Exception as e:  # noqa: BLE001 - a backend fault is a miss
+            self._fault(i, "get_into", e)
+            self.metrics.add(name, misses=len(keys))
+            return [False] * len(keys)
+        self.metrics.observe(name, "read", time.perf_counter() - t0)
+        n_ok = sum(ok)
+        self.metrics.hit(name, n_ok, n_ok * self.block_nbytes)
+        self.metrics.add(name, misses=len(ok) - n_ok)
+        return ok
+
+    def put_manifests(self, namespace: Any) -> None:
+        """Best effort: each writable backend records what the namespace id means."""
+        for i in self.writable:
+            try:
+                self.backends[i].put_manifest(namespace)
+            except Exception as e:  # noqa: BLE001 - a manifest is informational
+                self._fault(i, "put_manifest", e)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, b in zip(self.names, self.backends):
+            try:
+                s = b.stats()
+                out[name] = {k: v for k, v in vars(s).items()}
+            except Exception as e:  # noqa: BLE001
+                out[name] = {"error": str(e)}
+        return out
+
+    def close(self, owned: Sequence[bool]) -> None:
+        for i, (b, own) in enumerate(zip(self.backends, owned)):
+            if own:
+                try:
+                    b.close()
+                except Exception as e:  # noqa: BLE001
+                    self._fault(i, "close", e)

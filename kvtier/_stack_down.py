@@ -1,0 +1,350 @@
+"""The way down: device -> host (store), host -> backends (write-down, write-back), and making room.
+
+Invariants:
+* a block is evicted from host memory only when no transfer or I/O uses it: it has no index reference
+  (loads, prefetches, stores, write-back) and no copy down in flight (``_writing``, host slot pinned);
+* with a write policy that wants it (write-back), an evicted block is first copied to the writable
+  backends and its slot is freed only if a backend took it and nobody pinned it meanwhile; otherwise it
+  stays, and whatever needed the slot is skipped and counted.  Never a wait without a bound;
+* a block is in at most one write-down at a time (``_writing``) and in at most one store (``_storing``);
+* backend I/O and copies run outside the stack's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ._stack_results import FAILED, PRESENT, SKIPPED, STORED, StoreHandle, StoreResult
+from .index import Tier
+
+if TYPE_CHECKING:
+    from .stack import TierStack
+    from .transfer import TransferResult
+
+log = logging.getLogger("kvtier.stack")
+
+# (key, host slot, backend indices to write): a block pinned for a copy down.
+Victim = tuple[bytes, int, list[int]]
+
+
+class HostRoom:
+    """Host slots for blocks coming into host memory: free slots first, then the eviction policy's
+    victims.  ``take_locked`` never does I/O; victims that must be written back first are returned
+    pinned, and ``write_back`` turns them into slots."""
+
+    def __init__(self, stack: TierStack):
+        self.s = stack
+
+    def take_locked(self, n: int) -> tuple[list[int], list[Victim]]:
+        """Up to ``n`` WRITING slots without I/O, plus the victims to write back (pinned) for the rest."""
+        s, host = self.s, self.s.host
+        slots = host.allocate(min(n, host.num_free)).slots if n > 0 else []
+        need, dropped, wb = n - len(slots), 0, []
+        seen: set[bytes] = set()
+        while need > 0:
+            fresh = [k for k in s.eviction_policy.victims(s.index, Tier.HOST, need + len(seen)) if k not in seen]
+            if not fresh:
+                break
+            for key in fresh:
+                seen.add(key)
+                e = s.index.get(key)
+                if need == 0 or e is None or e.host is None or e.refs or key in s._writing:
+                    continue  # only unpinned host blocks with no copy down in flight are evictable
+                targets = [i for i in s._backends.writable if i not in e.backends]
+                if targets and s.write_policy.on_evict(key):
+                    if not s.host.pin([e.host], [key])[0]:
+                        continue
+                    s._pin_locked(key)
+                    s._writing.add(key)
+                    wb.append((key, e.host, targets))
+                else:
+                    s._drop_host_locked(key)
+                    dropped += 1
+                need -= 1
+        if dropped:
+            slots += host.allocate(dropped).slots
+        return slots, wb
+
+    def write_back(self, victims: Sequence[Victim]) -> list[int]:
+        """Copy victims down (no lock held), then free those a backend took and nobody pinned meanwhile;
+        returns as many WRITING slots as were freed."""
+        if not victims:
+            return []
+        s = self.s
+        written = s._down.copy_down(victims)
+        freed = 0
+        with s._lock:
+            for key, slot, _ in victims:
+                s.host.unpin([slot])
+                s._writing.discard(key)
+                s.index.unpin(key)
+                e = s.index.get(key)
+                if written.get(key) and e is not None and e.refs == 0 and e.host == slot:
+                    s._drop_host_locked(key)
+                    freed += 1
+                else:
+                    s._gc_locked(key)
+            return s.host.allocate(freed).slots if freed else []
+
+    def reserve(self, n: int) -> list[int]:
+        """Up to ``n`` WRITING slots, writing victims back when the policy says (call without the lock,
+        from a worker: it may do backend I/O)."""
+        s = self.s
+        with s._lock:
+            slots, wb = self.take_locked(n)
+        return slots + self.write_back(wb)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Give back WRITING slots that were not used."""
+        if slots:
+            self.s.host.free(list(slots))
+
+
+class Downward:
+    """``store`` and the write-down of host blocks to the backends."""
+
+    def __init__(self, stack: TierStack):
+        self.s = stack
+
+    # ------------------------------------------------------------------ store
+
+    def store(self, hashes: list[bytes], ids: np.ndarray) -> StoreHandle:
+        s = self.s
+        n = len(hashes)
+        handle = StoreHandle(n)
+        status = [SKIPPED] * n
+        new: list[int] = []
+        hits: list[bytes] = []
+        seen: set[bytes] = set()
+        slots: list[int] = []
+        wb: list[Victim] = []
+        with s._lock:
+            for i, (key, b) in enumerate(zip(hashes, ids.tolist())):
+                s._set_device_locked(key, b)
+                e = s.index.entry(key)
+                held = e.host is not None if s.host else bool(s._backends.writable) and all(
+                    j in e.backends for j in s._backends.writable)
+                if key in seen or key in s._storing or held:
+                    status[i] = PRESENT
+                    if key not in seen and (held or key in s._storing) and \
+                            s.write_policy.on_hit(key, s._hit_locked(key)):
+                        hits.append(key)
+                    seen.add(key)
+                    continue
+                seen.add(key)
+                new.append(i)
+                s._storing.add(key)
+                s._pin_locked(key)
+            if s.host is not None and new:
+                slots, wb = s.room.take_locked(len(new))
+            s._pending.add()
+        if hits:
+            self.write_down(hits)
+        if not new:
+            self._finish(handle, status)
+        elif s.host is None:
+            self._store_direct(handle, hashes, ids, new, status)
+        elif wb:
+            # Write-back victims must reach a backend before their slots take new blocks: that I/O runs
+            # in a worker, which then issues the copy after the work queued so far on this stream.
+            ev = None
+            if s.device.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(s.device.device))
+            if not s._submit(s._io, self._store_deferred, handle, hashes, ids, new, status, slots, wb, ev):
+                self._abandon(handle, hashes, new, status, slots, wb)
+        else:
+            self._store_submit(handle, hashes, ids, new, status, slots)
+        return handle
+
+    def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                        status: list[str], slots: list[int], wb: list[Victim], ev: Any) -> None:
+        try:
+            more = self.s.room.write_back(wb)
+            if ev is not None:
+                torch.cuda.current_stream(self.s.device.device).wait_event(ev)
+        except Exception:  # noqa: BLE001 - the store is skipped, never lost track of
+            log.exception("store: write-back failed")
+            self._abandon(handle, hashes, new, status, slots, [])
+            return
+        self._store_submit(handle, hashes, ids, new, status, slots + more)
+
+    def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                      status: list[str], slots: list[int]) -> None:
+        s = self.s
+        take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
+        if skip:
+            s.metrics.add("host", stores_skipped=len(skip))
+            self._release_keys([hashes[i] for i in skip])
+        if not take:
+            self._finish(handle, status)
+            return
+        keys = [hashes[i] for i in take]
+        try:
+            xh = s._xfer.store(ids[take], slots, keys=keys)
+        except Exception as e:  # noqa: BLE001 - e.g. the transfer engine is closed
+            log.warning("store: transfer not submitted: %s", e)
+            s.room.release(slots)
+            for i in take:
+                status[i] = FAILED
+            self._release_keys(keys)
+            self._finish(handle, status)
+            return
+        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status))
+
+    def _on_stored(self, handle: StoreHandle, r: TransferResult, take: list[int], keys: list[bytes],
+                   status: list[str]) -> None:
+        s = self.s
+        down: list[bytes] = []
+        try:
+            with s._lock:
+                for i, key, slot, ok in zip(take, keys, r.slots, r.ok):
+                    s._storing.discard(key)
+                    if ok:
+                        if s._commit_host_locked(key, slot) == slot:
+                            status[i] = STORED
+                            if s.write_policy.on_store(key):
+                                down.append(key)
+                        else:
+                            status[i] = PRESENT
+                    else:
+                        status[i] = FAILED
+                    s._unpin_locked(key)
+            s.metrics.add("device", bytes_out=r.nbytes)
+            s.metrics.add("host", bytes_in=r.nbytes, failures=int(not r.all_ok))
+            s.metrics.observe("host", "write", r.seconds)
+            if down:
+                self.write_down(down)
+        finally:
+            self._finish(handle, status)
+
+    def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                      status: list[str]) -> None:
+        """No host tier: copy the blocks out of the device now (this thread, so the copy is ordered after
+        the engine's work), then write them to the writable backends in a worker."""
+        s = self.s
+        try:
+            rows = s.device.read_blocks(ids[new])
+        except Exception as e:  # noqa: BLE001
+            log.warning("store: device read failed: %s", e)
+            s.metrics.add("device", failures=1)
+            for i in new:
+                status[i] = FAILED
+            self._release_keys([hashes[i] for i in new])
+            self._finish(handle, status)
+            return
+        s.metrics.add("device", bytes_out=rows.numel())
+
+        def write() -> None:
+            keys = [hashes[i] for i in new]
+            strs = s.namespace.keys(keys)
+            views = [rows[j].numpy() for j in range(len(new))]
+            took = [False] * len(new)
+            try:
+                for b in s._backends.writable:
+                    ok = s._backends.put(b, strs, views)
+                    with s._lock:
+                        for j, good in enumerate(ok):
+                            if good:
+                                took[j] = True
+                                s.index.add_backend(keys[j], b)
+                for j, i in enumerate(new):
+                    status[i] = STORED if took[j] else SKIPPED
+            finally:
+                self._release_keys(keys)
+                self._finish(handle, status)
+
+        if not s._submit(s._io, write):
+            self._release_keys([hashes[i] for i in new])
+            self._finish(handle, status)
+
+    def _abandon(self, handle: StoreHandle, hashes: list[bytes], new: list[int], status: list[str],
+                 slots: list[int], wb: list[Victim]) -> None:
+        s = self.s
+        s.room.release(slots)
+        if wb:
+            with s._lock:
+                for key, slot, _ in wb:
+                    s.host.unpin([slot])
+                    s._writing.discard(key)
+                    s._unpin_locked(key)
+        s.metrics.add("host", stores_skipped=len(new))
+        self._release_keys([hashes[i] for i in new])
+        self._finish(handle, status)
+
+    def _release_keys(self, keys: Sequence[bytes]) -> None:
+        s = self.s
+        with s._lock:
+            for key in keys:
+                s._storing.discard(key)
+                s._unpin_locked(key)
+
+    def _finish(self, handle: StoreHandle, status: list[str]) -> None:
+        if handle._finish(StoreResult(tuple(status))):
+            self.s._pending.done()
+
+    # ------------------------------------------------------------------ write-down
+
+    def write_down(self, keys: Sequence[bytes]) -> None:
+        """Asynchronously copy host blocks to every writable backend that lacks them (blocks already
+        there, not in host, or already being written are left alone)."""
+        s = self.s
+        todo: list[Victim] = []
+        with s._lock:
+            for key in dict.fromkeys(keys):
+                e = s.index.get(key)
+                if e is None or e.host is None or key in s._writing:
+                    continue
+                targets = [i for i in s._backends.writable if i not in e.backends]
+                # The slot pin keeps the bytes; no index reference, since a copy down is not a use and
+                # must not change the block's recency (``_writing`` keeps eviction away instead).
+                if not targets or not s.host.pin([e.host], [key])[0]:
+                    continue
+                s._writing.add(key)
+                todo.append((key, e.host, targets))
+            if not todo:
+                return
+            s._pending.add()
+        if not s._submit(s._io, self._write_down_job, todo):
+            self._write_down_done(todo)
+
+    def _write_down_job(self, todo: list[Victim]) -> None:
+        try:
+            self.copy_down(todo)
+        finally:
+            self._write_down_done(todo)
+
+    def _write_down_done(self, todo: list[Victim]) -> None:
+        s = self.s
+        with s._lock:
+            for key, slot, _ in todo:
+                s.host.unpin([slot])
+                s._writing.discard(key)
+        s._pending.done()
+
+    def copy_down(self, todo: Sequence[Victim]) -> dict[bytes, bool]:
+        """Write pinned host blocks to their target backends (no lock held during I/O); record which
+        backends took them.  Returns {key: taken by at least one backend}."""
+        s = self.s
+        taken = {key: False for key, _, _ in todo}
+        for b in s._backends.writable:
+            part = [(key, slot) for key, slot, targets in todo if b in targets]
+            if not part:
+                continue
+            ok = s._backends.put(b, s.namespace.keys([k for k, _ in part]),
+                                 [s.host.slot_view(slot) for _, slot in part])
+            n_ok = sum(ok)
+            s.metrics.add("host", bytes_out=n_ok * s.layout.block_nbytes)
+            with s._lock:
+                for (key, _), good in zip(part, ok):
+                    if good:
+                        taken[key] = True
+                        if key in s.index:
+                            s.index.add_backend(key, b)
+                s._trim_index_locked()
+        return taken

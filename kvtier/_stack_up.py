@@ -1,0 +1,285 @@
+"""The way up: backends -> host (fetch, prefetch) and host -> device (load).
+
+Invariants:
+* every block a load or prefetch plans to use is pinned from planning until its result is known;
+* a block fetched from a backend lands in a host slot that becomes visible (READY, in the index) only
+  after the backend verified it; a block that no backend could deliver ends the usable prefix;
+* a load reports a block loaded only if all its bytes landed and every block before it did too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ._stack_results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
+
+if TYPE_CHECKING:
+    from .stack import TierStack
+    from .transfer import TransferResult
+
+log = logging.getLogger("kvtier.stack")
+
+HOST, SAME, FETCH, TMP = "host", "same", "fetch", "tmp"
+
+
+class Upward:
+    """``load``, ``prefetch`` and the backend fetches both use."""
+
+    def __init__(self, stack: TierStack):
+        self.s = stack
+
+    # ------------------------------------------------------------------ fetch (backends -> host)
+
+    def locate(self, keys: Sequence[bytes]) -> list[int]:
+        """For the longest prefix of ``keys`` present in some backend, the backend holding each block."""
+        s = self.s
+        strs = s.namespace.keys(keys)
+        where: list[int] = []
+        while len(where) < len(keys):
+            p, best, who = len(where), 0, -1
+            for b in range(len(s._backends)):
+                n = s._backends.contains_prefix(b, strs[p:])
+                if n > best:
+                    best, who = n, b
+                if p + best == len(keys):
+                    break
+            if best == 0:
+                break
+            where += [who] * best
+        return where
+
+    def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool) -> list[Any]:
+        """Bring the first ``len(where)`` keys (``where[j]``: the backend to try first) up from the
+        backends.  Per key: ``(HOST, slot, backend)`` (verified, now in host memory, or already there),
+        ``(TMP, row, backend)`` (no host room: a temporary buffer, only with ``allow_tmp``), or None.
+        The keys must be pinned by the caller."""
+        s = self.s
+        m = len(where)
+        out: list[Any] = [None] * len(keys)
+        todo: list[int] = []
+        with s._lock:
+            for j in range(m):
+                e = s.index.get(keys[j])
+                if e is not None and e.host is not None:
+                    out[j] = (HOST, e.host, None)  # arrived meanwhile (a store, another fetch)
+                else:
+                    todo.append(j)
+        if not todo:
+            return out
+        slots = s.room.reserve(len(todo)) if s.host is not None else []
+        n_tmp = len(todo) - len(slots) if allow_tmp else 0
+        tmp = torch.empty((n_tmp, s.layout.block_nbytes), dtype=torch.uint8) if n_tmp else None
+        bufs = {j: s.host.slot_view(sl) for j, sl in zip(todo, slots)}
+        bufs.update({j: tmp[r].numpy() for r, j in enumerate(todo[len(slots):len(slots) + n_tmp])})
+        strs = s.namespace.keys(keys)
+        src = {j: -1 for j in bufs}
+        # Each key from the backend that has it; then what failed (vanished, corrupt) from the others.
+        for b in sorted({where[j] for j in bufs}):
+            self._get(b, [j for j in bufs if where[j] == b], strs, bufs, src)
+        for b in range(len(s._backends)):
+            self._get(b, [j for j in bufs if src[j] < 0 and where[j] != b], strs, bufs, src)
+        with s._lock:
+            for r, j in enumerate(todo):
+                key, b = keys[j], src.get(j, -1)
+                if b >= 0 and key in s.index:
+                    s.index.add_backend(key, b)
+                elif j in bufs and key in s.index and where[j] in s.index.entry(key).backends:
+                    s.index.remove_backend(key, where[j])  # read and not there: the hint was stale
+                if r < len(slots):
+                    if b >= 0:
+                        out[j] = (HOST, s._commit_host_locked(key, slots[r]), b)
+                    else:
+                        s.host.free([slots[r]])
+                elif b >= 0:
+                    out[j] = (TMP, tmp[r - len(slots)], b)
+        n_host = sum(1 for r, j in enumerate(todo) if r < len(slots) and src.get(j, -1) >= 0)
+        s.metrics.add("host", bytes_in=n_host * s.layout.block_nbytes)
+        return out
+
+    def _get(self, b: int, want: list[int], strs: list[str], bufs: dict[int, Any], src: dict[int, int]) -> None:
+        if want:
+            ok = self.s._backends.get_into(b, [strs[j] for j in want], [bufs[j] for j in want])
+            for j, good in zip(want, ok):
+                if good:
+                    src[j] = b
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, hashes: list[bytes], ids: np.ndarray, layerwise: bool) -> LoadHandle:
+        s = self.s
+        handle = LoadHandle(len(hashes), s.layout.num_layers, layerwise)
+        plan: list[list[Any]] = []  # per block of the planned prefix: [kind, slot or row, backend or None]
+        with s._lock:
+            for key, b in zip(hashes, ids.tolist()):
+                e = s.index.get(key)
+                if e is not None and e.host is not None and s.host is not None:
+                    plan.append([HOST, e.host, None])
+                elif e is not None and e.device == b:
+                    plan.append([SAME, None, None])
+                elif len(s._backends):
+                    plan.append([FETCH, None, None])
+                else:
+                    break  # nowhere to get it from: the usable prefix ends here
+                s._pin_locked(key)
+            for (kind, _, _), b in zip(plan, ids.tolist()):
+                other = s.index.key_at_device(b)
+                if kind != SAME and other is not None:
+                    # The block is about to be overwritten: whatever the index said it held is gone.
+                    s.index.clear_device(other)
+                    s._gc_locked(other)
+        if any(p[0] == FETCH for p in plan):
+            if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan):
+                self._finish_load(handle, hashes, ids, plan, 0, None, [], ["stack closed"])
+        else:
+            self._scatter(handle, hashes, ids, plan, len(plan), [])
+        return handle
+
+    def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]]) -> None:
+        errors: list[str] = []
+        cut = len(plan)
+        try:
+            pos = [i for i, p in enumerate(plan) if p[0] == FETCH]
+            keys = [hashes[i] for i in pos]
+            got = self.fetch(keys, self.locate(keys), allow_tmp=True)
+            for i, g in zip(pos, got):
+                plan[i] = list(g) if g is not None else [None, None, None]
+            cut = next((i for i, p in enumerate(plan) if p[0] is None), len(plan))
+            tmp = [i for i in range(cut) if plan[i][0] == TMP]
+            if tmp:
+                try:
+                    self.s.device.write_blocks(torch.stack([plan[i][1] for i in tmp]), ids[tmp])
+                    self.s.metrics.add("device", bytes_in=len(tmp) * self.s.layout.block_nbytes)
+                except Exception as e:  # noqa: BLE001 - those blocks fail, the rest goes on
+                    errors.append(f"device write: {type(e).__name__}: {e}")
+                    self.s.metrics.add("device", failures=1)
+                    for i in tmp:
+                        plan[i][0] = None
+                    cut = min(cut, tmp[0])
+        except Exception as e:  # noqa: BLE001 - a fault fails the blocks, never the engine
+            log.exception("load: fetch failed")
+            errors.append(f"fetch: {type(e).__name__}: {e}")
+            self._finish_load(handle, hashes, ids, plan, 0, None, [], errors)
+            return
+        self._scatter(handle, hashes, ids, plan, cut, errors)
+
+    def _scatter(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]],
+                 cut: int, errors: list[str]) -> None:
+        """Host -> device for the planned blocks before ``cut`` that sit in host memory."""
+        s = self.s
+        hp = [i for i in range(cut) if plan[i][0] == HOST]
+        if not hp:
+            handle._stage(None)
+            self._finish_load(handle, hashes, ids, plan, cut, None, hp, errors)
+            return
+        try:
+            xh = s._xfer.load([plan[i][1] for i in hp], ids[hp], layerwise=handle.layerwise,
+                              keys=[hashes[i] for i in hp])
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"transfer: {type(e).__name__}: {e}")
+            self._finish_load(handle, hashes, ids, plan, cut, None, hp, errors)
+            return
+        handle._stage(xh)
+        xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, hp, errors))
+
+    def _finish_load(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]],
+                     cut: int, r: TransferResult | None, hp: list[int], errors: list[str]) -> None:
+        s = self.s
+        n = len(hashes)
+        copied = [False] * n
+        tiers: list[str | None] = [None] * n
+        down: list[bytes] = []
+        try:
+            names = s._backends.names
+            for i in range(min(cut, len(plan))):
+                kind, _, b = plan[i]
+                tiers[i] = "device" if kind == SAME else (names[b] if b is not None else "host")
+                copied[i] = kind in (SAME, TMP)
+            if r is not None:
+                for i, ok in zip(hp, r.ok):
+                    copied[i] = ok
+                errors = [*errors, *r.errors]
+            num = next((i for i in range(n) if not copied[i]), n)
+            with s._lock:
+                try:
+                    for i in range(num):
+                        s._set_device_locked(hashes[i], int(ids[i]))
+                        if s.write_policy.on_hit(hashes[i], s._hit_locked(hashes[i])):
+                            down.append(hashes[i])
+                finally:
+                    for i in range(len(plan)):
+                        s._unpin_locked(hashes[i])
+            self._count(plan[:num], n, r)
+        except Exception as e:  # noqa: BLE001 - the handle is finished whatever happens
+            log.exception("load: completion failed")
+            errors = [*errors, f"completion: {e}"]
+            num = 0
+        ok = tuple(i < num for i in range(n))
+        handle._finish(LoadResult(tuple(int(b) for b in ids), ok, tuple(copied), tuple(tiers), tuple(errors),
+                                  s.block_size))
+        if down:
+            s._down.write_down(down)
+
+    def _count(self, served: list[list[Any]], n: int, r: TransferResult | None) -> None:
+        m = self.s.metrics
+        same = sum(1 for p in served if p[0] == SAME)
+        from_host = sum(1 for p in served if p[0] == HOST and p[2] is None)
+        m.hit("device", same)
+        m.add("device", misses=n - same)
+        m.hit("host", from_host)
+        m.add("host", misses=n - same - from_host)
+        if r is not None:
+            m.add("host", bytes_out=r.nbytes, failures=int(not r.all_ok))
+            m.add("device", bytes_in=r.nbytes)
+            m.observe("host", "read", r.seconds)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch(self, hashes: list[bytes], lookup: LookupResult | None) -> PrefetchHandle:
+        s = self.s
+        if s.host is None or not len(s._backends):
+            return PrefetchHandle(s, hashes, 0, 0.0, started=False)
+        res = lookup if lookup is not None and lookup.num_requested == len(hashes) else \
+            s.lookup(hashes, record=False)
+        names = {n: i for i, n in enumerate(s._backends.names)}
+        pos = [i for i, t in enumerate(res.tiers) if t in names]
+        tokens = len(pos) * s.block_size
+        if not pos or tokens < s.prefetch_threshold_tokens:
+            return PrefetchHandle(s, hashes, 0, 0.0, started=False)
+        prefix = hashes[:res.num_blocks]
+        with s._lock:
+            for key in prefix:  # the memory part too: making room must not evict the request's own head
+                s._pin_locked(key)
+        handle = PrefetchHandle(s, hashes, tokens, s.prefetch_policy.wait_seconds(tokens), started=True)
+        job = (handle, prefix, [hashes[i] for i in pos], [names[res.tiers[i]] for i in pos])
+        if not s._submit(s._reads, self._prefetch_job, *job):
+            self._prefetch_done(handle, prefix)
+        return handle
+
+    def _prefetch_job(self, handle: PrefetchHandle, prefix: list[bytes], keys: list[bytes],
+                      where: list[int]) -> None:
+        try:
+            step = max(1, self.s.prefetch_chunk_blocks)
+            for a in range(0, len(keys), step):
+                if handle.cancelled.is_set():
+                    break
+                got = self.fetch(keys[a:a + step], where[a:a + step], allow_tmp=False)
+                n_ok = next((j for j, g in enumerate(got) if g is None), len(got))
+                handle.fetched += n_ok
+                if n_ok < len(got):
+                    break  # the chain is broken here: later blocks are of no use
+        finally:
+            self._prefetch_done(handle, prefix)
+
+    def _prefetch_done(self, handle: PrefetchHandle, prefix: list[bytes]) -> None:
+        s = self.s
+        try:
+            with s._lock:
+                for key in prefix:
+                    s._unpin_locked(key)
+        finally:
+            handle._finish(handle.fetched)

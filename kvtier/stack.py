@@ -1,0 +1,421 @@
+"""The tier stack: the conductor that moves KV blocks between device, host memory and storage backends.
+
+Data flows one way down on store (device -> host -> backends, when the write policy says) and one way
+up on load (backends -> host -> device), always through here, and backends are only used through the
+:class:`~kvtier.backend.StorageBackend` contract.  Two halves, as in vLLM's KV connector:
+
+* scheduler side (block hashes only, never tensors): :meth:`TierStack.lookup`, :meth:`TierStack.prefetch`,
+  :meth:`TierStack.on_device_freed`;
+* worker side (device block ids; the bytes move in worker threads or on CUDA streams):
+  :meth:`TierStack.load`, :meth:`TierStack.store`, :meth:`TierStack.flush`.
+
+Invariants:
+
+* **Pinned in flight.**  Every block that a transfer or backend I/O is using holds a reference in the
+  index (and its host slot a pin in the host tier) until the operation is over; eviction only ever
+  picks blocks with no reference, so bytes are never freed or overwritten under a reader.
+* **Index = truth about memory.**  ``index`` says a block is in host slot ``s`` iff that slot holds
+  the block's verified bytes (READY); a device entry is the engine's block the stack last copied the
+  block to or from (the engine clears it with :meth:`TierStack.on_device_freed`).  Backend bits are
+  hints; lookups ask the backends themselves, loads verify every byte.
+* **Failures never reach the engine.**  A backend fault is 0 hits (lookup), a skipped store (store),
+  a miss to recompute (load), counted in metrics.  A failed load is never counted as loaded: the
+  :class:`LoadResult` names exactly the blocks to recompute (everything from the first failure on).
+* **Bounded.**  Nothing waits without a bound while holding a lock: a full host tier skips (counted)
+  or evicts unpinned blocks; write-back evictions do their I/O outside the lock in worker threads,
+  bounded by the backends' own timeouts; every wait takes a timeout.
+* **One lock.**  ``_lock`` guards the index and the stack's in-flight sets and is never held across
+  I/O, a copy, a wait, or a call into the transfer engine.
+
+The store path lives in :mod:`kvtier._stack_down`, the load and prefetch paths in
+:mod:`kvtier._stack_up`, results and handles in :mod:`kvtier._stack_results`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._stack_backends import BackendSet
+from ._stack_down import Downward, HostRoom
+from ._stack_results import (
+    LoadHandle,
+    LoadResult,
+    LookupResult,
+    PendingOps,
+    PrefetchHandle,
+    StoreHandle,
+    StoreResult,
+)
+from ._stack_up import Upward
+from .backend import StorageBackend
+from .config import KvtierConfig, load_config
+from .host import HostTier
+from .index import BlockIndex, Tier
+from .keys import Namespace
+from .layout import KVLayout, LayoutError
+from .metrics import StackMetrics
+from .policy import EvictionPolicy, PrefetchPolicy, WritePolicy
+from .tiers import BlockPool, DeviceTier
+from .transfer import TransferEngine
+
+log = logging.getLogger("kvtier.stack")
+
+
+class TierStack:
+    """Device tier + optional host tier + storage backends, with write / prefetch / eviction policies.
+
+    ``kv_caches``: the engine's KV tensors in ``config.device.layout`` (a list of per-layer tensors or
+    one stacked tensor); None allocates a standalone cache of ``config.device.num_blocks`` blocks on
+    ``config.device.kind`` (and a :class:`~kvtier.tiers.BlockPool` as ``block_pool``).
+    ``backends``: instances to use instead of building ``config.backends`` (tests); each is writable
+    unless a config backend of the same name says ``write: false``.  The stack closes only the
+    backends it built.
+    """
+
+    def __init__(self, config: KvtierConfig, *, kv_caches: Any = None,
+                 backends: Sequence[StorageBackend] | None = None):
+        self.config = config
+        self.namespace: Namespace = config.namespace()
+        self.block_size = self.namespace.block_size
+        self.device, self.block_pool = self._make_device(config, kv_caches)
+        self.layout: KVLayout = self.device.layout
+        self.host: HostTier | None = (HostTier.from_config(config.host, self.layout.block_nbytes)
+                                      if config.host.capacity else None)
+        threads = config.transfer.threads
+        self._xfer = TransferEngine(self.device, self.host, num_workers=min(threads, 4)) if self.host else None
+
+        cfg_write = {b.name: b.write for b in config.backends}
+        if backends is None:
+            built = [b.plugin()(b.options, name=b.name) for b in config.backends]
+            owned = [True] * len(built)
+        else:
+            built, owned = list(backends), [False] * len(backends)
+        names = [b.name for b in built]
+        if len(set(names)) != len(names) or {"device", "host"} & set(names):
+            raise ValueError(f"backend names must be unique and not 'device' or 'host', got {names}")
+        self.backends: list[StorageBackend] = built
+        self._owned = owned
+
+        tiers = ["device", *(["host"] if self.host else []), *names]
+        self.metrics = StackMetrics(tiers, self.block_size, gauges=self._gauges)
+        self._backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
+                                    self.namespace.layout_id, self.layout.block_nbytes)
+        pol = config.policies
+        self.write_policy: WritePolicy = pol.write.plugin()(pol.write.options)
+        self.prefetch_policy: PrefetchPolicy = pol.prefetch.plugin()(pol.prefetch.options)
+        self.eviction_policy: EvictionPolicy = pol.eviction.plugin()(pol.eviction.options)
+        self.prefetch_threshold_tokens = pol.prefetch.threshold_tokens
+        self.prefetch_chunk_blocks = 16  # blocks read per backend call by a prefetch (cancel granularity)
+
+        slots = self.host.num_slots if self.host else 0
+        self.index = BlockIndex(capacity=max(1024, self.device.num_blocks + slots))
+        # Entries only in backends are hints (hit counts, where a block was written); beyond this many
+        # entries the oldest of them are forgotten, so the index stays bounded in a long-lived process.
+        self.max_index_entries = max(1 << 20, 4 * (self.device.num_blocks + slots))
+        self._lock = threading.Lock()
+        self._pending = PendingOps()
+        self._storing: set[bytes] = set()  # device -> host copy (or direct backend write) in flight
+        self._writing: set[bytes] = set()  # host -> backend write-down in flight
+        self._io = ThreadPoolExecutor(threads, "kvtier-write")  # backend writes (write-down, write-back)
+        self._reads = ThreadPoolExecutor(threads, "kvtier-read")  # backend reads (load, prefetch)
+        self._closed = False
+        self.room = HostRoom(self)
+        self._down = Downward(self)
+        self._up = Upward(self)
+
+        self._backends.put_manifests(self.namespace)
+        self.metrics_port: int | None = None
+        if config.metrics.prometheus_port:
+            self.metrics_port = self.metrics.serve(config.metrics.prometheus_port)
+
+    @classmethod
+    def from_config(cls, path_or_config: str | os.PathLike | KvtierConfig | None = None, **kw: Any) -> TierStack:
+        """A stack from a config object, a YAML path, or None (the embedded default config)."""
+        cfg = path_or_config if isinstance(path_or_config, KvtierConfig) else load_config(path_or_config)
+        return cls(cfg, **kw)
+
+    @staticmethod
+    def _make_device(config: KvtierConfig, kv_caches: Any) -> tuple[DeviceTier, BlockPool | None]:
+        ns, d = config.namespace(), config.device
+        inner = ("mla" if ns.attention == "mla" else "flash_attn") if d.layout == "stacked" else None
+        if kv_caches is None:
+            kind = d.kind if d.kind != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            layout = KVLayout.from_namespace(ns, d.num_blocks, d.layout, inner=inner)
+            return DeviceTier.allocate(layout, kind), BlockPool(d.num_blocks)
+        # The engine's tensors fix the block count; everything else must be what the config says.
+        first = kv_caches if isinstance(kv_caches, torch.Tensor) else next(iter(kv_caches), None)
+        if not isinstance(first, torch.Tensor):
+            raise LayoutError("kv_caches: expected a tensor or a non-empty list of tensors")
+        blocks_dim = {"flash_attn": 1, "flashinfer": 0, "mla": 0, "stacked": 1 + (inner == "flash_attn")}[d.layout]
+        if first.dim() <= blocks_dim:
+            raise LayoutError(f"kv_caches: a {d.layout} tensor has more than {blocks_dim} dims, got shape "
+                              f"{tuple(first.shape)}")
+        layout = KVLayout.from_namespace(ns, int(first.shape[blocks_dim]), d.layout, inner=inner)
+        layout.validate(kv_caches)
+        return DeviceTier(layout, kv_caches), None
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def lookup(self, hashes: Sequence[bytes], *, record: bool = True) -> LookupResult:
+        """The longest prefix of ``hashes`` available in some tier, and where each block is best served
+        from.  Memory tiers come from the index; backends are asked (``contains_prefix``) for the rest,
+        so blocks another process stored are found.  A failing backend counts as 0 hits.  With
+        ``record`` the result is counted as one request in the metrics (matched tokens per tier); pass
+        False when a scheduler asks again about the same request."""
+        hashes = list(hashes)
+        n, tiers, p = len(hashes), [], 0
+        keys: list[str] | None = None
+        while p < n:
+            with self._lock:
+                while p < n:
+                    e = self.index.get(hashes[p])
+                    if e is None or (e.device is None and e.host is None):
+                        break
+                    tiers.append("device" if e.device is not None else "host")
+                    p += 1
+            if p == n or not self._backends.backends:
+                break
+            keys = keys or self.namespace.keys(hashes)
+            best, who = 0, -1
+            for i in range(len(self._backends)):
+                got = self._backends.contains_prefix(i, keys[p:])
+                if got > best:
+                    best, who = got, i
+                if p + best == n:
+                    break
+            if best == 0:
+                break
+            with self._lock:  # within the backend's run, a block also in memory is best served there
+                for h in hashes[p:p + best]:
+                    e = self.index.get(h)
+                    mem = None if e is None else "device" if e.device is not None else \
+                        "host" if e.host is not None else None
+                    tiers.append(mem or self._backends.names[who])
+            p += best
+        res = LookupResult(tuple(tiers), self.block_size, n)
+        if record:
+            self.metrics.record_request(res.tiers, n)
+        return res
+
+    def prefetch(self, hashes: Sequence[bytes], *, lookup: LookupResult | None = None) -> PrefetchHandle:
+        """Start copying the blocks of the longest available prefix that are only in backends into host
+        memory, if they are at least ``policies.prefetch.threshold_tokens`` tokens; ``lookup`` reuses a
+        result just computed for the same hashes.  ``handle.wait()`` applies the prefetch policy."""
+        return self._up.prefetch(list(hashes), lookup)
+
+    def on_device_freed(self, block_ids: Sequence[int]) -> None:
+        """The engine freed or reused these device blocks: forget what the index says they hold."""
+        with self._lock:
+            for b in _ints(block_ids):
+                key = self.index.key_at_device(int(b))
+                if key is not None:
+                    self.index.clear_device(key)
+                    self._gc_locked(key)
+
+    def leading_in_memory(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``hashes`` in host memory or on the device."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                e = self.index.get(h)
+                if e is None or (e.host is None and e.device is None):
+                    break
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ worker side
+
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, layerwise: bool = False) -> LoadHandle:
+        """Copy the longest available prefix of ``hashes`` into device blocks ``block_ids`` (same
+        length).  Sources, best first: host memory; the same device block already holding it (no copy);
+        the backends, fetched into host memory first (promoted; a temporary buffer when host memory has
+        no room).  ``handle.wait()`` -> :class:`LoadResult`: ``ok`` per block (a prefix), ``recompute``."""
+        return self._up.load(list(hashes), self._check_ids(block_ids, len(hashes)), layerwise)
+
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> StoreHandle:
+        """Copy device blocks ``block_ids`` holding ``hashes`` into host memory (allocating slots; when
+        full, evicting unpinned blocks as the eviction policy says, or skipping and counting); then the
+        write policy decides which go down to the backends, and when (asynchronously).  The engine may
+        reuse the device blocks once ``handle.wait()`` has returned."""
+        return self._down.store(list(hashes), self._check_ids(block_ids, len(hashes)))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every store in flight and every pending backend write has finished; False if
+        ``timeout`` expired first.  A prefill process calls it before exit."""
+        return self._pending.wait(timeout)
+
+    # ------------------------------------------------------------------ observability
+
+    def stats(self) -> dict[str, Any]:
+        out = self.metrics.snapshot()
+        out["host"] = dataclasses.asdict(self.host.stats()) if self.host else None
+        with self._lock:
+            out["index"] = {"entries": len(self.index), "device": self.index.count(Tier.DEVICE),
+                            "host": self.index.count(Tier.HOST), "pinned": self.index.pinned,
+                            **{n: self.index.count(Tier.backend(i)) for i, n in enumerate(self._backends.names)}}
+        out["transfer"] = self._xfer.stats() if self._xfer else None
+        out["backends"] = self._backends.stats()
+        out["pending"] = self._pending.count
+        return out
+
+    def summary(self) -> str:
+        """Like FastDeploy's request summary: device / host / storage matched tokens, then per-tier
+        hits, bytes and failures, then host occupancy."""
+        lines = [self.metrics.summary()]
+        if self.host:
+            s = self.host.stats()
+            lines.append(f"  host slots: {s.ready} ready ({s.pinned_slots} pinned), {s.writing} writing, "
+                         f"{s.free} free of {s.num_slots}")
+        return "\n".join(lines)
+
+    def _gauges(self) -> dict[str, float]:
+        g: dict[str, float] = {"pending_writes": self._pending.count, "index_entries": len(self.index),
+                               "pinned_blocks": self.index.pinned}
+        if self.host:
+            s = self.host.stats()
+            g.update(host_slots=s.num_slots, host_slots_used=s.num_slots - s.free)
+        return g
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Flush (up to ``timeout`` s), stop the workers, close the backends the stack built."""
+        if self._closed:
+            return
+        if not self.flush(timeout):
+            log.warning("close: %d backend writes still pending after %s s", self._pending.count, timeout)
+        self._closed = True
+        self._reads.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        if self._xfer is not None:
+            self._xfer.close()
+        self.metrics.close()
+        self._backends.close(self._owned)
+        if self.host is not None:
+            self.host.close()
+
+    def __enter__(self) -> TierStack:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ index bookkeeping (hold _lock)
+
+    def _check_ids(self, block_ids: Sequence[int], n: int) -> np.ndarray:
+        ids = _ints(block_ids)
+        if ids.size != n:
+            raise ValueError(f"{n} hashes but {ids.size} block ids")
+        bad = ~self.device.valid_block_ids(ids)
+        if bad.any():
+            raise ValueError(f"block ids {ids[bad].tolist()} out of range [0, {self.device.num_blocks})")
+        return ids
+
+    def _pin_locked(self, key: bytes) -> None:
+        if key not in self.index:
+            self.index.insert(key)
+        self.index.pin(key)
+
+    def _unpin_locked(self, key: bytes) -> None:
+        self.index.unpin(key)
+        self._gc_locked(key)
+
+    def _gc_locked(self, key: bytes) -> None:
+        """Drop an entry that is nowhere and unreferenced, so the index stays bounded."""
+        e = self.index.get(key)
+        if e is not None and e.refs == 0 and e.device is None and e.host is None and not e.backends:
+            self.index.remove(key)
+
+    def _trim_index_locked(self) -> None:
+        """Forget the least recently used backend-only entries once the index is over its bound."""
+        excess = len(self.index) - self.max_index_entries
+        if excess <= 0:
+            return
+        excess += self.max_index_entries // 8  # trim in batches: the scan below is O(entries)
+        for i in range(len(self._backends)):
+            for key in self.index.eviction_candidates(Tier.backend(i), excess):
+                e = self.index.get(key)
+                if e is not None and e.refs == 0 and e.device is None and e.host is None:
+                    self.index.remove(key)
+                    excess -= 1
+            if excess <= 0:
+                return
+
+    def _set_device_locked(self, key: bytes, block_id: int) -> None:
+        """``key`` is now in device block ``block_id``; whatever the index said that block held is gone."""
+        other = self.index.key_at_device(block_id)
+        if other is not None and other != key:
+            self.index.clear_device(other)
+            self._gc_locked(other)
+        if key not in self.index:
+            self.index.insert(key)
+        self.index.set_device(key, block_id)
+
+    def _hit_locked(self, key: bytes) -> int:
+        """Count a hit (a reuse): recency for eviction, and the count write policies look at."""
+        self.index.touch(key)
+        e = self.index.entry(key)
+        if e.host is not None:
+            self.eviction_policy.on_access(Tier.HOST, [key])
+        return e.hits
+
+    def _commit_host_locked(self, key: bytes, slot: int) -> int:
+        """Record ``key`` in host ``slot`` (READY or WRITING, unpinned) unless another slot already holds
+        it (a concurrent store or fetch won): then ``slot`` is freed.  Returns the slot holding ``key``."""
+        e = self.index.get(key)
+        if e is not None and e.host is not None and e.host != slot:
+            self.host.free([slot])
+            return e.host
+        if self.host.state(slot) == "writing":
+            self.host.commit([slot], [key])
+        if key not in self.index:
+            self.index.insert(key)
+        self.index.set_host(key, slot)
+        self.eviction_policy.on_insert(Tier.HOST, [key])
+        return slot
+
+    def _drop_host_locked(self, key: bytes) -> None:
+        """Evict ``key`` from host memory (unpinned): its slot becomes free."""
+        slot = self.index.clear_host(key)
+        if slot is not None:
+            self.host.free([slot])
+            self.eviction_policy.on_remove(Tier.HOST, [key])
+            self.metrics.add("host", evictions=1)
+        self._gc_locked(key)
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> bool:
+        """Run ``fn(*args)`` on ``pool``; False (nothing run) once the stack is closing."""
+        try:
+            pool.submit(_logged, fn, *args)
+            return True
+        except RuntimeError:
+            return False
+
+
+def _logged(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a worker's fault is logged; its handles are finished by fn
+        log.exception("kvtier worker task %s failed", getattr(fn, "__name__", fn))
+
+
+def _ints(values: Any) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.cpu().numpy()
+    arr = np.asarray(list(values) if isinstance(values, range) else values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"block ids: expected a 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
+    return arr.astype(np.int64)
+
+
+__all__ = ["LoadHandle", "LoadResult", "LookupResult", "PrefetchHandle", "StoreHandle", "StoreResult",
+           "TierStack"]

@@ -1,0 +1,134 @@
+"""Metrics: per-tier counters and latencies, the per-request summary (device / host / storage matched
+tokens, as FastDeploy reports), and the Prometheus exposition."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+from _stack_helpers import BLOCK, BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack
+
+from kvtier.backend import BackendUnavailable
+from kvtier.metrics import BUCKETS, LatencyStats, StackMetrics
+from kvtier.stack import TierStack
+
+pytest.importorskip("prometheus_client")
+
+
+def test_latency_stats_percentiles_and_buckets():
+    s = LatencyStats()
+    for i in range(1, 101):
+        s.observe(i / 1000)  # 1 ms .. 100 ms
+    snap = s.snapshot()
+    assert snap["count"] == 100 and snap["sum"] == pytest.approx(5.05)
+    assert snap["p50"] == pytest.approx(0.0505, rel=0.02)
+    assert snap["p90"] == pytest.approx(0.0901, rel=0.02)
+    assert snap["p99"] == pytest.approx(0.099, rel=0.02)
+    assert sum(s.buckets) == 100 and len(s.buckets) == len(BUCKETS) + 1
+    assert LatencyStats().snapshot()["p99"] == 0.0
+
+
+def test_stack_counts_hits_misses_bytes_and_skips(tmp_path):
+    st, fb = make_stack(tmp_path, host_slots=4)
+    try:
+        hs = chain(st, 3)
+        fill(st, [0, 1, 2], seed=1)
+        st.store(hs, [0, 1, 2]).wait(TIMEOUT)
+        assert st.flush(TIMEOUT)
+        st.on_device_freed(range(32))
+        st.load(hs, [10, 11, 12]).wait(TIMEOUT)  # 3 host hits
+        st.load(chain(st, 2, start=900), [20, 21]).wait(TIMEOUT)  # 2 misses everywhere
+        t = st.metrics.snapshot()["tiers"]
+        nb = BLOCK_NBYTES
+        assert t["device"]["bytes_out"] == 3 * nb and t["device"]["bytes_in"] == 3 * nb
+        assert t["device"]["hits"] == 0 and t["device"]["misses"] == 5
+        assert t["host"]["hits"] == 3 and t["host"]["hit_tokens"] == 3 * BLOCK and t["host"]["misses"] == 2
+        assert t["host"]["bytes_in"] == 3 * nb and t["host"]["bytes_out"] == 3 * nb + 3 * nb  # load + write-down
+        assert t["disk"]["bytes_in"] == 3 * nb and t["disk"]["misses"] == 0  # the 2 unknown blocks: no get
+        assert t["disk"]["latency"]["write"]["count"] >= 1
+        assert t["host"]["latency"]["read"]["count"] == 1 and t["host"]["latency"]["read"]["p50"] > 0
+        # a failing backend: failure + skipped stores
+        fb.fail("put", BackendUnavailable, times=1)
+        fill(st, [3], seed=2)
+        st.store(chain(st, 1, start=500), [3]).wait(TIMEOUT)
+        assert st.flush(TIMEOUT)
+        t = st.metrics.snapshot()["tiers"]["disk"]
+        assert t["failures"] == 1 and t["stores_skipped"] == 1
+    finally:
+        st.close()
+
+
+def test_request_summary_device_host_storage(tmp_path):
+    st, _ = make_stack(tmp_path, host_slots=4)
+    try:
+        hs = chain(st, 6)
+        fill(st, list(range(6)), seed=3)
+        st.store(hs[:4], [0, 1, 2, 3]).wait(TIMEOUT)  # 4 in host + disk, still on device
+        st.flush(TIMEOUT)
+        st.store(hs[4:], [4, 5]).wait(TIMEOUT)  # evicts blocks 0 and 1 from host
+        st.flush(TIMEOUT)
+        st.on_device_freed([0, 1, 2, 3, 4, 5])
+        fill(st, [0], seed=3)
+        st.store(hs[:1], [0]).wait(TIMEOUT)  # block 0 on device again
+        st.flush(TIMEOUT)
+        res = st.lookup(hs + chain(st, 2, start=999))
+        assert res.tiers[0] == "device" and res.num_blocks == 6
+        summary = st.metrics.recent_requests()[-1]
+        assert summary.num_tokens == 8 * BLOCK
+        assert summary.device_tokens == res.device_tokens == BLOCK
+        assert summary.host_tokens == res.host_tokens
+        assert summary.storage_tokens == res.storage_tokens == 6 * BLOCK - res.device_tokens - res.host_tokens
+        assert res.storage_tokens > 0 and res.host_tokens > 0
+        st.lookup(hs, record=False)
+        assert st.metrics.snapshot()["requests"]["requests"] == 1
+        text = st.summary()
+        assert "requests 1: matched tokens device 4" in text and "host slots" in text
+        stats = st.stats()
+        assert stats["index"]["disk"] == 6 and stats["host"]["num_slots"] == 4 and stats["pending"] == 0
+        assert stats["backends"]["disk"]["puts"] == 6
+    finally:
+        st.close()
+
+
+def test_prometheus_text_exposition(tmp_path):
+    st, _ = make_stack(tmp_path)
+    try:
+        hs = chain(st, 2)
+        fill(st, [0, 1], seed=4)
+        st.store(hs, [0, 1]).wait(TIMEOUT)
+        st.flush(TIMEOUT)
+        st.on_device_freed([0, 1])
+        st.lookup(hs)
+        st.load(hs, [5, 6]).wait(TIMEOUT)
+        text = st.metrics.generate_latest().decode()
+        assert 'kvtier_tier_hits_total{kind="host",tier="host"} 2.0' in text
+        assert f'kvtier_tier_bytes_in_total{{kind="storage",tier="disk"}} {float(2 * BLOCK_NBYTES)}' in text
+        assert 'kvtier_request_matched_tokens_total{tier="host"} 8.0' in text
+        assert "kvtier_requests_total 1.0" in text
+        assert 'kvtier_tier_op_seconds_bucket{le="+Inf",op="write",tier="disk"}' in text
+        assert "kvtier_host_slots 4.0" in text and "kvtier_pending_writes 0.0" in text
+    finally:
+        st.close()
+
+
+def test_prometheus_server_from_config(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    st = TierStack(config(tmp_path, metrics={"prometheus_port": port}))
+    try:
+        assert st.metrics_port == port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT).read().decode()
+        assert 'kvtier_tier_hits_total{kind="device",tier="device"} 0.0' in body
+    finally:
+        st.close()
+
+
+def test_unknown_tier_is_ignored_and_names_must_be_unique():
+    m = StackMetrics(["device", "host"], 16)
+    m.add("nope", hits=1)
+    m.observe("nope", "read", 0.1)
+    assert set(m.snapshot()["tiers"]) == {"device", "host"}
+    with pytest.raises(ValueError, match="unique"):
+        StackMetrics(["device", "device"], 16)

@@ -1,0 +1,484 @@
+"""The tier stack on a real local_disk backend: store / lookup / prefetch / load, pinning, promotion,
+failures that never reach the engine (FaultyBackend), a full host tier, concurrency, manifests."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack, read, where
+
+from kvtier.backend import BackendTimeout, BackendUnavailable
+from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.index import Tier
+from kvtier.layout import LayoutError
+from kvtier.stack import TierStack
+from kvtier.testing.faults import FaultyBackend
+
+
+@pytest.fixture
+def stack_fb(tmp_path):
+    st, fb = make_stack(tmp_path)
+    yield st, fb
+    fb.clear()
+    st.close(timeout=TIMEOUT)
+
+
+def test_store_lookup_load_round_trip(stack_fb):
+    st, _ = stack_fb
+    hs = chain(st, 4)
+    rows = fill(st, [0, 1, 2, 3], seed=1)
+    res = st.store(hs, [0, 1, 2, 3]).wait(TIMEOUT)
+    assert res.num_stored == 4
+    assert st.flush(TIMEOUT)
+    lk = st.lookup(hs)
+    assert lk.num_blocks == 4 and lk.counts == {"device": 4} and lk.num_tokens == 16
+    st.on_device_freed([0, 1, 2, 3])
+    assert st.lookup(hs).counts == {"host": 4}
+    lr = st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT)
+    assert lr.ok == (True,) * 4 and lr.num_loaded == 4 and lr.recompute == [] and lr.tiers == ("host",) * 4
+    assert torch.equal(read(st, [10, 11, 12, 13]), rows)
+    assert where(st, hs) == ["HD"] * 4
+    # The index now says the blocks are in device blocks 10..13.
+    assert [st.index.get(h).device for h in hs] == [10, 11, 12, 13]
+
+
+def test_lookup_is_a_prefix_and_unknown_blocks_miss(stack_fb):
+    st, _ = stack_fb
+    hs = chain(st, 6)
+    fill(st, [0, 1, 2], seed=2)
+    st.store(hs[:3], [0, 1, 2]).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    st.on_device_freed(range(32))
+    assert st.lookup(hs).num_blocks == 3
+    other = chain(st, 3, start=1000)
+    assert st.lookup(other).num_blocks == 0
+    lr = st.load(other, [5, 6, 7]).wait(TIMEOUT)
+    assert lr.num_loaded == 0 and lr.recompute == [5, 6, 7] and lr.tiers == (None,) * 3
+
+
+def test_load_promotes_backend_blocks_into_host(stack_fb):
+    st, _ = stack_fb
+    hs = chain(st, 3)
+    rows = fill(st, [0, 1, 2], seed=3)
+    st.store(hs, [0, 1, 2]).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    # Push them out of host memory (4 slots) with 4 other blocks.
+    fill(st, [4, 5, 6, 7], seed=4)
+    st.store(chain(st, 4, start=500), [4, 5, 6, 7]).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    st.on_device_freed(range(32))
+    assert where(st, hs) == ["D"] * 3
+    assert st.lookup(hs).counts == {"disk": 3}
+    lr = st.load(hs, [20, 21, 22]).wait(TIMEOUT)
+    assert lr.num_loaded == 3 and lr.tiers == ("disk",) * 3
+    assert torch.equal(read(st, [20, 21, 22]), rows)
+    assert where(st, hs) == ["HD"] * 3  # promoted: now also in host
+    st.on_device_freed(range(32))
+    assert st.lookup(hs).counts == {"host": 3}
+
+
+def test_decode_instance_loads_what_a_prefill_instance_stored(tmp_path):
+    """P/D: two stacks share a disk; the second knows nothing but the keys."""
+    prefill = TierStack(config(tmp_path, host_slots=8))
+    hs = chain(prefill, 5)
+    rows = fill(prefill, list(range(5)), seed=5)
+    prefill.store(hs, list(range(5))).wait(TIMEOUT)
+    assert prefill.flush(TIMEOUT)
+    prefill.close()
+    decode = TierStack(config(tmp_path, backends=[
+        {"name": "disk", "type": "local_disk", "write": False, "options": {"path": str(tmp_path / "disk")}}]))
+    try:
+        assert decode.lookup(hs).counts == {"disk": 5}
+        lr = decode.load(hs, [9, 8, 7, 6, 5]).wait(TIMEOUT)
+        assert lr.num_loaded == 5
+        assert torch.equal(read(decode, [9, 8, 7, 6, 5]), rows)
+        # A read-only backend is never written to (host has 4 slots: one block did not fit, no write-back).
+        assert decode.stats()["tiers"]["disk"]["bytes_in"] == 0
+    finally:
+        decode.close()
+
+
+def test_host_full_of_pinned_blocks_skips_and_counts_never_waits(stack_fb):
+    st, fb = stack_fb
+    gate = fb.gate("put")  # write-through puts hang: the 4 stored blocks stay pinned (in flight)
+    hs = chain(st, 4)
+    rows = fill(st, [0, 1, 2, 3], seed=6)
+    assert st.store(hs, [0, 1, 2, 3]).wait(TIMEOUT).num_stored == 4
+    assert gate.entered.wait(TIMEOUT)
+    more = chain(st, 2, start=300)
+    fill(st, [4, 5], seed=7)
+    t0 = time.monotonic()
+    res = st.store(more, [4, 5]).wait(TIMEOUT)
+    assert time.monotonic() - t0 < 2.0
+    assert res.status == ("skipped", "skipped")
+    assert st.metrics.snapshot()["tiers"]["host"]["stores_skipped"] == 2
+    assert not st.flush(0.05)  # the gated writes are still pending
+    # The pinned blocks were not evicted and their bytes are intact.
+    assert where(st, hs) == ["H"] * 4
+    st.on_device_freed([0, 1, 2, 3])
+    assert st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT).num_loaded == 4
+    assert torch.equal(read(st, [10, 11, 12, 13]), rows)
+    gate.release()
+    assert st.flush(TIMEOUT)
+    # Unpinned now: a new store evicts the least recently used instead of skipping.
+    res = st.store(more, [4, 5]).wait(TIMEOUT)
+    assert res.num_stored == 2
+    assert st.metrics.snapshot()["tiers"]["host"]["evictions"] == 2
+
+
+def test_blocks_being_loaded_are_not_evicted(stack_fb):
+    st, _ = stack_fb
+    hs = chain(st, 4)
+    rows = fill(st, [0, 1, 2, 3], seed=8)
+    st.store(hs, [0, 1, 2, 3]).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    st.on_device_freed(range(32))
+    release = threading.Event()
+    st._xfer.layer_hook = lambda direction, layer: release.wait(TIMEOUT) if direction == "load" else None
+    h = st.load(hs, [10, 11, 12, 13], layerwise=True)
+    assert h.wait_layer(0, timeout=TIMEOUT)  # layer 0 landed while layer 1 is held
+    assert not h.done()
+    # The host slots are pinned by the load: a store finds nothing to evict.
+    fill(st, [4, 5], seed=9)
+    res = st.store(chain(st, 2, start=77), [4, 5]).wait(TIMEOUT)
+    assert res.num_skipped == 2
+    release.set()
+    lr = h.wait(TIMEOUT)
+    assert lr.num_loaded == 4 and h.wait_layer(1, timeout=TIMEOUT)
+    assert torch.equal(read(st, [10, 11, 12, 13]), rows)
+
+
+def test_corrupt_read_cuts_the_prefix_and_names_blocks_to_recompute(stack_fb):
+    st, fb = stack_fb
+    hs = chain(st, 4)
+    rows = fill(st, [0, 1, 2, 3], seed=10)
+    st.store(hs, [0, 1, 2, 3]).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    _evict_host(st)
+    fb.corrupt(keys=[st.namespace.key(hs[2])])
+    lr = st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT)
+    assert lr.ok == (True, True, False, False) and lr.num_loaded == 2
+    assert lr.recompute == [12, 13] and lr.recompute_indices == [2, 3]
+    # Block 3 chains through block 2: it is not copied to the device, though its verified bytes were
+    # promoted into host memory.
+    assert lr.copied == (True, True, False, False) and where(st, hs)[3] == "HD"
+    assert torch.equal(read(st, [10, 11]), rows[:2])
+    assert st.index.get(hs[3]).device is None  # never recorded as loaded
+    assert fb.stats().corrupt >= 1
+
+
+def test_corrupt_file_on_disk_is_a_miss(tmp_path):
+    st, _ = make_stack(tmp_path, faulty=False)
+    try:
+        hs = chain(st, 2)
+        fill(st, [0, 1], seed=11)
+        st.store(hs, [0, 1]).wait(TIMEOUT)
+        st.flush(TIMEOUT)
+        _evict_host(st)
+        key = st.namespace.key(hs[0])
+        path = tmp_path / "disk" / key[:32] / key[33:35] / key[33:]
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF  # one payload byte
+        path.write_bytes(bytes(data))
+        lr = st.load(hs, [5, 6]).wait(TIMEOUT)
+        assert lr.num_loaded == 0 and lr.recompute == [5, 6]
+        assert st.backends[0].stats().corrupt == 1
+    finally:
+        st.close()
+
+
+def test_backend_errors_never_reach_the_engine(stack_fb):
+    st, fb = stack_fb
+    hs = chain(st, 3)
+    fill(st, [0, 1, 2], seed=12)
+    # store: write-through put fails -> skipped store + metric; the blocks stay in host.
+    fb.fail("put", BackendUnavailable, times=1)
+    assert st.store(hs, [0, 1, 2]).wait(TIMEOUT).num_stored == 3
+    assert st.flush(TIMEOUT)
+    snap = st.metrics.snapshot()["tiers"]["disk"]
+    assert snap["failures"] == 1 and snap["stores_skipped"] == 3
+    assert where(st, hs) == ["H"] * 3
+    # lookup: contains fails -> 0 hits from the backend + metric.
+    _evict_host(st)
+    fb.fail("contains", BackendTimeout, times=1)
+    assert st.lookup(hs).num_blocks == 0
+    assert st.metrics.snapshot()["tiers"]["disk"]["failures"] == 2
+    # load: get fails -> miss + recompute + metric (the blocks are not on disk here anyway, so store
+    # them properly first).
+    rows = fill(st, [0, 1, 2], seed=13)
+    st.store(hs, [0, 1, 2]).wait(TIMEOUT)
+    # (present in host? no: evicted; stored again)
+    assert st.flush(TIMEOUT)
+    _evict_host(st)
+    fb.fail("get", BackendUnavailable, times=1)
+    lr = st.load(hs, [4, 5, 6]).wait(TIMEOUT)
+    assert lr.num_loaded == 0 and lr.recompute == [4, 5, 6]
+    assert st.metrics.snapshot()["tiers"]["disk"]["failures"] == 3
+    # and the next load works
+    lr = st.load(hs, [4, 5, 6]).wait(TIMEOUT)
+    assert lr.num_loaded == 3 and torch.equal(read(st, [4, 5, 6]), rows)
+
+
+def test_a_backend_breaking_the_contract_is_contained(stack_fb):
+    st, fb = stack_fb
+    hs = chain(st, 2)
+    fill(st, [0, 1], seed=14)
+    fb.fail("*", RuntimeError("not a BackendError"))
+    assert st.store(hs, [0, 1]).wait(TIMEOUT).num_stored == 2
+    assert st.flush(TIMEOUT)
+    assert st.lookup(chain(st, 2, start=99)).num_blocks == 0
+    assert st.load(chain(st, 2, start=99), [3, 4]).wait(TIMEOUT).recompute == [3, 4]
+
+
+def test_transfer_error_fails_the_load(stack_fb):
+    st, _ = stack_fb
+    hs = chain(st, 2)
+    fill(st, [0, 1], seed=15)
+    st.store(hs, [0, 1]).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+
+    def boom(direction, layer):
+        if direction == "load" and layer == 0:
+            raise RuntimeError("DMA error")
+
+    st._xfer.layer_hook = boom
+    lr = st.load(hs, [8, 9], layerwise=True).wait(TIMEOUT)
+    assert lr.num_loaded == 0 and lr.recompute == [8, 9] and any("DMA" in e for e in lr.errors)
+    assert st.metrics.snapshot()["tiers"]["host"]["failures"] == 1
+    st._xfer.layer_hook = None
+    assert st.load(hs, [8, 9]).wait(TIMEOUT).num_loaded == 2
+
+
+def test_flush_waits_for_pending_writes(stack_fb):
+    st, fb = stack_fb
+    gate = fb.gate("put")
+    hs = chain(st, 2)
+    fill(st, [0, 1], seed=16)
+    st.store(hs, [0, 1]).wait(TIMEOUT)
+    assert not st.flush(0.05)
+    assert where(st, hs) == ["H", "H"]
+    gate.release()
+    assert st.flush(TIMEOUT)
+    assert where(st, hs) == ["HD", "HD"]
+
+
+def test_store_of_a_held_block_is_present_and_a_hit(stack_fb):
+    st, _ = stack_fb
+    hs = chain(st, 2)
+    fill(st, [0, 1], seed=17)
+    st.store(hs, [0, 1]).wait(TIMEOUT)
+    res = st.store(hs + hs[:1], [2, 3, 4]).wait(TIMEOUT)
+    assert res.status == ("present", "present", "present")
+    assert st.index.get(hs[0]).hits == 1
+
+
+def test_manifest_is_written_once_per_writable_backend(tmp_path):
+    disk = LocalDiskBackend({"path": str(tmp_path / "a")}, name="a")
+    ro = FaultyBackend(LocalDiskBackend({"path": str(tmp_path / "b")}, name="b"))
+    fa = FaultyBackend(disk)
+    cfg = config(tmp_path, backends=[
+        {"name": "a", "type": "local_disk", "options": {"path": str(tmp_path / "a")}},
+        {"name": "b", "type": "local_disk", "write": False, "options": {"path": str(tmp_path / "b")}}])
+    st = TierStack(cfg, backends=[fa, ro])
+    try:
+        assert fa.calls["manifest"] == 1 and ro.calls["manifest"] == 0
+        assert disk.get_manifest(st.namespace.id)["model"] == "test/tiny"
+    finally:
+        st.close()
+    # A failing manifest write does not stop the stack (best effort, counted).
+    bad = FaultyBackend(LocalDiskBackend({"path": str(tmp_path / "c")}, name="disk"))
+    bad.fail("manifest")
+    st = TierStack(config(tmp_path), backends=[bad])
+    try:
+        assert st.metrics.snapshot()["tiers"]["disk"]["failures"] == 1
+    finally:
+        st.close()
+
+
+def test_without_host_tier_blocks_go_straight_to_backends(tmp_path):
+    st = TierStack(config(tmp_path, host_slots=0))
+    try:
+        assert st.host is None and st.metrics.tiers == ["device", "disk"]
+        hs = chain(st, 3)
+        rows = fill(st, [0, 1, 2], seed=18)
+        assert st.store(hs, [0, 1, 2]).wait(TIMEOUT).num_stored == 3
+        assert st.flush(TIMEOUT)
+        assert st.lookup(hs).counts == {"device": 3}
+        # Same block ids: already there, no copy.
+        lr = st.load(hs, [0, 1, 2]).wait(TIMEOUT)
+        assert lr.num_loaded == 3 and lr.tiers == ("device",) * 3
+        st.on_device_freed([0, 1, 2])
+        assert st.lookup(hs).counts == {"disk": 3}
+        lr = st.load(hs, [7, 8, 9]).wait(TIMEOUT)
+        assert lr.num_loaded == 3 and lr.tiers == ("disk",) * 3
+        assert torch.equal(read(st, [7, 8, 9]), rows)
+        assert not st.prefetch(hs).started
+    finally:
+        st.close()
+
+
+def test_registers_engine_tensors_and_rejects_mismatches(tmp_path):
+    cfg = config(tmp_path, layout="flashinfer")
+    kv = [torch.randn(32, 2, 4, 2, 16) for _ in range(2)]
+    st = TierStack(cfg, kv_caches=kv)
+    try:
+        assert st.device.tensors[0] is kv[0] and st.block_pool is None
+        hs = chain(st, 2)
+        before = [t[3:5].clone() for t in kv]
+        st.store(hs, [3, 4]).wait(TIMEOUT)
+        st.on_device_freed([3, 4])
+        assert st.load(hs, [20, 21]).wait(TIMEOUT).num_loaded == 2
+        for t, b in zip(kv, before):
+            assert torch.equal(t[20:22], b)
+    finally:
+        st.close()
+    with pytest.raises(LayoutError, match=r"expected shape \(32, 2, 4, 2, 16\).*got \(32, 2, 4, 2, 8\)"):
+        TierStack(cfg, kv_caches=[torch.randn(32, 2, 4, 2, 8) for _ in range(2)])
+    with pytest.raises(LayoutError, match="expected 2 layer tensors"):
+        TierStack(cfg, kv_caches=[torch.randn(32, 2, 4, 2, 16)])
+
+
+def test_on_device_freed_and_block_reuse_update_the_index(stack_fb):
+    st, _ = stack_fb
+    a, b = chain(st, 1), chain(st, 1, start=40)
+    fill(st, [0], seed=19)
+    st.store(a, [0]).wait(TIMEOUT)
+    assert st.index.get(a[0]).device == 0
+    fill(st, [0], seed=20)  # the engine reuses block 0 for b without telling us first
+    st.store(b, [0]).wait(TIMEOUT)
+    assert st.index.get(a[0]).device is None and st.index.get(b[0]).device == 0
+    st.on_device_freed([0])
+    assert st.index.get(b[0]).device is None
+    st.index.validate()
+
+
+def test_bad_arguments_are_caller_errors(stack_fb):
+    st, _ = stack_fb
+    hs = chain(st, 2)
+    with pytest.raises(ValueError, match="2 hashes but 1 block ids"):
+        st.store(hs, [0])
+    with pytest.raises(ValueError, match="out of range"):
+        st.load(hs, [0, 99])
+
+
+def test_from_config_and_close_are_idempotent(tmp_path):
+    st = TierStack.from_config(config(tmp_path))
+    st.close()
+    st.close()
+    with TierStack.from_config(config(tmp_path)) as st2:
+        assert isinstance(st2.block_pool.num_free, int)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("write", ["write_through", "write_back"])
+def test_concurrent_requests_on_overlapping_prefixes(tmp_path, write):
+    """8 threads store, look up, prefetch and load overlapping prefixes through a 6-slot host tier
+    (always full): no deadlock (every wait bounded), no wrong bytes, no leaked pin."""
+    st, _ = make_stack(tmp_path, host_slots=6, num_blocks=128, threads=3, write=write)
+    st.prefetch_chunk_blocks = 2
+    base = st.namespace.hasher()
+    bs = st.block_size
+    # Block j of prompt family f has fixed content, so any thread storing it stores the same bytes.
+    g = torch.Generator().manual_seed(0)
+    families = {f: torch.randint(1, 256, (6, BLOCK_NBYTES), dtype=torch.uint8, generator=g) for f in range(3)}
+    hashes = {f: base.hash_blocks(list(range(f * 1000, f * 1000 + 6 * bs))) for f in range(3)}
+    errors: list[str] = []
+    loaded = [0] * 8
+
+    def worker(t: int) -> None:
+        rng = random.Random(t)
+        mine = list(range(t * 16, t * 16 + 16))  # this thread's device blocks
+        try:
+            for _ in range(20):
+                f = rng.randrange(3)
+                n = rng.randint(1, 6)
+                hs, content = hashes[f][:n], families[f][:n]
+                ids = rng.sample(mine, n)
+                st.on_device_freed(ids)
+                st.device.write_blocks(content, ids)
+                st.store(hs, ids).wait(TIMEOUT)
+                st.lookup(hs, record=False)
+                if rng.random() < 0.3:
+                    st.prefetch(hs).wait(0.05)
+                dst = rng.sample([b for b in mine if b not in ids], n)
+                st.on_device_freed(dst)
+                lr = st.load(hs, dst, layerwise=rng.random() < 0.5).wait(TIMEOUT)
+                k = lr.num_loaded
+                loaded[t] += k
+                if k and not torch.equal(st.device.read_blocks(dst[:k]), content[:k]):
+                    errors.append(f"thread {t}: wrong bytes in {k} loaded blocks")
+                st.on_device_freed(ids + dst)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    assert not any(th.is_alive() for th in threads), "deadlock: a worker never finished"
+    assert not errors, errors
+    assert sum(loaded) > 100
+    assert st.flush(TIMEOUT)
+    with st._lock:
+        st.index.validate()
+        assert st.index.pinned == 0
+    hs = st.host.stats()
+    assert hs.pinned_slots == 0 and hs.writing == 0
+    assert st.metrics.snapshot()["tiers"]["host"]["evictions"] > 0
+    st.close()
+
+
+def _evict_host(st: TierStack) -> None:
+    """Drop every unpinned block from host memory (as pressure would), keeping backend copies."""
+    with st._lock:
+        for key in st.index.eviction_candidates(Tier.HOST, 10**6):
+            st._drop_host_locked(key)
+    st.on_device_freed(range(st.device.num_blocks))
+
+
+def test_faulty_backend_without_faults_is_transparent(tmp_path):
+    inner = LocalDiskBackend({"path": str(tmp_path / "x")}, name="x")
+    fb = FaultyBackend(inner)
+    assert fb.name == "x"
+    key = "0" * 31 + "1/" + "ab" * 16
+    payload = os.urandom(256)
+    assert fb.put([key], [payload], 7) == [True]
+    buf = bytearray(256)
+    assert fb.get_into([key], [buf], 7) == [True] and bytes(buf) == payload
+    assert fb.contains_prefix([key]) == 1 and fb.exists([key]) == [True]
+    fb.drop("get", keys=[key], times=1)
+    assert fb.get_into([key], [buf], 7) == [False]
+    assert fb.get_into([key], [buf], 7) == [True]
+    fb.delay("exists", 0.01, times=1)
+    t0 = time.monotonic()
+    fb.exists([key])
+    assert time.monotonic() - t0 >= 0.01
+    fb.fail("delete", BackendTimeout, after=1)
+    assert fb.delete(["0" * 32 + "/" + "cd" * 16]) == 0
+    with pytest.raises(BackendTimeout, match="injected delete fault"):
+        fb.delete([key])
+    assert fb.calls["delete"] == 2 and fb.injected["delete:error"] == 1
+    fb.close()
+
+
+def test_index_forgets_old_backend_only_entries_past_its_bound(stack_fb):
+    st, _ = stack_fb
+    st.max_index_entries = 8
+    for r in range(6):
+        hs = chain(st, 4, start=1000 * r)
+        fill(st, [0, 1, 2, 3], seed=r)
+        st.store(hs, [0, 1, 2, 3]).wait(TIMEOUT)
+        assert st.flush(TIMEOUT)
+        st.on_device_freed([0, 1, 2, 3])
+    assert len(st.index) <= 8 + 4  # the bound, plus what was added since the last trim
+    # Forgotten hints cost nothing but a backend lookup: the first request is still served from disk.
+    first = chain(st, 4)
+    assert first[0] not in st.index
+    assert st.lookup(first).counts == {"disk": 4}
+    assert st.load(first, [8, 9, 10, 11]).wait(TIMEOUT).num_loaded == 4
