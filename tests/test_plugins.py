@@ -58,3 +58,48 @@ def test_plugins_command_lists_group_name_distribution_version(capsys):
     out = capsys.readouterr().out
     assert "error:" in next(ln for ln in out.splitlines() if " broken " in ln)
     assert " ok" in next(ln for ln in out.splitlines() if " memstore " in ln)
+
+
+def test_third_party_backend_used_from_yaml_through_the_stack(tmp_path):
+    import numpy as np
+    import torch
+
+    from kvtier.config import load_config
+    from kvtier.stack import TierStack
+
+    cfg_path = tmp_path / "vendor.yaml"
+    cfg_path.write_text("""
+model: {id: vendor/test, kv_dtype: float32, num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: 4}
+device: {kind: cpu, num_blocks: 8}
+host: {capacity: "0"}            # no host tier: every load must come from the vendor's backend
+backends:
+  - name: vendor
+    type: memstore
+    options: {max_values: 100}
+""")
+    cfg = load_config(cfg_path, env={})
+    assert type(cfg.backends[0].options).__name__ == "MemStoreOptions"
+    with TierStack(cfg) as stack:
+        assert type(stack.backends[0]).__module__ == "kvtier_memstore"
+        hashes = stack.namespace.hasher().hash_blocks(list(range(12)))
+        rng = np.random.default_rng(0)
+        for t in stack.device.tensors if isinstance(stack.device.tensors, list) else [stack.device.tensors]:
+            t.copy_(torch.from_numpy(rng.standard_normal(t.shape).astype(np.float32)))
+        before = stack.device.read_blocks([0, 1, 2]).clone()
+        stack.store(hashes, [0, 1, 2]).wait()
+        stack.flush()
+        assert stack.lookup(hashes).num_blocks == 3
+        res = stack.load(hashes, [5, 6, 7]).wait()
+        assert res.num_loaded == 3
+        assert torch.equal(stack.device.read_blocks([5, 6, 7]), before)
+        assert stack.backends[0].stats().puts == 3
+
+
+def test_config_naming_an_unknown_backend_lists_available(tmp_path):
+    from kvtier.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as e:
+        parse_config({"model": {"id": "m", "num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
+                      "backends": [{"type": "memstor"}]})
+    msg = str(e.value)
+    assert "backends[0].type" in msg and "memstore" in msg
