@@ -407,6 +407,11 @@ class LocalDiskBackend(StorageBackend):
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise PermissionError(f"local_disk root {self.root} is not writable")
 
+    def _eviction_order(self) -> list[StoredBlock]:
+        """The index's LRU order (the order a put evicts in), in-flight writes excluded."""
+        with self._idx_lock:
+            return [StoredBlock(k, n) for k, n in self._index.items() if k not in self._inflight]
+
     def _usage(self) -> dict:
         with self._idx_lock:
             return {"blocks": len(self._index), "bytes": self._used, "capacity_bytes": self.capacity,

@@ -20,7 +20,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -177,6 +177,11 @@ class StorageBackend(ABC):
         """Current usage, e.g. {"blocks": n, "bytes": b, "capacity_bytes": c}; optional."""
         return {}
 
+    def _eviction_order(self) -> Iterable[StoredBlock]:
+        """Every stored block (not manifests), least recently used first: the order ``evict_to`` removes
+        them in.  Optional; the default knows nothing of use and lists them in scan order."""
+        return self.scan()
+
     # ------------------------------------------------------------------ public API (used by the stack)
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
@@ -301,6 +306,28 @@ class StorageBackend(ABC):
             return json.loads(raw) if raw else None
         except ValueError:
             return None
+
+    def evict_to(self, capacity_bytes: int, *, dry_run: bool = False,
+                 on_evict: Callable[[list[StoredBlock]], None] | None = None) -> list[StoredBlock]:
+        """Delete blocks in ``_eviction_order`` until those left total at most ``capacity_bytes``; return
+        the blocks removed (``dry_run``: that would be removed, deleting nothing).  ``on_evict`` gets
+        each batch once it is deleted (``kvtier gc`` drives its progress bar with it)."""
+        blocks = self._call(lambda: list(self._eviction_order()))
+        excess = sum(b.size for b in blocks) - capacity_bytes
+        victims: list[StoredBlock] = []
+        for blk in blocks:
+            if excess <= 0:
+                break
+            victims.append(blk)
+            excess -= blk.size
+        if dry_run:
+            return victims
+        for i in range(0, len(victims), 256):
+            batch = victims[i:i + 256]
+            self.delete([b.key for b in batch])
+            if on_evict is not None:
+                on_evict(batch)
+        return victims
 
     def stats(self) -> BackendStats:
         with self._lock:
