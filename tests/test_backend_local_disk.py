@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
-from kvtier.backends.local_disk import _HOST_TAG, LocalDiskBackend
 
 from kvtier import blockformat, plugins
 from kvtier.backend import BackendError
+from kvtier.backends.local_disk import _HOST_TAG, LocalDiskBackend
 from kvtier.keys import Namespace
 
 NS = Namespace("m", "bfloat16", 2, 2, 64, 16)

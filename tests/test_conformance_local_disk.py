@@ -1,8 +1,8 @@
 """local_disk passes the backend conformance suite (the same one a third-party backend runs)."""
 
 import pytest
-from kvtier.backends.local_disk import LocalDiskBackend
 
+from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.testing import BackendConformance
 
 
