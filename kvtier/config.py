@@ -30,10 +30,12 @@ the variable; an override's bad value is reported with the variable's name.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -46,6 +48,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     WithJsonSchema,
     model_validator,
@@ -64,7 +67,8 @@ class ConfigError(ValueError):
     """An invalid configuration.  ``str(e)`` is ``problems`` joined by newlines; each is ``path: problem``."""
 
     def __init__(self, problems: list[str], source: str = "<dict>"):
-        self.problems = list(problems)
+        # One line each, whatever a key or a plugin's message holds, so `path: problem` lines stay lines.
+        self.problems = [" ".join(p.splitlines()) for p in problems]
         self.source = source
         super().__init__("\n".join(self.problems))
 
@@ -73,17 +77,74 @@ class ConfigError(ValueError):
 
 
 def _describe(v: Any) -> str:
-    """A value as the user wrote it in YAML: strings in double quotes, null/true/false, short JSON."""
+    """A value as the user wrote it in YAML: strings in double quotes, null/true/false, short JSON.
+    A URL's password is masked; containers are rendered only as far as the 60 characters shown (a
+    YAML alias bomb expands to billions of items, and an alias can make a list contain itself)."""
+    if isinstance(v, _Hidden):
+        return repr(v)
     if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)
+        return json.dumps(_URL_PASSWORD.sub(r"\1***@", v), ensure_ascii=False)
     if v is None or isinstance(v, bool):
         return json.dumps(v)
     if isinstance(v, (int, float)):
         return repr(v)
-    text = json.dumps(v, default=str, ensure_ascii=False)
+    text = _short_json(v, 61)
     text = text if len(text) <= 60 else text[:57] + "..."
     kind = {dict: "a mapping", list: "a list", tuple: "a list"}.get(type(v), type(v).__name__)
     return f"{kind} {text}"
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@\s:]*:)[^/@\s]*@")
+
+
+class _Hidden:
+    def __repr__(self) -> str:
+        return "(hidden: a secret)"
+
+
+_HIDDEN = _Hidden()
+
+
+class _Enough(Exception):
+    pass
+
+
+def _short_json(v: Any, limit: int) -> str:
+    """``json.dumps(v, default=str)`` cut after ``limit`` characters, walking no further than that."""
+    out: list[str] = []
+    size = 0
+
+    def emit(s: str) -> None:
+        nonlocal size
+        out.append(s)
+        size += len(s)
+        if size >= limit:
+            raise _Enough
+
+    def walk(x: Any, path: set[int]) -> None:
+        if isinstance(x, (dict, list, tuple)):
+            if id(x) in path:  # a container holding itself (YAML aliases allow it)
+                emit("...")
+                return
+            path.add(id(x))
+            emit("{" if isinstance(x, dict) else "[")
+            for i, item in enumerate(x.items() if isinstance(x, dict) else x):
+                if i:
+                    emit(", ")
+                if isinstance(x, dict):
+                    emit(json.dumps(item[0] if isinstance(item[0], str) else str(item[0]),
+                                    ensure_ascii=False) + ": ")
+                    item = item[1]
+                walk(item, path)
+            emit("}" if isinstance(x, dict) else "]")
+            path.discard(id(x))
+        else:
+            emit(_describe(x) if isinstance(x, str) or x is None or isinstance(x, (bool, int, float))
+                 else json.dumps(str(x), ensure_ascii=False))
+
+    with contextlib.suppress(_Enough):
+        walk(v, set())
+    return "".join(out)
 
 
 def _mapping(v: Any) -> Any:
@@ -396,7 +457,9 @@ def _problems(exc: ValidationError, root: type[BaseModel], prefix: tuple[str, ..
     for err in exc.errors(include_url=False):
         parts, owner, field, tp = _walk(root, err["loc"])
         path = _join([*prefix, *parts]) or "(top level)"
-        out.setdefault(path, []).append(_message(err, owner, field, tp))
+        if tp is SecretStr and "input" in err:  # a password typed as a number is still a password
+            err = {**err, "input": _HIDDEN}
+        out.setdefault(path, []).append(_URL_PASSWORD.sub(r"\1***@", _message(err, owner, field, tp)))
     merged = []
     for path, msgs in out.items():
         if len(msgs) > 1 and all(m.startswith("expected ") for m in msgs):
@@ -514,6 +577,11 @@ def _read_yaml(text: str, source: str) -> Any:
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         ctx = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
         raise ConfigError([f"{where}: invalid YAML: {e.problem}{ctx}"], source) from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow: say where, on one line
+        line = text.count("\n", 0, e.position) + 1
+        col = e.position - text.rfind("\n", 0, e.position)
+        raise ConfigError([f"{source}:{line}:{col}: invalid YAML: unacceptable character "
+                           f"#x{e.character:04x}: {e.reason}"], source) from None
     except (yaml.YAMLError, RecursionError) as e:
         raise ConfigError([f"{source}: invalid YAML: {e}"], source) from None
 
@@ -603,6 +671,9 @@ def _blame(line: str, sources: dict[str, str]) -> str:
     for p, var in sources.items():
         if path == p or path.startswith((p + ".", p + "[")):
             return f"{line} (set by environment variable {var})"
+    for p, var in sources.items():  # a check of a whole section (e.g. a plugin's options) saw the override
+        if p.startswith((path + ".", path + "[")):
+            return f"{line} (environment variable {var} sets {p})"
     return line
 
 

@@ -232,6 +232,8 @@ class _Codec:
                 raise LayoutError(f"payload buffer has {nrows} rows, {n} blocks given")
             return [(0, 0, n)]
         runs = contiguous_runs(slots)
+        if runs and (min(f for _, f, _ in runs) < 0 or max(f + k for _, f, k in runs) > nrows):
+            raise IndexError(f"payload rows (slots) out of range [0, {nrows})")
         return runs if len(runs) <= max(1, n // 8) else as_index(slots, self.device)
 
     def gather(self, block_ids: Any, out: torch.Tensor, slots: Any, layers: Sequence[int] | None,
@@ -271,6 +273,8 @@ class _Codec:
         runs = rows if isinstance(rows, list) else None
         if self.np_views is not None:
             src_np, ids_np = src.numpy(), ids.numpy()
+            # numpy wraps negative indices around: -1 would silently overwrite the last block.
+            _check_range(ids_np, self.views[0][0].shape[0], "block id")
             parts = [(ids_np[p:p + k], slice(first, first + k)) for p, first, k in runs] if runs else \
                 [(ids_np, rows.numpy())]
 
@@ -367,11 +371,21 @@ def as_index(ids: Any, device: torch.device | str) -> torch.Tensor:
     """Block ids / slots (list, range, numpy array or tensor) as a 1-D int64 tensor on ``device``."""
     if isinstance(ids, torch.Tensor):
         t = ids.reshape(-1)
-        if t.dtype != torch.int64:
-            t = t.to(torch.int64)
     else:
-        t = torch.as_tensor(list(ids) if isinstance(ids, range) else ids, dtype=torch.int64).reshape(-1)
+        t = torch.as_tensor(list(ids) if isinstance(ids, range) else ids).reshape(-1)
+    if t.dtype != torch.int64:
+        # A float or bool id is a caller's bug: never truncate it to some other block.
+        if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+            raise TypeError(f"block ids / slots must be integers, got {t.dtype}")
+        t = t.to(torch.int64)
     return t.to(device, non_blocking=True) if t.device != torch.device(device) else t
+
+
+def _check_range(idx: np.ndarray, n: int, what: str) -> None:
+    """IndexError unless every index is in [0, n) (numpy would wrap a negative one around)."""
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        bad = int(idx[(idx < 0) | (idx >= n)][0])
+        raise IndexError(f"{what} {bad} out of range [0, {n})")
 
 
 def contiguous_runs(values: Any) -> list[tuple[int, int, int]]:

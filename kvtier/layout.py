@@ -328,7 +328,7 @@ class KVLayout:
             raise LayoutError(f"payload buffer: cannot view its rows as {dtype_name(copy_dtype)} "
                               f"(misaligned, storage offset {buf.storage_offset()}): {e}") from None
         n = buf.shape[0]
-        return v.view(n, self.num_layers, self.num_components, -1)
+        return v.view(n, self.num_layers, self.num_components, self.row_nbytes // v.element_size())
 
     # ------------------------------------------------------------------ codec (same-device tensors)
 
