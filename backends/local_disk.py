@@ -92,6 +92,7 @@ class LocalDiskBackend(StorageBackend):
         self._tmp_seq = itertools.count()  # next() on itertools.count is atomic under the GIL
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
         os.makedirs(self.root, exist_ok=True)
         t0 = time.perf_counter()
         self._rebuild()
@@ -106,7 +107,20 @@ class LocalDiskBackend(StorageBackend):
                              f"<32 or 64 lower-case hex hash>' or '<namespace>/{MANIFEST_NAME}'")
         ns, name = key[:32], key[33:]
         d = f"{self.root}/{ns}" if name == MANIFEST_NAME else f"{self.root}/{ns}/{name[:2]}"
+        if d not in self._verified_dirs:
+            self._verify_dir(d, ns)
         return d, f"{d}/{name}"
+
+    def _verify_dir(self, d: str, ns: str) -> None:
+        """Refuse a namespace or shard directory that is a symbolic link: O_NOFOLLOW only guards the last
+        path component, and a planted link would send writes outside the root.  Checked once per
+        directory (they are few: 256 per namespace), remembered once it exists."""
+        for path in (f"{self.root}/{ns}", d):
+            if os.path.islink(path):
+                raise ValueError(f"local_disk: refusing {path}: a symbolic link inside the root "
+                                 "(blocks never leave the root)")
+        if os.path.isdir(d):
+            self._verified_dirs.add(d)
 
     def _check_keys(self, keys: Sequence[str]) -> list[tuple[str, str]]:
         if self._closed:

@@ -326,3 +326,20 @@ def test_bench_backends_disk_smoke(tmp_path, monkeypatch, capsys):
     assert {(r["op"], r["block_bytes"]) for r in rows} == {("put", 262144), ("get", 262144)}
     assert all(r["ratio"] > 0 and r["gib_s"] > 0 and r["ceiling_gib_s"] > 0 for r in rows)
     assert res["summary"]["disk_get_median_ratio"] > 0 and "startup_2k_blocks_s" in rows[-1]
+
+
+def test_symlinked_shard_directory_is_refused(tmp_path):
+    import numpy as np
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    be = LocalDiskBackend({"path": str(root)})
+    h = bytes(range(32))
+    key = NS.key(h)
+    shard = root / NS.id / h.hex()[:2]
+    shard.parent.mkdir(parents=True)
+    shard.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(BackendError, match="a symbolic link inside the root"):
+        be.put([key], [np.arange(64, dtype=np.uint8)], 7)
+    assert list(outside.iterdir()) == []  # nothing was written through the link
+    be.close()
