@@ -30,14 +30,8 @@ the variable; an override's bad value is reported with the variable's name.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import difflib
-import json
 import os
-import re
-import types
-import typing
 from collections.abc import Mapping
 from importlib import resources
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
@@ -48,7 +42,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     WithJsonSchema,
     model_validator,
@@ -56,6 +49,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from . import plugins
+from .config_errors import describe, is_model, join_path, problems_of, suggest, unwrap
 from .keys import Namespace
 from .units import ByteSize, format_size
 
@@ -76,95 +70,24 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------- small field types
 
 
-def _describe(v: Any) -> str:
-    """A value as the user wrote it in YAML: strings in double quotes, null/true/false, short JSON.
-    A URL's password is masked; containers are rendered only as far as the 60 characters shown (a
-    YAML alias bomb expands to billions of items, and an alias can make a list contain itself)."""
-    if isinstance(v, _Hidden):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(_URL_PASSWORD.sub(r"\1***@", v), ensure_ascii=False)
-    if v is None or isinstance(v, bool):
-        return json.dumps(v)
-    if isinstance(v, (int, float)):
-        return repr(v)
-    text = _short_json(v, 61)
-    text = text if len(text) <= 60 else text[:57] + "..."
-    kind = {dict: "a mapping", list: "a list", tuple: "a list"}.get(type(v), type(v).__name__)
-    return f"{kind} {text}"
-
-
-_URL_PASSWORD = re.compile(r"(://[^/@\s:]*:)[^/@\s]*@")
-
-
-class _Hidden:
-    def __repr__(self) -> str:
-        return "(hidden: a secret)"
-
-
-_HIDDEN = _Hidden()
-
-
-class _Enough(Exception):
-    pass
-
-
-def _short_json(v: Any, limit: int) -> str:
-    """``json.dumps(v, default=str)`` cut after ``limit`` characters, walking no further than that."""
-    out: list[str] = []
-    size = 0
-
-    def emit(s: str) -> None:
-        nonlocal size
-        out.append(s)
-        size += len(s)
-        if size >= limit:
-            raise _Enough
-
-    def walk(x: Any, path: set[int]) -> None:
-        if isinstance(x, (dict, list, tuple)):
-            if id(x) in path:  # a container holding itself (YAML aliases allow it)
-                emit("...")
-                return
-            path.add(id(x))
-            emit("{" if isinstance(x, dict) else "[")
-            for i, item in enumerate(x.items() if isinstance(x, dict) else x):
-                if i:
-                    emit(", ")
-                if isinstance(x, dict):
-                    emit(json.dumps(item[0] if isinstance(item[0], str) else str(item[0]),
-                                    ensure_ascii=False) + ": ")
-                    item = item[1]
-                walk(item, path)
-            emit("}" if isinstance(x, dict) else "]")
-            path.discard(id(x))
-        else:
-            emit(_describe(x) if isinstance(x, str) or x is None or isinstance(x, (bool, int, float))
-                 else json.dumps(str(x), ensure_ascii=False))
-
-    with contextlib.suppress(_Enough):
-        walk(v, set())
-    return "".join(out)
-
-
 def _mapping(v: Any) -> Any:
     if v is None:  # `options:` with every line commented out
         return {}
     if isinstance(v, (dict, BaseModel)):
         return v
-    raise PydanticCustomError("kvtier", "expected a mapping of plugin options, got {got}", {"got": _describe(v)})
+    raise PydanticCustomError("kvtier", "expected a mapping of plugin options, got {got}", {"got": describe(v)})
 
 
 def _seed(v: Any) -> Any:
     if v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
         return v
-    raise PydanticCustomError("kvtier", "expected a string, an integer or null, got {got}", {"got": _describe(v)})
+    raise PydanticCustomError("kvtier", "expected a string, an integer or null, got {got}", {"got": describe(v)})
 
 
 def _pinned(v: Any) -> Any:
     if v == "auto" or isinstance(v, bool):
         return v
-    raise PydanticCustomError("kvtier", 'expected "auto", true or false, got {got}', {"got": _describe(v)})
+    raise PydanticCustomError("kvtier", 'expected "auto", true or false, got {got}', {"got": describe(v)})
 
 
 PluginOptions = Annotated[Any, BeforeValidator(_mapping), WithJsonSchema({
@@ -339,136 +262,6 @@ def json_schema() -> dict[str, Any]:
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
-# --------------------------------------------------------------------------- pydantic errors -> lines
-
-
-def _unwrap(tp: Any) -> Any:
-    """Strip ``Annotated`` and ``X | None`` so the walk below sees the structural type."""
-    while True:
-        if get_origin(tp) is Annotated:
-            tp = get_args(tp)[0]
-        elif get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp):
-            rest = [a for a in get_args(tp) if a is not type(None)]
-            if len(rest) != 1:
-                return tp
-            tp = rest[0]
-        else:
-            return tp
-
-
-def _is_model(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, BaseModel)
-
-
-def _walk(root: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel] | None, Any, Any]:
-    """Follow a pydantic error location through the model classes.
-
-    Returns (path parts, model owning the last key, its FieldInfo or None, the annotation there).
-    Elements left once a scalar is reached are union-member tags ("int", "str", ...), not keys: dropped.
-    """
-    parts: list[str] = []
-    tp: Any = root
-    owner, field = None, None
-    for el in loc:
-        tp = _unwrap(tp)
-        if _is_model(tp):
-            owner = tp
-            field = next((f for n, f in tp.model_fields.items() if el in (n, f.alias)), None)
-            parts.append(str(el))
-            if field is None:
-                return parts, owner, None, None
-            tp = field.annotation
-        elif get_origin(tp) in (list, tuple) and isinstance(el, int):
-            parts.append(f"[{el}]")
-            tp = get_args(tp)[0]
-        elif get_origin(tp) in (dict, Mapping):
-            parts.append(str(el))
-            tp = get_args(tp)[1]
-        else:
-            break
-    return parts, owner, field, _unwrap(tp)
-
-
-def _join(parts: list[str] | tuple[str, ...]) -> str:
-    return "".join(p if p.startswith("[") or i == 0 else "." + p for i, p in enumerate(parts))
-
-
-def _bounds(field: Any) -> str:
-    lo = hi = None
-    for m in getattr(field, "metadata", ()):
-        lo = getattr(m, "ge", lo)
-        hi = getattr(m, "le", hi)
-    if lo is not None and hi is not None:
-        return f" in [{lo}, {hi}]"
-    return f" >= {lo}" if lo is not None else (f" <= {hi}" if hi is not None else "")
-
-
-def _suggest(word: Any, allowed: list[str]) -> str:
-    """A did-you-mean hint.  Only names with the same first letter: typos rarely hit it, and "gpu" must
-    not be answered with "cpu"."""
-    same = [a for a in allowed if isinstance(word, str) and a[:1].lower() == word[:1].lower()]
-    close = difflib.get_close_matches(word, same, n=1) if same else []
-    return f'; did you mean "{close[0]}"?' if close else ""
-
-
-_EXPECT = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
-    "bool_parsing": "true or false", "string_type": "a string", "dict_type": "a mapping",
-    "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": "a list",
-    "tuple_type": "a list", "none_required": "null", "url_type": "a URL", "url_parsing": "a URL",
-}
-
-
-def _message(err: dict, owner: type[BaseModel] | None, field: Any, tp: Any) -> str:
-    kind, got, ctx = err["type"], err.get("input"), err.get("ctx") or {}
-    if kind == "missing":
-        return "missing required " + ("section" if _is_model(tp) else "key")
-    if kind == "extra_forbidden":
-        allowed = list(owner.model_fields) if owner else []
-        key = err["loc"][-1]
-        return "unknown key" + (_suggest(key, allowed) or f"; allowed keys: {', '.join(allowed)}")
-    if kind in ("size", "kvtier"):
-        return err["msg"]
-    if kind == "invalid_key":
-        return f"keys must be strings, got {_describe(got)}"
-    if kind == "literal_error":
-        values = [str(v) for v in get_args(tp)] if get_origin(tp) is Literal else []
-        allowed = ", ".join(json.dumps(v) for v in values) or ctx.get("expected", "?")
-        return f"expected one of {allowed}, got {_describe(got)}{_suggest(got, values)}"
-    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        noun = "an integer" if isinstance(got, int) else "a number"
-        return f"expected {noun}{_bounds(field) or ' ' + err['msg'].split('Input should be ')[-1]}, got {got!r}"
-    if kind == "string_too_short":
-        n = ctx.get("min_length", 1)
-        return f"expected a {'non-empty string' if n == 1 else f'string of at least {n} characters'}, got {_describe(got)}"
-    if kind == "string_pattern_mismatch":
-        return f"expected a name matching {ctx.get('pattern')}, got {_describe(got)}"
-    if kind in _EXPECT:
-        bounds = _bounds(field) if kind.startswith(("int", "float")) else ""
-        return f"expected {_EXPECT[kind]}{bounds}, got {_describe(got)}"
-    text = str(ctx["error"]) if "error" in ctx else err["msg"].removeprefix("Value error, ")
-    return text if "got" in text or isinstance(got, (dict, BaseModel)) else f"{text}, got {_describe(got)}"
-
-
-def _problems(exc: ValidationError, root: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """(path, problem) per error; errors from the members of one union at one path are merged."""
-    out: dict[str, list[str]] = {}
-    for err in exc.errors(include_url=False):
-        parts, owner, field, tp = _walk(root, err["loc"])
-        path = _join([*prefix, *parts]) or "(top level)"
-        if tp is SecretStr and "input" in err:  # a password typed as a number is still a password
-            err = {**err, "input": _HIDDEN}
-        out.setdefault(path, []).append(_URL_PASSWORD.sub(r"\1***@", _message(err, owner, field, tp)))
-    merged = []
-    for path, msgs in out.items():
-        if len(msgs) > 1 and all(m.startswith("expected ") for m in msgs):
-            got = msgs[0].rsplit(", got ", 1)[-1]
-            msgs = ["expected " + " or ".join(m[9:].rsplit(", got ", 1)[0] for m in msgs) + ", got " + got]
-        merged.extend((path, m) for m in dict.fromkeys(msgs))
-    return merged
-
-
 # --------------------------------------------------------------------------- environment overrides
 
 ENV_PREFIX = "KVTIER_"
@@ -510,38 +303,38 @@ def _set_path(data: dict, segs: list[str], value: Any) -> tuple[str | None, str]
     tp: Any = KvtierConfig
     parts: list[str] = []
     for i, seg in enumerate(segs):
-        where = _join(parts) or "the top level"
+        where = join_path(parts) or "the top level"
         last = i == len(segs) - 1
-        tp = _unwrap(tp)
+        tp = unwrap(tp)
         if not seg:
             return "empty name between '__' separators", ""
         if get_origin(tp) is list:
             if not seg.isdigit() or not isinstance(node, list) or int(seg) >= len(node):
                 n = len(node) if isinstance(node, list) else 0
-                return f"{where} has no entry {_describe(seg)} (it has {n}; an override can change an entry, not add one)", ""
+                return f"{where} has no entry {describe(seg)} (it has {n}; an override can change an entry, not add one)", ""
             key: Any = int(seg)
             parts.append(f"[{seg}]")
             tp = get_args(tp)[0]
         else:
-            if _is_model(tp):
+            if is_model(tp):
                 if seg not in tp.model_fields:
                     allowed = list(tp.model_fields)
-                    return f"{where} has no key {_describe(seg)}" + (_suggest(seg, allowed) or
+                    return f"{where} has no key {describe(seg)}" + (suggest(seg, allowed) or
                                                             f"; allowed keys: {', '.join(allowed)}"), ""
                 tp = tp.model_fields[seg].annotation
             elif tp is not Any:
-                return f"{where} is a single value; it has no key {_describe(seg)}", ""
+                return f"{where} is a single value; it has no key {describe(seg)}", ""
             if not isinstance(node, dict):
-                return f"{where} is {_describe(node)}, not a mapping; cannot set {_describe(seg)} in it", ""
+                return f"{where} is {describe(node)}, not a mapping; cannot set {describe(seg)} in it", ""
             key = seg
             parts.append(seg)
         if last:
             node[key] = value
         else:
             if isinstance(node, dict) and node.get(key) is None:
-                node[key] = [] if get_origin(_unwrap(tp)) is list else {}
+                node[key] = [] if get_origin(unwrap(tp)) is list else {}
             node = node[key]
-    return None, _join(parts)
+    return None, join_path(parts)
 
 
 # --------------------------------------------------------------------------- YAML, plugins, entry points
@@ -561,7 +354,7 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
             continue
         if first is not None:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {_describe(key)} (first at line {first + 1})", key_node.start_mark)
+                None, None, f"duplicate key {describe(key)} (first at line {first + 1})", key_node.start_mark)
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
 
@@ -591,7 +384,7 @@ def _resolve_plugin(kind: str, name: str, options: Any, path: str, key: str, pro
     try:
         cls = plugins.load(kind, name)
     except Exception as e:  # noqa: BLE001 - PluginError, or a broken registry: either way a config problem
-        hint = "" if name in plugins.names(kind) else _suggest(name, plugins.names(kind))
+        hint = "" if name in plugins.names(kind) else suggest(name, plugins.names(kind))
         problems.append(f"{path}.{key}: {e}{hint}")
         return None
     opts = {} if options is None else options
@@ -603,7 +396,7 @@ def _resolve_plugin(kind: str, name: str, options: Any, path: str, key: str, pro
             return schema.model_validate(opts)
         return schema(**opts)
     except ValidationError as e:
-        problems.extend(f"{p}: {m}" for p, m in _problems(e, schema, (f"{path}.options",)))
+        problems.extend(f"{p}: {m}" for p, m in problems_of(e, schema, (f"{path}.options",)))
     except Exception as e:  # noqa: BLE001 - a plugin's validator may raise anything; never a traceback
         problems.append(f"{path}.options: {type(e).__name__}: {e}")
     return None
@@ -618,13 +411,13 @@ def parse_config(data: Any, *, source: str = "<dict>", env: Mapping[str, str] | 
                           source)
     if not isinstance(data, dict):
         raise ConfigError([f"{source}: expected a mapping at the top level (model:, host:, backends:, ...), "
-                           f"got {_describe(data)}"], source)
+                           f"got {describe(data)}"], source)
     data, sources, problems = apply_env_overrides(data, env or {})
     cfg = None
     try:
         cfg = KvtierConfig.model_validate(data)
     except ValidationError as e:
-        problems += [f"{p}: {m}" for p, m in _problems(e, KvtierConfig)]
+        problems += [f"{p}: {m}" for p, m in problems_of(e, KvtierConfig)]
     resolved: dict[tuple[str, int | str], Any] = {}
     if resolve_plugins:
         backends = data.get("backends")
@@ -660,7 +453,7 @@ def _cross_checks(cfg: KvtierConfig) -> list[str]:
     for i, b in enumerate(cfg.backends):
         j = first.setdefault(b.name, i)
         if j != i:
-            out.append(f"backends[{i}].name: duplicate backend name {_describe(b.name)} (also backends[{j}]); "
+            out.append(f"backends[{i}].name: duplicate backend name {describe(b.name)} (also backends[{j}]); "
                        "give each instance a unique name")
     return out
 
