@@ -184,8 +184,9 @@ def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
         srv.flushall()
         times["wp"].append(_timed(w_put))
         times["bp"].append(_timed(b_put))
-        times["wg"].append(_timed(w_get))
-        times["bg"].append(_timed(b_get))
+        # Alternate which reader goes first: whoever reads first pays for the server's cold pages.
+        for which in (("bg", "wg") if _ % 2 else ("wg", "bg")):
+            times[which].append(_timed(b_get if which == "bg" else w_get))
         if rp is not None:
             srv.flushall()
             times["rp"].append(_timed(r_put))
