@@ -170,6 +170,7 @@ class S3Backend(StorageBackend):
     """Blocks as S3 objects; batches run on a pool of ``max_workers`` threads sharing one boto3 client."""
 
     Options = S3Options
+    prefix_probe = "bisect"  # each HEAD is a request: probe O(log n) keys of a chain, not all of them
     options: S3Options
 
     def __init__(self, options: S3Options | dict | None = None, *, name: str | None = None):

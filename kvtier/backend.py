@@ -31,6 +31,7 @@ from .keys import split_key
 
 _BLOCK_KEY = re.compile(r"^[0-9a-f]{32}/(?:[0-9a-f]{32}|[0-9a-f]{64})$")
 MANIFEST_NAME = "manifest.json"
+_BISECT_MIN = 8  # shorter chains are probed whole: a few parallel requests beat a sequential search
 
 
 class BackendError(Exception):
@@ -101,6 +102,10 @@ class StorageBackend(ABC):
     """Base class of all storage backends.  Subclasses set ``Options`` and implement the hooks."""
 
     Options: ClassVar[type[BackendOptions]] = BackendOptions
+    #: How ``contains_prefix`` probes a chain: "all" asks about every key in one batch (right when a batch
+    #: is one round trip: files, Redis pipelines); "bisect" asks about O(log n) keys one at a time (right
+    #: when every probe is a request of its own, as on S3).
+    prefix_probe: ClassVar[str] = "all"
 
     def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
         if options is None or isinstance(options, dict):
@@ -188,6 +193,8 @@ class StorageBackend(ABC):
         """How many leading keys of the chain ``keys`` are present."""
         if not keys:
             return 0
+        if self.prefix_probe == "bisect" and len(keys) > _BISECT_MIN:
+            return self._bisect_prefix(keys)
         present = self._call(self._exists, keys)
         n = 0
         for ok in present:
@@ -195,6 +202,21 @@ class StorageBackend(ABC):
                 break
             n += 1
         return n
+
+    def _bisect_prefix(self, keys: Sequence[str]) -> int:
+        """The prefix length in O(log n) single-key probes, assuming the chain is prefix-closed (stores
+        write a chain front to back).  A hole the probes step over only costs a failed load later, which
+        the stack recomputes; it is never served."""
+        if not self._call(self._exists, [keys[0]])[0]:
+            return 0
+        lo, hi = 1, len(keys)  # keys[lo - 1] is present; the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._call(self._exists, [keys[mid - 1]])[0]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return list(self._call(self._exists, keys)) if keys else []

@@ -302,3 +302,26 @@ class socket_free_port:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+def test_contains_prefix_bisects_with_few_requests(moto_server, s3_bucket):
+    """A 256-block chain is answered with O(log n) HEADs, not 256 (each probe is a request on S3)."""
+    import numpy as np
+
+    from kvtier.keys import Namespace
+
+    ns = Namespace("test/s3-bisect", "bfloat16", 1, 1, 8, 4)
+    be = S3Backend({"bucket": s3_bucket, "endpoint_url": moto_server.endpoint_url, "region": "us-east-1"})
+    try:
+        keys = ns.keys([i.to_bytes(16, "big") for i in range(256)])
+        assert be.put(keys[:173], [np.full(32, i % 251 + 1, np.uint8) for i in range(173)], ns.layout_id) \
+            == [True] * 173
+        probes = []
+        real = be._exists
+        be._exists = lambda ks: probes.append(len(ks)) or real(ks)
+        assert be.contains_prefix(keys) == 173
+        assert len(probes) <= 10 and sum(probes) <= 10
+        assert be.contains_prefix(keys[173:]) == 0
+        assert be.contains_prefix(keys[:5]) == 5  # short chains are probed whole, in parallel
+    finally:
+        be.close()
