@@ -16,36 +16,16 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 
-import pytest
 from _reliability.common import LID, check, key_of, payload
 
 from kvtier.backend import BackendError
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.blockformat import HEADER_SIZE
 
-FS_SIZE = 8 << 20
+FS_SIZE = 8 << 20  # the size of the small_tmpfs fixture (tests/conftest.py)
 SIZE = 256 << 10  # payload bytes per block
 BATCH = 4
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """An 8 MiB tmpfs mounted for this test only."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs (mount -t tmpfs -o size=8m); not root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_SIZE // 2**20}m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _files(root) -> list[tuple[str, int]]:
@@ -76,8 +56,8 @@ def _read_all(b, keys):
     return [check(k, buf) if hit else None for k, buf, hit in zip(keys, bufs, ok)]
 
 
-def test_disk_full_stores_fail_cleanly(tmpfs, figures):
-    root = tmpfs / "blocks"
+def test_disk_full_stores_fail_cleanly(small_tmpfs, figures):
+    root = small_tmpfs / "blocks"
     b = LocalDiskBackend({"path": str(root), "capacity": "1GiB", "threads": 4})
     stored, refused = [], []
     n = 0
@@ -120,14 +100,14 @@ def test_disk_full_stores_fail_cleanly(tmpfs, figures):
     b2.close()
 
 
-def test_disk_filled_by_someone_else(tmpfs, figures):
+def test_disk_filled_by_someone_else(small_tmpfs, figures):
     """Another process's file fills the disk below our capacity: stores fail and are counted, reads go on,
     and stores resume when the space comes back."""
-    root = tmpfs / "blocks"
+    root = small_tmpfs / "blocks"
     b = LocalDiskBackend({"path": str(root), "capacity": "1GiB", "threads": 2})
     mine = [key_of(i, tag="ballast") for i in range(BATCH)]
     assert _put(b, mine) == [True] * BATCH
-    ballast = tmpfs / "ballast"
+    ballast = small_tmpfs / "ballast"
     with open(ballast, "wb") as f:  # fill what is left
         chunk = bytes(1 << 16)
         try:
@@ -151,8 +131,8 @@ def test_disk_filled_by_someone_else(tmpfs, figures):
     b.close()
 
 
-def test_capacity_keeps_usage_under_bound(tmpfs, figures):
-    root = tmpfs / "blocks"
+def test_capacity_keeps_usage_under_bound(small_tmpfs, figures):
+    root = small_tmpfs / "blocks"
     cap = 6 << 20
     b = LocalDiskBackend({"path": str(root), "capacity": cap, "threads": 4})
     per_block = HEADER_SIZE + SIZE

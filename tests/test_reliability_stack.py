@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import threading
 import time
 
@@ -39,25 +38,6 @@ from kvtier.integrations.engine import CachedEngine
 from kvtier.stack import TierStack
 
 STEP_TIMEOUT = 30.0
-FS_MIB = 8
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """An 8 MiB tmpfs mounted for this test only (unmounted afterwards)."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip(f"needs root to mount a small tmpfs (mount -t tmpfs -o size={FS_MIB}m); not root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_MIB}m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _fill_fs(root, leave: int) -> str:
@@ -74,11 +54,11 @@ def _disk_files(root) -> list[tuple[str, int]]:
     return [(os.path.join(d, f), os.path.getsize(os.path.join(d, f))) for d, _, fs in os.walk(root) for f in fs]
 
 
-def test_disk_full_under_the_stack(small_fs, figures):
-    kv = small_fs / "kv"
+def test_disk_full_under_the_stack(small_tmpfs, figures):
+    kv = small_tmpfs / "kv"
     disk = {"name": "disk", "type": "local_disk", "options": {"path": str(kv), "capacity": "1GiB"}}
     pd = PD.build(disk)  # capacity above the filesystem's size: ENOSPC, not eviction, ends the room
-    filler = _fill_fs(small_fs, leave=160 << 10)  # room for ~2 prompts of 8 blocks of 8 KiB
+    filler = _fill_fs(small_tmpfs, leave=160 << 10)  # room for ~2 prompts of 8 blocks of 8 KiB
     prompts = Prompts(seed=51)
     fresh_dec: CachedEngine | None = None
     try:
@@ -195,7 +175,7 @@ def _payload(h: bytes, nbytes: int) -> torch.Tensor:
                                   "write_back+redis, redis hung (SIGSTOP) during the run",
                                   "write_back+disk, disk full"])
 def test_stack_many_concurrent_requests(tmp_path, request, figures, case):
-    disk_root = request.getfixturevalue("small_fs") if "disk full" in case else tmp_path
+    disk_root = request.getfixturevalue("small_tmpfs") if "disk full" in case else tmp_path
     backends = [] if case.startswith("write_back+redis") else \
         [{"name": "disk", "type": "local_disk", "options": {"path": str(disk_root / "disk"), "capacity": "1GiB"}}]
     srv = None
