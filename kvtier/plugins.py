@@ -7,6 +7,7 @@ and its distribution, and leaves every other plugin usable.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -32,8 +33,16 @@ class PluginInfo:
     version: str
 
 
-def _entry_points(group: str) -> list[metadata.EntryPoint]:
-    return sorted(metadata.entry_points(group=group), key=lambda ep: ep.name)
+@functools.cache
+def _entry_points(group: str) -> tuple[metadata.EntryPoint, ...]:
+    # Scanning every installed distribution costs ~10 ms; a config names several plugins.  Packages
+    # installed after the first lookup are seen after ``refresh()``.
+    return tuple(sorted(metadata.entry_points(group=group), key=lambda ep: ep.name))
+
+
+def refresh() -> None:
+    """Forget the cached entry points (after installing a plugin package into a running process)."""
+    _entry_points.cache_clear()
 
 
 def _dist(ep: metadata.EntryPoint) -> tuple[str, str]:
