@@ -261,14 +261,20 @@ class S3Backend(StorageBackend):
             for obj in page.get("Contents", ()):
                 yield StoredBlock(obj["Key"][cut:], obj["Size"])
 
+    def _get_object(self, key: str) -> dict | None:
+        """GetObject's response, or None when the object does not exist (any other error raises)."""
+        try:
+            return self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
+        except Exception as e:
+            if _is_missing(e):
+                return None
+            raise
+
     def _read_small(self, key: str) -> bytes | None:
         def get() -> bytes | None:
-            try:
-                resp = self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
-            except Exception as e:
-                if _is_missing(e):
-                    return None
-                raise
+            resp = self._get_object(key)
+            if resp is None:
+                return None
             with contextlib.closing(resp["Body"]) as body:
                 return body.read()
 
@@ -310,12 +316,9 @@ class S3Backend(StorageBackend):
         return True
 
     def _get_one(self, key: str, bufs: tuple[memoryview, memoryview], guard: _ReadGuard) -> int | None:
-        try:
-            resp = self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
-        except Exception as e:
-            if _is_missing(e):
-                return None
-            raise
+        resp = self._get_object(key)
+        if resp is None:
+            return None
         body = resp["Body"]
         size = int(resp["ContentLength"])  # S3 always announces it; its absence fails loudly
         raw = getattr(body, "_raw_stream", None)
