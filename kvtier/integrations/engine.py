@@ -19,9 +19,11 @@ from typing import Any
 import torch
 
 from ..blockpool import BlockPool
+from ..layout import parse_dtype
 from .hf_llama import PagedLlama, TinyLlamaSpec
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The dtypes the transformers model computes in on CPU and GPU alike (fp8 KV needs a real engine).
+_COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -70,7 +72,7 @@ class CachedEngine:
 
         cfg = config if isinstance(config, KvtierConfig) else load_config(config)
         m = cfg.model
-        if m.kv_dtype not in _TORCH_DTYPES:
+        if m.kv_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"model.kv_dtype: the built-in engine computes in float32/float16/bfloat16, "
                              f"got {m.kv_dtype!r}")
         if m.attention != "mha" or cfg.device.layout != "flash_attn":
@@ -81,7 +83,7 @@ class CachedEngine:
         nb = num_blocks or cfg.device.num_blocks
         device = "cuda" if cfg.device.kind == "cuda" or (cfg.device.kind == "auto" and
                                                        torch.cuda.is_available()) else "cpu"
-        model = PagedLlama(spec, num_blocks=nb, block_size=m.block_size, dtype=_TORCH_DTYPES[m.kv_dtype],
+        model = PagedLlama(spec, num_blocks=nb, block_size=m.block_size, dtype=parse_dtype(m.kv_dtype),
                            device=device, model_id=m.id)
         stack = TierStack(cfg, kv_caches=model.kv_caches, **(stack_kwargs or {}))
         pool = BlockPool(nb, on_evict=lambda key, block_id: stack.on_device_freed([block_id]))

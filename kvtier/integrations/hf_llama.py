@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..keys import Namespace
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+from ..layout import dtype_name
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class PagedLlama:
     def namespace(self, **overrides) -> Namespace:
         """The namespace this engine's blocks belong to (model, dtype, layout)."""
         s = self.spec
-        fields = dict(model=self.model_id, kv_dtype=_DTYPE_NAMES.get(self.dtype, str(self.dtype)),
+        fields = dict(model=self.model_id, kv_dtype=dtype_name(self.dtype),
                       num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       block_size=self.block_size)
         fields.update(overrides)
