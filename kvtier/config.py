@@ -143,7 +143,7 @@ class DeviceSection(_Section):
 
     kind: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
     num_blocks: int = Field(1024, ge=1, description="Blocks in the standalone block pool (no engine).")
-    layout: Literal["flash_attn", "flashinfer", "mla", "stacked"] = Field(
+    layout: Literal["flash_attn", "flashinfer", "mla", "cpu_attn", "stacked"] = Field(
         "flash_attn", description="How the engine lays out its KV tensors.")
 
 

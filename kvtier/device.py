@@ -217,8 +217,15 @@ class _Codec:
                  copy_dtype: torch.dtype | None = None):
         self.layout = layout
         self.copy_dtype = copy_dtype or layout.copy_dtype(tensors)
-        self.views = layout.component_views(tensors, self.copy_dtype)
         self.device = _as_list(tensors)[0].device
+        if layout.head_major:
+            if self.device.type != "cpu":
+                raise LayoutError("cpu_attn is vLLM's CPU layout: its tensors must be on the CPU, found "
+                                  f"{self.device}")
+            self.views = layout.head_major_views(tensors, self.copy_dtype)
+            self.np_views = [[v.detach().numpy() for v in comps] for comps in self.views]
+            return
+        self.views = layout.component_views(tensors, self.copy_dtype)
         # numpy aliases of the same rows (CPU only): the scatter's fast path.
         self.np_views = ([[v.detach().numpy() for v in comps] for comps in self.views]
                          if self.device.type == "cpu" else None)
@@ -242,6 +249,9 @@ class _Codec:
         dst = self.layout.payload_view(out, self.copy_dtype)
         if rows is None:
             rows = self.rows(ids.numel(), slots, out.shape[0])
+        if self.layout.head_major:
+            self._gather_head_major(ids, dst, rows, layers)
+            return
         if isinstance(rows, list):
             parts = [(ids[p:p + k], first, k) for p, first, k in rows]
 
@@ -271,6 +281,9 @@ class _Codec:
         if rows is None:
             rows = self.rows(ids.numel(), slots, payload.shape[0])
         runs = rows if isinstance(rows, list) else None
+        if self.layout.head_major:
+            self._scatter_head_major(ids, src, rows, layers)
+            return
         if self.np_views is not None:
             src_np, ids_np = src.numpy(), ids.numpy()
             # numpy wraps negative indices around: -1 would silently overwrite the last block.
@@ -292,6 +305,50 @@ class _Codec:
                             dst.index_copy_(0, ids[p:p + k], src[first:first + k, li, c])
                     else:
                         dst.index_copy_(0, ids, src[:, li, c].index_select(0, rows))
+
+        self._run(run, layers, ids.numel())
+
+    # A head-major (cpu_attn) component of a block is [H, B, D] where the payload wants [B, H, D]: each
+    # copy transposes (one strided torch / numpy copy per layer-component and run of rows, no loop per
+    # block).  Payload rows are viewed as [n, L, C, B, H, D].
+
+    def _gather_head_major(self, ids: torch.Tensor, dst: torch.Tensor, rows: Rows,
+                           layers: Sequence[int] | None) -> None:
+        lay = self.layout
+        shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
+        ids_np = ids.numpy()
+        _check_range(ids_np, lay.num_blocks, "block id")
+        parts = ([(ids_np[p:p + k], slice(first, first + k)) for p, first, k in rows] if isinstance(rows, list)
+                 else [(ids_np, rows.numpy())])
+        dst_np = dst.numpy()
+
+        def run(chunk: list[tuple[int, int]]) -> None:
+            for li, c in chunk:
+                src = self.np_views[li][c]  # [N, H, B, D]
+                for part, sel in parts:
+                    block = src[part].transpose(0, 2, 1, 3)  # [k, B, H, D]
+                    if isinstance(sel, slice):
+                        dst_np[sel, li, c].reshape(-1, *shape)[...] = block
+                    else:
+                        dst_np[sel, li, c] = block.reshape(len(part), -1)
+
+        self._run(run, layers, ids.numel())
+
+    def _scatter_head_major(self, ids: torch.Tensor, src: torch.Tensor, rows: Rows,
+                            layers: Sequence[int] | None) -> None:
+        lay = self.layout
+        shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
+        ids_np = ids.numpy()
+        _check_range(ids_np, lay.num_blocks, "block id")
+        parts = ([(ids_np[p:p + k], slice(first, first + k)) for p, first, k in rows] if isinstance(rows, list)
+                 else [(ids_np, rows.numpy())])
+        src_np = src.numpy()
+
+        def run(chunk: list[tuple[int, int]]) -> None:
+            for li, c in chunk:
+                dst = self.np_views[li][c]  # [N, H, B, D]
+                for part, sel in parts:
+                    dst[part] = src_np[sel, li, c].reshape(-1, *shape).transpose(0, 2, 1, 3)
 
         self._run(run, layers, ids.numel())
 

@@ -9,8 +9,14 @@ kind            tensors                                      one layer
 ``flash_attn``  one per layer                                ``[2, N, B, H, D]``
 ``flashinfer``  one per layer                                ``[N, 2, B, H, D]``
 ``mla``         one per layer                                ``[N, B, D]``
+``cpu_attn``    one per layer (vLLM's CPU backend, LBHNC)    ``[N, H, B, 2*D]``
 ``stacked``     one tensor, layer first                      ``[L, <inner layer shape>]``
 ==============  ===========================================  ==========================
+
+``cpu_attn`` is head-major: within a block, each head holds its ``B`` K rows then its ``B`` V rows
+(vLLM CPU views a layer as ``[N, H, 2*B, D]`` and splits it in two along dim 2).  Its components are not
+flat rows in payload order, so its copies transpose (token, head) per layer-component instead of moving
+whole rows; the payload is the same canonical one.
 
 ``stacked`` takes an ``inner`` kind (default ``flash_attn``, so ``[L, 2, N, B, H, D]``; ``inner="mla"``
 gives ``[L, N, B, D]``).
@@ -44,12 +50,13 @@ from typing import Any
 
 import torch
 
-KINDS = ("flash_attn", "flashinfer", "mla", "stacked")
+KINDS = ("flash_attn", "flashinfer", "mla", "cpu_attn", "stacked")
 
 _SHAPE_DOC = {
     "flash_attn": "[2, num_blocks, block_size, kv_heads, head_dim]",
     "flashinfer": "[num_blocks, 2, block_size, kv_heads, head_dim]",
     "mla": "[num_blocks, block_size, latent_dim]",
+    "cpu_attn": "[num_blocks, kv_heads, block_size, 2 * head_dim]",
 }
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
@@ -157,7 +164,7 @@ class KVLayout:
             raise LayoutError("infer: expected a tensor or a non-empty list of tensors")
         t = ts[0]
         per_layer_kind = (inner or "flash_attn") if kind == "stacked" else kind
-        want = (3 if per_layer_kind == "mla" else 5) + (kind == "stacked")
+        want = {"mla": 3, "cpu_attn": 4}.get(per_layer_kind, 5) + (kind == "stacked")
         if t.dim() != want:
             raise LayoutError(f"infer: a {kind} tensor has {want} dims, got shape {tuple(t.shape)}")
         shape = tuple(t.shape[1:]) if kind == "stacked" else tuple(t.shape)
@@ -166,6 +173,8 @@ class KVLayout:
             _, n, b, h, d = shape
         elif per_layer_kind == "flashinfer":
             n, _, b, h, d = shape
+        elif per_layer_kind == "cpu_attn":
+            n, h, b, d = shape[0], shape[1], shape[2], shape[3] // 2
         else:
             (n, b, d), h = shape[:3], 1
         layout = cls(kind, num_layers, n, b, h, d, t.dtype, inner)
@@ -178,6 +187,11 @@ class KVLayout:
     def attention(self) -> str:
         """"mha" (K and V per token) or "mla" (one latent vector per token)."""
         return "mla" if (self.inner or self.kind) == "mla" else "mha"
+
+    @property
+    def head_major(self) -> bool:
+        """Whether a block's components are stored head-major (``cpu_attn``): copies transpose."""
+        return self.kind == "cpu_attn"
 
     @property
     def num_components(self) -> int:
@@ -217,7 +231,8 @@ class KVLayout:
         """Expected shape of one layer's tensor (for ``stacked``: of ``tensor[layer]``)."""
         k = self.inner if self.kind == "stacked" else self.kind
         n, b, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
-        return {"flash_attn": (2, n, b, h, d), "flashinfer": (n, 2, b, h, d), "mla": (n, b, d)}[k]
+        return {"flash_attn": (2, n, b, h, d), "flashinfer": (n, 2, b, h, d), "mla": (n, b, d),
+                "cpu_attn": (n, h, b, 2 * d)}[k]
 
     def tensor_shapes(self) -> list[tuple[int, ...]]:
         """Expected shape of every tensor the engine registers."""
@@ -262,6 +277,8 @@ class KVLayout:
                                   "all KV tensors must be on one device")
             inner = t.stride()[-3:] if self.attention == "mha" else t.stride()[-2:]
             want = (self.num_kv_heads * self.head_dim, self.head_dim, 1)[-len(inner):]
+            if self.kind == "cpu_attn":
+                want = (self.block_size * 2 * self.head_dim, 2 * self.head_dim, 1)
             if tuple(inner) != want:
                 raise LayoutError(f"{where}: not contiguous within a block: the last {len(want)} dims must "
                                   f"have strides {want}, found strides {tuple(t.stride())} "
@@ -285,6 +302,9 @@ class KVLayout:
     def copy_dtype(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> torch.dtype:
         """The widest integer type that every row of ``tensors`` (and of any aligned payload buffer)
         can be viewed as: rows are moved as that type, bit for bit."""
+        if self.head_major:
+            # Transposed copies move single elements: an integer type of the element's width.
+            return next(dt for width, dt in _COPY_DTYPES if width == self.itemsize)
         rows = [r for comps in self._rows_native(tensors) for r in comps]
         for width, dt in _COPY_DTYPES:
             if self.row_nbytes % width == 0 and all(
@@ -308,10 +328,23 @@ class KVLayout:
         ts = _as_list(tensors)
         per_layer = list(ts[0].unbind(0)) if self.kind == "stacked" else ts
         k = self.inner if self.kind == "stacked" else self.kind
+        if k == "cpu_attn":
+            raise LayoutError("cpu_attn components are head-major, not rows: use head_major_views()")
         out = []
         for t in per_layer:
             comps = [t[0], t[1]] if k == "flash_attn" else [t[:, 0], t[:, 1]] if k == "flashinfer" else [t]
             out.append([c.reshape(c.shape[0], -1) for c in comps])
+        return out
+
+    def head_major_views(self, tensors: torch.Tensor | Sequence[torch.Tensor],
+                         copy_dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """``cpu_attn``: for each layer, for K and V, a ``[num_blocks, H, B, D]`` view in ``copy_dtype``
+        (no copy; strided: a head's K and V rows alternate)."""
+        n, h, b, d = self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim
+        out = []
+        for t in _as_list(tensors):
+            v = (t if t.dtype == copy_dtype else t.view(copy_dtype)).view(n, h, 2, b, d)
+            out.append([v[:, :, 0], v[:, :, 1]])
         return out
 
     def payload_view(self, buf: torch.Tensor, copy_dtype: torch.dtype) -> torch.Tensor:

@@ -11,7 +11,7 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout, LayoutError, parse_dtype
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
-KINDS = [("flash_attn", None), ("flashinfer", None), ("mla", None), ("stacked", None),
+KINDS = [("flash_attn", None), ("flashinfer", None), ("mla", None), ("cpu_attn", None), ("stacked", None),
          ("stacked", "flashinfer"), ("stacked", "mla")]
 
 
@@ -42,10 +42,19 @@ def expected_payload(layout: KVLayout, tensors, block_ids) -> torch.Tensor:
         for t in per_layer:
             comps = {"flash_attn": lambda t, b: [t[0, b], t[1, b]],
                      "flashinfer": lambda t, b: [t[b, 0], t[b, 1]],
-                     "mla": lambda t, b: [t[b]]}[kind](t, b)
+                     "mla": lambda t, b: [t[b]],
+                     # vLLM CPU: per head, B K rows then B V rows; the payload wants (token, head, dim).
+                     "cpu_attn": lambda t, b: [_kv_rows(t, b)[:, :t.shape[2]].transpose(0, 1),
+                                               _kv_rows(t, b)[:, t.shape[2]:].transpose(0, 1)]}[kind](t, b)
             parts += [c.contiguous().view(torch.uint8).reshape(-1) for c in comps]
         rows.append(torch.cat(parts))
     return torch.stack(rows)
+
+
+def _kv_rows(t, b):
+    """vLLM CPU's own view of one block: ``[H, 2*B, D]``, K rows then V rows per head."""
+    n, h, bs, d2 = t.shape
+    return t.view(n, h, 2 * bs, d2 // 2)[b]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -165,7 +174,7 @@ def test_dtype_names():
 
 
 def test_bad_layout_fields():
-    with pytest.raises(LayoutError, match="kind: expected one of flash_attn, flashinfer, mla, stacked"):
+    with pytest.raises(LayoutError, match="kind: expected one of flash_attn, flashinfer, mla, cpu_attn, stacked"):
         KVLayout("paged", 1, 1, 1, 1, 1)
     with pytest.raises(LayoutError, match="num_blocks: expected an integer >= 1, got 0"):
         KVLayout("flash_attn", 1, 0, 1, 1, 1)
