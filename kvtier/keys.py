@@ -82,6 +82,8 @@ def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
             arr = np.frombuffer(array.array("I", tokens), dtype=np.uint32)
         except (TypeError, OverflowError):
             arr = _int64_tokens(tokens, what)
+        if not isinstance(tokens, range):
+            _refuse_bools(tokens, arr, what)
     else:
         raise ValueError(f"{what}: expected a list, tuple, numpy array or torch tensor of token ids, "
                          f"got {type(tokens).__name__}")
@@ -89,6 +91,16 @@ def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
         i = int(np.argmax(arr < 0))
         raise ValueError(f"{what}[{i}] = {int(arr[i])}: token ids must be non-negative")
     return arr
+
+
+def _refuse_bools(tokens: Sequence[Any], arr: np.ndarray, what: str) -> None:
+    """array.array takes ``True`` / ``False`` as 1 / 0; a bool is a caller's bug, not a token id (numpy
+    bool arrays are refused too).  Only positions holding 0 or 1 can be bools, so the Python-level look
+    is limited to those (a few special tokens in a real prompt)."""
+    for i in np.flatnonzero(arr <= 1).tolist():
+        t = tokens[i]
+        if isinstance(t, bool):
+            raise ValueError(f"{what}[{i}] = {t!r}: token ids must be integers, got bool")
 
 
 def _int64_tokens(tokens: Sequence[Any], what: str) -> np.ndarray:

@@ -136,6 +136,10 @@ def test_input_types_agree():
     ([1, 2, -3], "tokens[2] = -3: token ids must be non-negative"),
     ([1, 2.5], "tokens[1] = 2.5: token ids must be integers, got float"),
     ([1, "7"], "tokens[1] = '7': token ids must be integers, got str"),
+    ([True, False, True, True], "tokens[0] = True: token ids must be integers, got bool"),
+    ((5, 6, False, 7), "tokens[2] = False: token ids must be integers, got bool"),
+    ([2**40, True], "tokens[1] = True: token ids must be integers, got bool"),  # the int64 path
+    (np.array([True, False]), "expected integer token ids, got dtype bool"),
     ([0, 2**64], "tokens[1] = 18446744073709551616: token ids must be in [0, 2**63)"),
     (np.array([0.5]), "expected integer token ids, got dtype float64"),
     (np.array([4, -1]), "tokens[1] = -1: token ids must be non-negative"),
