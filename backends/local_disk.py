@@ -9,8 +9,9 @@ Invariants:
   ``.<hash>.<host tag>.<pid>.<n>.tmp`` in the same directory and ``os.replace``s it.  Temp names start with
   a dot, block names are hex, so a temp file is never read as a block; start-up removes those whose writer
   is dead (same host) or that are older than ``tmp_max_age_s``.
-* No key can name a path outside the root: every key must match
-  ``<32 hex>/<32|64 hex>`` or ``<32 hex>/manifest.json`` (lower case) before a path is formed from it, and
+* No key can name a path outside the root: every key must be canonical (``kvtier.keys.invalid_key``:
+  ``<32 hex>/<32|64 hex>`` or ``<32 hex>/manifest.json``, lower case) before a path is formed from it (the
+  base class refuses such keys before any hook; the hooks check again, as tools call them directly), and
   files are opened with ``O_NOFOLLOW``.
 * Accounted usage (bytes of the blocks this process knows + bytes reserved by its in-flight writes) never
   exceeds ``capacity``: a put reserves its bytes first, evicting least-recently-used blocks (unlinked
@@ -44,11 +45,11 @@ from pydantic import Field, field_validator
 
 from kvtier import blockformat
 from kvtier.backend import MANIFEST_NAME, BackendOptions, StorageBackend, StoredBlock, frame, verify
+from kvtier.keys import invalid_key, show_key
 from kvtier.units import ByteSize
 
 log = logging.getLogger("kvtier.backends.local_disk")
 
-_KEY = re.compile(r"[0-9a-f]{32}/(?:[0-9a-f]{32}|[0-9a-f]{64}|manifest\.json)")
 _NS = re.compile(r"[0-9a-f]{32}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _HASH = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
@@ -100,11 +101,11 @@ class LocalDiskBackend(StorageBackend):
 
     # ------------------------------------------------------------------ paths
 
-    def _where(self, key: str) -> tuple[str, str]:
-        """(directory, file) for a validated key; ValueError naming the key otherwise."""
-        if not isinstance(key, str) or _KEY.fullmatch(key) is None:
-            raise ValueError(f"local_disk: refusing key {key!r}: expected '<32 lower-case hex namespace>/"
-                             f"<32 or 64 lower-case hex hash>' or '<namespace>/{MANIFEST_NAME}'")
+    def _where(self, key: str, checked: bool = False) -> tuple[str, str]:
+        """(directory, file) for a key; ValueError naming the key unless it is canonical (``checked``: the
+        caller has just checked it)."""
+        if not checked:
+            self._refuse_invalid_paths([key])
         ns, name = key[:32], key[33:]
         d = f"{self.root}/{ns}" if name == MANIFEST_NAME else f"{self.root}/{ns}/{name[:2]}"
         if d not in self._verified_dirs:
@@ -122,10 +123,17 @@ class LocalDiskBackend(StorageBackend):
         if os.path.isdir(d):
             self._verified_dirs.add(d)
 
+    @staticmethod
+    def _refuse_invalid_paths(keys: Sequence[str]) -> None:
+        bad = invalid_key(keys, manifest=True)
+        if bad is not None:
+            raise ValueError(f"local_disk: refusing key {show_key(keys[bad[0]])}: {bad[1]}")
+
     def _check_keys(self, keys: Sequence[str]) -> list[tuple[str, str]]:
         if self._closed:
             raise RuntimeError(f"local_disk at {self.root} is closed")
-        return [self._where(k) for k in keys]
+        self._refuse_invalid_paths(keys)  # one pass over the batch, then paths without a check per key
+        return [self._where(k, checked=True) for k in keys]
 
     # ------------------------------------------------------------------ start-up
 

@@ -31,6 +31,7 @@ from pydantic import ConfigDict, Field, SecretStr
 
 from kvtier import blockformat
 from kvtier.backend import BackendOptions, StorageBackend, StoredBlock, frame, verify
+from kvtier.keys import key_problem
 
 log = logging.getLogger("kvtier.backends.s3")
 _MISSING = {"404", "NoSuchKey", "NotFound"}
@@ -290,13 +291,11 @@ class S3Backend(StorageBackend):
     def _usage(self) -> dict[str, Any]:
         """Blocks and bytes under the prefix, from a listing reused for ``usage_ttl_s`` and cut at
         ``usage_max_objects`` (then marked partial): stats() must stay cheap on a huge bucket."""
-        from kvtier.backend import _BLOCK_KEY
-
         now = time.monotonic()
         if self._usage_cache is None or now - self._usage_cache[0] >= self.options.usage_ttl_s:
             cap = self.options.usage_max_objects
             listed = list(itertools.islice(self._scan(""), cap + 1))
-            sizes = [b.size for b in listed[:cap] if _BLOCK_KEY.match(b.key)]
+            sizes = [b.size for b in listed[:cap] if key_problem(b.key) is None]
             usage: dict[str, Any] = {"blocks": len(sizes), "bytes": sum(sizes)}
             if len(listed) > cap:
                 usage["partial"] = True

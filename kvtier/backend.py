@@ -10,13 +10,17 @@ Invariants:
   for; such a value is counted as corrupt and deleted.
 * Public methods raise only ``BackendError`` subclasses, each naming the backend and a key; the stack
   turns them into misses / skipped stores / metrics, so a backend fault never reaches the engine.
+* No hook ever sees a key that is not canonical (``kvtier.keys.invalid_key``: lower-case hex, no path
+  parts, nothing else).  Every public method that takes keys or a namespace id checks them all first and
+  refuses the whole call with ``InvalidKey`` (a ``BackendError`` and a ``ValueError``) naming the backend
+  and the key; nothing is read, written, counted or treated as a miss.  A malformed key is the caller's
+  bug, and a miss would hide it.
 * All public methods are thread-safe if the hooks are.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,10 +31,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from . import blockformat
-from .keys import split_key
+from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
 
-_BLOCK_KEY = re.compile(r"^[0-9a-f]{32}/(?:[0-9a-f]{32}|[0-9a-f]{64})$")
-MANIFEST_NAME = "manifest.json"
 _BISECT_MIN = 8  # shorter chains are probed whole: a few parallel requests beat a sequential search
 
 
@@ -39,8 +41,13 @@ class BackendError(Exception):
 
     def __init__(self, backend: str, key: str | None, message: str):
         self.backend, self.key = backend, key
-        where = f"backend {backend!r}" + (f", key {key!r}" if key else "")
+        where = f"backend {backend!r}" + (f", key {show_key(key)}" if key is not None else "")
         super().__init__(f"{where}: {message}")
+
+
+class InvalidKey(BackendError, ValueError):
+    """A key (or namespace id) that is not canonical, refused before any I/O.  Also a ``ValueError``: it is
+    the caller's bug, not the backend's fault."""
 
 
 class BackendUnavailable(BackendError):
@@ -193,6 +200,7 @@ class StorageBackend(ABC):
         """How many leading keys of the chain ``keys`` are present."""
         if not keys:
             return 0
+        self._refuse_invalid(keys)
         if self.prefix_probe == "bisect" and len(keys) > _BISECT_MIN:
             return self._bisect_prefix(keys)
         present = self._call(self._exists, keys)
@@ -219,7 +227,10 @@ class StorageBackend(ABC):
         return lo
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        return list(self._call(self._exists, keys)) if keys else []
+        if not keys:
+            return []
+        self._refuse_invalid(keys)
+        return list(self._call(self._exists, keys))
 
     def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int) -> list[bool]:
         """Store each payload (any contiguous buffer) as a verified block; per-key success."""
@@ -227,8 +238,7 @@ class StorageBackend(ABC):
             raise ValueError(f"put: {len(keys)} keys but {len(payloads)} payloads")
         if not keys:
             return []
-        for key in keys:
-            split_key(key)  # a malformed key is the caller's bug: ValueError naming it, before any I/O
+        self._refuse_invalid(keys)
         views = [memoryview(p).cast("B") for p in payloads]
         t0 = time.perf_counter()
         try:
@@ -253,6 +263,7 @@ class StorageBackend(ABC):
             raise ValueError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
+        self._refuse_invalid(keys)
         views = [memoryview(b).cast("B") for b in buffers]
         t0 = time.perf_counter()
         try:
@@ -287,6 +298,7 @@ class StorageBackend(ABC):
     def delete(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
+        self._refuse_invalid(keys)
         n = self._call(self._delete, keys)
         with self._lock:
             self._stats.deletes += n
@@ -294,10 +306,12 @@ class StorageBackend(ABC):
 
     def scan(self, namespace_id: str | None = None) -> Iterator[StoredBlock]:
         """Stored blocks (not manifests), of one namespace or of all."""
+        if namespace_id:
+            self._refuse_invalid([f"{namespace_id}/{MANIFEST_NAME}"], manifest=True)
         prefix = f"{namespace_id}/" if namespace_id else ""
         try:
             for blk in self._scan(prefix):
-                if _BLOCK_KEY.match(blk.key):
+                if invalid_key([blk.key]) is None:
                     yield blk
         except BackendError:
             raise
@@ -318,12 +332,16 @@ class StorageBackend(ABC):
         import json
 
         data = json.dumps(namespace.manifest(), sort_keys=True).encode()
-        self._call(self._write_small, f"{namespace.id}/{MANIFEST_NAME}", data)
+        key = f"{namespace.id}/{MANIFEST_NAME}"
+        self._refuse_invalid([key], manifest=True)
+        self._call(self._write_small, key, data)
 
     def get_manifest(self, namespace_id: str) -> dict | None:
         import json
 
-        raw = self._call(self._read_small, f"{namespace_id}/{MANIFEST_NAME}")
+        key = f"{namespace_id}/{MANIFEST_NAME}"
+        self._refuse_invalid([key], manifest=True)
+        raw = self._call(self._read_small, key)
         try:
             return json.loads(raw) if raw else None
         except ValueError:
@@ -377,6 +395,13 @@ class StorageBackend(ABC):
         self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _refuse_invalid(self, keys: Sequence[str], *, manifest: bool = False) -> None:
+        """Raise ``InvalidKey`` for the first non-canonical key; called before any hook sees ``keys``."""
+        bad = invalid_key(keys, manifest=manifest)
+        if bad is not None:
+            i, why = bad
+            raise InvalidKey(self.name, keys[i], f"refused before any I/O: {why}")
 
     def _on_corrupt(self, key: str, why: str) -> None:
         import logging

@@ -14,7 +14,7 @@
   naive reference of the documented extra-key rules.
 * Layouts: ``KVLayout`` constructs or raises LayoutError; ``validate`` accepts exactly the right tensors;
   gather/scatter round-trips bytes; bad block ids raise instead of touching another block.
-* Keys: ``split_key`` round-trips or raises ValueError; the disk backend refuses every key that would
+* Keys: ``split_key`` round-trips exactly (canonical keys only) or raises ValueError; the disk backend refuses every key that would
   name a path outside its root (and never writes outside it); Redis and S3 never serve a block for a
   garbage key.
 """
@@ -787,7 +787,7 @@ def test_fuzz_split_key(key):
         assert repr(key) in str(e)
         return
     assert len(ns) == 16 and len(h) in (16, 32)
-    assert f"{ns.hex()}/{h.hex()}" == key.lower()
+    assert f"{ns.hex()}/{h.hex()}" == key, "only the canonical spelling is accepted"
 
 
 def test_fuzz_disk_refuses_keys_outside_its_root(tmp_path, figures):

@@ -224,7 +224,9 @@ def test_namespace_digest_covers_every_field():
     assert split_key(key) == (base.digest, b"\x01" * 32)
 
 
-@pytest.mark.parametrize("bad", ["nohex", "ab/cd", "../../etc/passwd", "0" * 32 + "/" + "z" * 32])
+@pytest.mark.parametrize("bad", ["nohex", "ab/cd", "../../etc/passwd", "0" * 32 + "/" + "z" * 32,
+                                 "0" * 32 + "/" + "A" * 32, " " + "0" * 32 + "/" + "0" * 32, "0" * 32 + "/" + "00 " * 11,
+                                 "0" * 32 + "/" + "0" * 32 + "\n", ""])
 def test_split_key_rejects_bad_keys(bad):
     with pytest.raises(ValueError, match="expected '<32 hex namespace>/<32 or 64 hex hash>'"):
         split_key(bad)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from kvtier import blockformat
-from kvtier.backend import BackendError, StorageBackend
+from kvtier.backend import BackendError, InvalidKey, StorageBackend
 from kvtier.keys import Namespace
 
 NS_A = Namespace("conformance/model-a", "bfloat16", 2, 2, 64, 16)
@@ -41,6 +41,21 @@ H = blockformat.HEADER_SIZE
 FIELDS = {"magic": 0, "version": 4, "header_length": 6, "payload_length": 8, "namespace": 16,
           "hash_length": 32, "hash": 33, "reserved": 65, "layout_id": 68, "payload_checksum": 72,
           "header_checksum": 80, "payload_first": H, "payload_last": H + SIZE - 1}
+
+
+# Keys no backend hook may ever see (see kvtier.keys.invalid_key): path tricks, NUL, empty, extra parts,
+# case and whitespace variants of a valid key, non-strings.
+_K = f"{NS_A.id}/{'ab' * 16}"
+MALFORMED_KEYS = [
+    "../x", "../" * 4 + "etc/passwd", f"{NS_A.id}/../{'0' * 32}", f"/{_K}", "/etc/passwd", "",
+    f"{NS_A.id}/{'0' * 16}\x00{'0' * 15}", f"{_K}/x", f"{NS_A.id}//{'ab' * 16}", f"{NS_A.id}/{'ab' * 16}/",
+    _K.upper(), f"{NS_A.id}/{'AB' * 16}", f" {_K}", f"{_K} ", f"{_K}\n", f"\t{_K}", f"{NS_A.id}\\{'ab' * 16}",
+    f"./{_K}", f"{NS_A.id}/{'ab' * 15}a", f"{NS_A.id}/{'ab' * 17}", f"{NS_A.id}/manifest.json", "x" * 10_000,
+    f"{NS_A.id}/{'ａｂ' * 16}", None, b"0" * 65, 7,
+]
+#: The hooks a public method may call; a malformed key must reach none of them.
+HOOKS = ("_write", "_read_into", "_exists", "_delete", "_scan", "_put_blocks", "_get_blocks", "_read_small",
+         "_write_small")
 
 
 def rand(n: int) -> bytes:
@@ -256,6 +271,55 @@ class BackendConformance:
         for bad in ["", "nope", "../" * 4 + "etc/passwd", f"{NS_A.id}/../{'0' * 32}"]:
             with pytest.raises((ValueError, BackendError), match="key"):
                 kv.put([bad], [rand(8)], NS_A.layout_id)
+
+    @pytest.mark.parametrize("bad", MALFORMED_KEYS, ids=range(len(MALFORMED_KEYS)))
+    def test_malformed_keys_never_reach_a_hook(self, kv, bad):
+        """Every public method refuses a non-canonical key (anywhere in the batch) with InvalidKey naming
+        the backend and the key, before any hook runs: nothing stored, read, deleted or counted."""
+        good = keys(NS_A, 1)[0]
+        self.put1(kv, good, rand(SIZE))
+        before = kv.stats()
+        calls: list[str] = []
+        for hook in HOOKS:
+            real = getattr(kv, hook)
+
+            def spy(*args, _hook=hook, _real=real, **kw):
+                calls.append(_hook)
+                return _real(*args, **kw)
+
+            setattr(kv, hook, spy)  # an instance attribute: the base class's calls go through it
+        batch = [good, bad]
+        for name, call in [
+            ("put", lambda: kv.put(batch, [rand(SIZE), rand(SIZE)], NS_A.layout_id)),
+            ("get_into", lambda: kv.get_into(batch, [bytearray(SIZE), bytearray(SIZE)], NS_A.layout_id)),
+            ("exists", lambda: kv.exists(batch)),
+            ("contains_prefix", lambda: kv.contains_prefix(batch)),
+            ("delete", lambda: kv.delete(batch)),
+        ]:
+            with pytest.raises(InvalidKey) as e:
+                call()
+            msg = str(e.value)
+            assert isinstance(e.value, ValueError) and e.value.key == bad, (name, msg)
+            assert repr(kv.name) in msg and repr(bad)[:100] in msg, (name, msg)
+        assert calls == [], f"hooks reached with a malformed key: {calls}"
+        after = kv.stats()
+        assert (after.puts, after.put_failures, after.gets, after.misses, after.deletes) == \
+            (before.puts, before.put_failures, before.gets, before.misses, before.deletes)
+        for hook in HOOKS:
+            delattr(kv, hook)
+        assert self.get1(kv, good, SIZE) is not None, "the refused calls left the good key alone"
+
+    @pytest.mark.parametrize("bad_ns", ["../..", NS_A.id.upper(), NS_A.id + "/x", f" {NS_A.id}", "*",
+                                        NS_A.id[:31] + "\x00"])
+    def test_malformed_namespace_ids_never_reach_a_hook(self, kv, bad_ns):
+        calls: list[str] = []
+        for hook in HOOKS:
+            setattr(kv, hook, lambda *a, _h=hook, **k: calls.append(_h))
+        with pytest.raises(InvalidKey):
+            kv.get_manifest(bad_ns)
+        with pytest.raises(InvalidKey):
+            list(kv.scan(bad_ns))
+        assert calls == []
 
     # ---------------------------------------------------------------- counters, health, close
 
