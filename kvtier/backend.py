@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from . import blockformat
 from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
+from .plugins import strict_options
 
 _BISECT_MIN = 8  # shorter chains are probed whole: a few parallel requests beat a sequential search
 
@@ -59,7 +60,8 @@ class BackendTimeout(BackendError):
 
 
 class BackendOptions(BaseModel):
-    """Base of every backend's options (its YAML ``options:`` mapping).  Unknown keys are errors."""
+    """Base of every backend's options (its YAML ``options:`` mapping).  Unknown keys are errors, also for
+    a backend whose ``Options`` is a plain pydantic ``BaseModel`` (``kvtier.plugins.strict_options``)."""
 
     model_config = ConfigDict(extra="forbid")
     timeout_s: float = 5.0
@@ -116,7 +118,7 @@ class StorageBackend(ABC):
 
     def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
         if options is None or isinstance(options, dict):
-            options = self.Options(**(options or {}))
+            options = strict_options(self.Options).model_validate(options or {})
         self.options = options
         self.name = name or type(self).__name__
         self._stats = BackendStats()

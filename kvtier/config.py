@@ -393,7 +393,7 @@ def _resolve_plugin(kind: str, name: str, options: Any, path: str, key: str, pro
         return opts  # not a mapping: the structural validation reports it
     try:
         if isinstance(schema, type) and issubclass(schema, BaseModel):
-            return schema.model_validate(opts)
+            return plugins.strict_options(schema).model_validate(opts)  # unknown keys: errors, always
         return schema(**opts)
     except ValidationError as e:
         problems.extend(f"{p}: {m}" for p, m in problems_of(e, schema, (f"{path}.options",)))

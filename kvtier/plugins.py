@@ -84,6 +84,22 @@ def load(kind: str, name: str) -> Any:
                           f"{dname} {ver} failed to import: {type(e).__name__}: {e}") from e
 
 
+@functools.cache
+def strict_options(model: type) -> type:
+    """The model kvtier validates a plugin's ``options`` with: ``model`` itself when it forbids unknown
+    keys (kvtier's own bases do) or explicitly allows them (``extra="allow"``: the plugin keeps them), else
+    a subclass that forbids them.  Pydantic's default is to drop an unknown key silently, so a plain
+    ``BaseModel`` would turn a mistyped option into its default without a word."""
+    from pydantic import BaseModel, ConfigDict
+
+    if not (isinstance(model, type) and issubclass(model, BaseModel)) or \
+            model.model_config.get("extra") in ("forbid", "allow"):
+        return model
+    # Same name, module and docs: errors, schemas and reprs read as the plugin's own model.
+    return type(model.__name__, (model,), {"model_config": ConfigDict(extra="forbid"), "__doc__": model.__doc__,
+                                           "__module__": model.__module__, "__qualname__": model.__qualname__})
+
+
 def _group(kind: str) -> str:
     if kind in GROUPS:
         return GROUPS[kind]

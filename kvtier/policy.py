@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from .index import BlockIndex
+from .plugins import strict_options
 
 
 class PolicyOptions(BaseModel):
@@ -30,11 +31,11 @@ class Policy:
     Options: ClassVar[type[PolicyOptions]] = PolicyOptions
 
     def __init__(self, options: PolicyOptions | dict[str, Any] | None = None):
+        strict = strict_options(self.Options)  # unknown keys are errors even for a plain BaseModel
         if options is None or isinstance(options, dict):
-            options = self.Options(**(options or {}))
+            options = strict.model_validate(options or {})
         elif not isinstance(options, self.Options):
-            options = self.Options.model_validate(options.model_dump() if isinstance(options, BaseModel)
-                                                  else options)
+            options = strict.model_validate(options.model_dump() if isinstance(options, BaseModel) else options)
         self.options = options
 
     def __repr__(self) -> str:

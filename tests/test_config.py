@@ -181,6 +181,31 @@ def test_bad_size(fake_plugins):
     assert problems(cfg(host={"capacity": "lots"})) == ['host.capacity: expected a size like "4GiB", got "lots"']
 
 
+class PlainOptions(BaseModel):
+    """A third party's options as a plain pydantic model: pydantic alone would drop unknown keys."""
+
+    size: int = 1
+    url: str = "x"
+
+
+class PlainPlugin:
+    Options = PlainOptions
+
+
+def test_plain_basemodel_options_refuse_unknown_keys(fake_plugins, monkeypatch):
+    monkeypatch.setitem(REGISTRY["backend"], "plain", PlainPlugin)
+    monkeypatch.setitem(REGISTRY["write_policy"], "plain", PlainPlugin)
+    assert problems(cfg(backends=[{"type": "plain", "options": {"sise": 2}}])) == [
+        'backends[0].options.sise: unknown key; did you mean "size"?']
+    assert problems(cfg(policies={"write": {"name": "plain", "options": {"ulr": "y"}}})) == [
+        'policies.write.options.ulr: unknown key; did you mean "url"?']
+    c = parse_config(cfg(backends=[{"type": "plain", "options": {"size": 2}}],
+                         policies={"write": {"name": "plain", "options": {"url": "y"}}}))
+    opts = c.backends[0].options
+    assert isinstance(opts, PlainOptions) and type(opts).__name__ == "PlainOptions" and opts.size == 2
+    assert c.policies.write.options.url == "y"
+
+
 def test_unknown_key_did_you_mean(fake_plugins):
     assert problems(cfg(host={"capacty": "1GiB"})) == ['host.capacty: unknown key; did you mean "capacity"?']
     assert problems(cfg(transfer={"zzz": 1})) == ["transfer.zzz: unknown key; allowed keys: threads"]

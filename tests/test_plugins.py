@@ -103,3 +103,37 @@ def test_config_naming_an_unknown_backend_lists_available(tmp_path):
                       "backends": [{"type": "memstor"}]})
     msg = str(e.value)
     assert "backends[0].type" in msg and "memstore" in msg
+
+
+def test_plain_basemodel_options_of_a_backend_or_policy_refuse_unknown_keys():
+    """A plugin whose ``Options`` is a plain pydantic ``BaseModel`` (not kvtier's base, so pydantic's default
+    of dropping unknown keys): a mistyped option is an error, not silently its default."""
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    from kvtier.policy import WritePolicy
+    from kvtier_memstore import MemStoreBackend
+
+    class PlainOptions(BaseModel):
+        max_values: int = 10
+
+    class AllowOptions(BaseModel):
+        model_config = ConfigDict(extra="allow")  # said explicitly: the plugin wants the extra keys
+        max_values: int = 10
+
+    class PlainMem(MemStoreBackend):
+        Options = PlainOptions
+
+    class AllowMem(MemStoreBackend):
+        Options = AllowOptions
+
+    class PlainPolicy(WritePolicy):
+        Options = PlainOptions
+
+    with pytest.raises(ValidationError, match="max_valuez"):
+        PlainMem({"max_valuez": 3})
+    with pytest.raises(ValidationError, match="max_valuez"):
+        PlainPolicy({"max_valuez": 3})
+    assert PlainMem({"max_values": 3}).options.max_values == 3
+    assert isinstance(PlainPolicy({"max_values": 3}).options, PlainOptions)
+    assert AllowMem({"max_values": 3, "extra_thing": 1}).options.model_extra == {"extra_thing": 1}
+    assert plugins.strict_options(PlainOptions) is plugins.strict_options(PlainOptions)  # made once
