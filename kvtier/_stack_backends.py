@@ -54,6 +54,18 @@ class BackendSet:
         self.metrics.observe(self.names[i], "lookup", time.perf_counter() - t0)
         return max(0, min(n, len(keys)))
 
+    def longest_prefix(self, keys: Sequence[str]) -> tuple[int, int]:
+        """``(n, i)``: the longest run of leading ``keys`` present in one backend, and which (the
+        fastest on a tie); ``(0, 0)`` when none has the first key or every backend fails."""
+        best, who = 0, 0
+        for i in range(len(self.backends)):
+            got = self.contains_prefix(i, keys)
+            if got > best:
+                best, who = got, i
+            if best == len(keys):
+                break
+        return best, who
+
     def put(self, i: int, keys: Sequence[str], payloads: Sequence[Any]) -> list[bool]:
         """Store payloads in backend ``i``; per key, whether it took the block (all False when it fails)."""
         if not keys:

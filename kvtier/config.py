@@ -487,3 +487,44 @@ def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str]
             raise ConfigError([f"{source}: cannot read the file: {why}"], source) from None
     return parse_config(_read_yaml(text, source), source=source,
                         env=os.environ if env is None else env, resolve_plugins=resolve_plugins)
+
+
+def load_engine_config(path: str | os.PathLike | None, facts: Mapping[str, Any], *, engine: str,
+                       device: Mapping[str, Any] | None = None,
+                       env: Mapping[str, str] | None = None) -> KvtierConfig:
+    """A deployment's config inside an engine that already knows the model: ``facts`` (``model``
+    fields the engine reports: dtype, layers, heads, head dim, block size, ranks) fill the ``model``
+    section; a YAML value that disagrees with the engine is an error naming the key, both values and the
+    engine.  ``model.id`` from the YAML wins over the engine's name (paths differ between hosts that
+    share blocks); ``device`` fields (the layout the engine's tensors have) are set the same way.
+    ``path`` None: the embedded default config's tiers and policies, with the engine's model."""
+    if path is None:
+        source = f"kvtier.configs/{DEFAULT_CONFIG}"
+        data = _read_yaml(resources.files("kvtier.configs").joinpath(DEFAULT_CONFIG).read_text("utf-8"), source)
+        data.pop("model", None)
+        data.pop("device", None)
+    else:
+        source = os.fspath(path)
+        try:
+            with open(source, encoding="utf-8") as f:
+                data = _read_yaml(f.read(), source)
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError([f"{source}: cannot read the file: {why}"], source) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: expected a mapping at the top level, got {describe(data)}"], source)
+    problems = []
+    for section, given in (("model", facts), ("device", device or {})):
+        mine = data.get(section) or {}
+        if not isinstance(mine, dict):
+            raise ConfigError([f"{section}: expected a mapping, got {describe(mine)}"], source)
+        for k, v in given.items():
+            if k in mine and k != "id" and mine[k] != v:
+                problems.append(f"{section}.{k}: the YAML says {describe(mine[k])} but {engine} runs "
+                                f"{describe(v)}; remove the key (the engine fills it) or make it match")
+        data[section] = {**given, **mine}
+    if problems:
+        raise ConfigError(problems, source)
+    return parse_config(data, source=source, env=os.environ if env is None else env)

@@ -63,6 +63,7 @@ from .index import BlockIndex, Tier
 from .keys import Namespace
 from .layout import KVLayout, LayoutError
 from .metrics import StackMetrics
+from .plans import WorkerReport
 from .policy import EvictionPolicy, PrefetchPolicy, WritePolicy
 from .tiers import BlockPool, DeviceTier
 from .transfer import TransferEngine
@@ -128,6 +129,9 @@ class TierStack:
         self._io = ThreadPoolExecutor(threads, "kvtier-write")  # backend writes (write-down, write-back)
         self._reads = ThreadPoolExecutor(threads, "kvtier-read")  # backend reads (load, prefetch)
         self._closed = False
+        # What host memory gained and lost since the last drain_report(): a manager in another process
+        # (vLLM's scheduler) mirrors host residency from it.  None = nobody listens, nothing recorded.
+        self._report: WorkerReport | None = None
         self.room = HostRoom(self)
         self._down = Downward(self)
         self._up = Upward(self)
@@ -186,13 +190,7 @@ class TierStack:
             if p == n or not self._backends.backends:
                 break
             keys = keys or self.namespace.keys(hashes)
-            best, who = 0, -1
-            for i in range(len(self._backends)):
-                got = self._backends.contains_prefix(i, keys[p:])
-                if got > best:
-                    best, who = got, i
-                if p + best == n:
-                    break
+            best, who = self._backends.longest_prefix(keys[p:])
             if best == 0:
                 break
             with self._lock:  # within the backend's run, a block also in memory is best served there
@@ -221,6 +219,12 @@ class TierStack:
                 if key is not None:
                     self.index.clear_device(key)
                     self._gc_locked(key)
+
+    def drain_report(self) -> WorkerReport:
+        """Host-memory changes since the last call (recording starts with the first call)."""
+        with self._lock:
+            out, self._report = self._report or WorkerReport(), WorkerReport()
+        return out
 
     def leading_in_memory(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` in host memory or on the device."""
@@ -380,6 +384,9 @@ class TierStack:
             self.index.insert(key)
         self.index.set_host(key, slot)
         self.eviction_policy.on_insert(Tier.HOST, [key])
+        if self._report is not None:
+            self._report.in_host[key] = slot
+            self._report.left_host.discard(key)
         return slot
 
     def _drop_host_locked(self, key: bytes) -> None:
@@ -389,6 +396,9 @@ class TierStack:
             self.host.free([slot])
             self.eviction_policy.on_remove(Tier.HOST, [key])
             self.metrics.add("host", evictions=1)
+            if self._report is not None:
+                self._report.in_host.pop(key, None)
+                self._report.left_host.add(key)
         self._gc_locked(key)
 
     def _submit(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> bool:

@@ -1,0 +1,64 @@
+"""What vLLM already knows about the model and its KV cache, as kvtier config fields.
+
+Both halves of the connector build their :class:`~kvtier.config.KvtierConfig` from the same facts, so
+the scheduler's keys and namespace equal every worker's (except the TP / PP rank, which only a worker
+knows: the scheduler probes rank 0's namespace).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...config import KvtierConfig, load_engine_config
+
+# vLLM's cache_dtype names -> kvtier's kv_dtype names (fp8 caches keep raw bytes, never converted).
+_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                 "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+                 "float": "float32"}
+
+
+def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank: int = 0) -> dict[str, Any]:
+    """The ``model`` section vLLM implies (``num_layers``: attention layers whose KV this rank holds)."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    if cc.cache_dtype == "auto":
+        kv_dtype = str(mc.dtype).removeprefix("torch.")
+    elif cc.cache_dtype in _CACHE_DTYPES:
+        kv_dtype = _CACHE_DTYPES[cc.cache_dtype]
+    else:
+        raise ValueError(f"kvtier: vLLM's cache dtype {cc.cache_dtype!r} is not supported "
+                         f"(supported: auto, {', '.join(sorted(_CACHE_DTYPES))})")
+    name = mc.served_model_name
+    name = name[0] if isinstance(name, list | tuple) else name
+    mla = bool(getattr(mc, "use_mla", False))
+    return {
+        "id": str(name or mc.model),
+        "kv_dtype": kv_dtype,
+        "num_layers": int(num_layers),
+        "num_kv_heads": 1 if mla else int(mc.get_num_kv_heads(pc)),
+        "head_dim": int(mc.get_head_size()),
+        "block_size": int(cc.block_size),
+        "attention": "mla" if mla else "mha",
+        "tp_rank": int(tp_rank),
+        "tp_size": int(pc.tensor_parallel_size),
+        "pp_rank": int(pp_rank),
+        "pp_size": int(pc.pipeline_parallel_size),
+    }
+
+
+def kvtier_config(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank: int = 0,
+                  layout: str | None = None) -> KvtierConfig:
+    """The deployment's kvtier config: the YAML named by ``kv_connector_extra_config.kvtier_config``
+    (the embedded default's tiers when absent), its ``model`` section filled from vLLM."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    facts = model_facts(vllm_config, num_layers, tp_rank=tp_rank, pp_rank=pp_rank)
+    return load_engine_config(extra.get("kvtier_config"), facts, engine="vLLM",
+                              device={"layout": layout} if layout else None)
+
+
+def kv_layers(kv_cache_config: Any) -> list[str]:
+    """Names of the attention layers of the (single) KV cache group, in layer order."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvtier: models with {len(groups)} KV cache groups (hybrid attention) are not "
+                         "supported yet; run vLLM with one group")
+    return list(groups[0].layer_names)

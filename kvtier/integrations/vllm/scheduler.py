@@ -1,0 +1,154 @@
+"""The scheduler half of the vLLM connector: vLLM's requests and block ids in, plan objects out.
+
+It lives in vLLM's EngineCore process and holds a :class:`~kvtier.manager.TierManager` (no tensors).
+
+* ``matched_tokens``: the longest loadable prefix of a request's prompt (full blocks, at most all but
+  the last prompt token, since vLLM must compute one).  A backend probe in flight answers None, so vLLM
+  asks again next step while other requests run; any hit is loaded asynchronously.
+* ``after_alloc``: records a :class:`~kvtier.plans.LoadPlan` for the blocks vLLM allocated.
+* ``build_plan``: the step's loads, and a :class:`~kvtier.plans.StorePlan` for every prompt block that
+  becomes fully computed in this step.  The worker copies those out before the step ends, so a finished
+  request's blocks never need to outlive it (``request_finished`` frees at once).
+
+Keys are kvtier's own block hashes (from token ids, LoRA, multimodal items and the cache salt), so a
+router or another engine computes them from the prompt alone.  With ``keys.algo: sha256_cbor`` and
+vLLM run with ``--prefix-caching-hash-algo sha256_cbor`` they equal vLLM's ``request.block_hashes``;
+each request checks that, and a mismatch is counted (``key_mismatches``) and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import KvtierConfig
+from ...manager import TierManager
+from ...plans import LoadPlan, LookupState, StepPlan, StorePlan, WorkerReport
+
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class _Request:
+    request: Any
+    hashes: list[bytes]
+    stored_blocks: int = 0  # leading prompt blocks already stored (or planned) by this instance
+    local_tokens: int = 0  # tokens vLLM had computed itself when the connector's hit was counted
+    external_tokens: int = 0
+    loaded_from: dict[str, int] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    """``load``/``store``: what this instance's role allows (kv_consumer loads, kv_producer stores)."""
+
+    def __init__(self, config: KvtierConfig, *, load: bool, store: bool, vllm_hash_algo: str | None):
+        self.config = config
+        self.manager = TierManager(config)
+        self.hasher = self.manager.namespace.hasher()
+        self.block_size = self.manager.block_size
+        self.load, self.store = load, store
+        self.check_vllm_hashes = (config.keys.algo == "sha256_cbor" and vllm_hash_algo == "sha256_cbor")
+        self.key_checks = 0
+        self.key_mismatches = 0
+        self._reqs: dict[str, _Request] = {}
+        self._loads: list[LoadPlan] = []
+        self.kv_cache_manager: Any = None
+
+    # ------------------------------------------------------------------ per request
+
+    def _state(self, request: Any) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = _Request(request, self._hash(request))
+            self._reqs[request.request_id] = st
+        return st
+
+    def _hash(self, request: Any) -> list[bytes]:
+        tokens = list(request.prompt_token_ids or ())
+        mm = [{"identifier": f.identifier, "offset": f.mm_position.offset, "length": f.mm_position.length}
+              for f in (getattr(request, "mm_features", None) or ())]
+        lr = getattr(request, "lora_request", None)
+        lora = (lr.lora_name, lr.lora_path) if lr is not None else None
+        hashes = self.hasher.hash_blocks(tokens, mm=mm, lora=lora,
+                                         cache_salt=getattr(request, "cache_salt", None))
+        if self.check_vllm_hashes:
+            theirs = [bytes(h) for h in (request.block_hashes or ())]
+            k = min(len(theirs), len(hashes))
+            self.key_checks += 1
+            if theirs[:k] != hashes[:k]:
+                self.key_mismatches += 1
+                if self.key_mismatches == 1:
+                    log.error("kvtier: block keys differ from vLLM's request.block_hashes for request %s "
+                              "(same algorithm, so a seed or extra-key mismatch: check keys.seed and "
+                              "PYTHONHASHSEED); kvtier keeps using its own keys", request.request_id)
+        return hashes
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)  # a producer needs the keys too, to store
+        if not self.load:
+            return 0, False
+        loadable = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.block_size)
+        if num_computed_tokens >= loadable * self.block_size:
+            return 0, False
+        found = self.manager.lookup(st.hashes[:loadable])
+        if found.state is LookupState.PENDING:
+            return None, False
+        ext = found.num_blocks * self.block_size - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        st.local_tokens, st.external_tokens = num_computed_tokens, ext
+        first = num_computed_tokens // self.block_size
+        st.loaded_from = {}
+        for tier in found.tiers[first:]:
+            st.loaded_from[tier] = st.loaded_from.get(tier, 0) + self.block_size
+        return ext, True
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        st = self._state(request)
+        if num_external_tokens != st.external_tokens:
+            raise RuntimeError(f"kvtier: vLLM allocated {num_external_tokens} external tokens for request "
+                               f"{request.request_id}, the connector offered {st.external_tokens}")
+        first = st.local_tokens // self.block_size
+        last = (st.local_tokens + num_external_tokens) // self.block_size
+        self._loads.append(LoadPlan(request.request_id, tuple(st.hashes[first:last]),
+                                    tuple(block_ids[first:last])))
+        # Loaded blocks are stored already: never write them back.
+        st.stored_blocks = max(st.stored_blocks, last)
+
+    # ------------------------------------------------------------------ per step
+
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        if not self.store:
+            return plan
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            req = st.request
+            done = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
+            upto = min(done // self.block_size, len(st.hashes))
+            if upto <= st.stored_blocks:
+                continue
+            ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            first = st.stored_blocks
+            plan.stores.append(StorePlan(req_id, tuple(st.hashes[first:upto]), tuple(ids[first:upto])))
+            st.stored_blocks = upto
+        return plan
+
+    def apply(self, report: WorkerReport) -> None:
+        self.manager.apply(report)
+
+    def finished(self, request: Any) -> None:
+        self._reqs.pop(request.request_id, None)
+
+    def external_sources(self, request: Any) -> dict[str, int]:
+        st = self._reqs.get(request.request_id)
+        return dict(st.loaded_from) if st else {}
+
+    def close(self) -> None:
+        self.manager.close()

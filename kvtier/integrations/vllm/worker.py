@@ -1,0 +1,119 @@
+"""The worker half of the vLLM connector: executes the scheduler's plans on this rank's KV tensors.
+
+It lives in each vLLM worker process and owns a :class:`~kvtier.stack.TierStack` over the KV tensors
+vLLM registers (host memory, transfers, backend I/O).
+
+* Loads run in the stack's threads while vLLM runs other requests (vLLM holds the request in
+  WAITING_FOR_REMOTE_KVS until ``finished`` reports it).  A block that is missing, corrupt or fails to
+  copy is reported in ``load_errors`` with every block after it (their keys chain through it), and vLLM
+  recomputes them; it is never read.
+* Stores copy the step's newly computed blocks out of the KV tensors in ``save`` (end of the step),
+  so vLLM may free or reuse those blocks as soon as the step is over; the writes to the backends go on
+  in the background as the write policy says.
+* Nothing here raises into vLLM because of kvtier: a fault is a failed load (recompute), a skipped
+  store, a log line and a metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import torch
+
+from ...config import KvtierConfig
+from ...plans import LoadPlan, StepPlan, WorkerReport
+from ...stack import LoadHandle, TierStack
+
+log = logging.getLogger("kvtier.vllm")
+
+
+def detect_layout(t: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int, mla: bool) -> str:
+    """The kvtier layout kind of one of vLLM's per-layer KV tensors."""
+    shape = tuple(t.shape)
+    if mla and t.dim() == 3 and shape[1:] == (block_size, head_dim):
+        return "mla"
+    if t.dim() == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_dim):
+        return "cpu_attn"
+    if t.dim() == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads, head_dim):
+        return "flash_attn"
+    if t.dim() == 5 and shape[1] == 2 and shape[2:] == (block_size, num_kv_heads, head_dim):
+        return "flashinfer"
+    raise ValueError(f"kvtier: unsupported vLLM KV cache tensor: shape {shape}, strides {t.stride()} "
+                     f"({num_kv_heads} kv heads, head dim {head_dim}, block size {block_size}); supported: "
+                     "CPU [N, H, B, 2D], FlashAttention [2, N, B, H, D], FlashInfer [N, 2, B, H, D], MLA [N, B, D]")
+
+
+def layer_order(names: list[str]) -> list[str]:
+    """Layer names sorted by their layer index ("model.layers.12.self_attn.attn" -> 12)."""
+    def index(name: str) -> tuple[int, str]:
+        m = re.findall(r"\.(\d+)\.", f".{name}.")
+        return (int(m[0]) if m else -1, name)
+    return sorted(names, key=index)
+
+
+class WorkerSide:
+    def __init__(self, config: KvtierConfig, kv_caches: list[torch.Tensor]):
+        self.stack = TierStack(config, kv_caches=kv_caches)
+        self.stack.drain_report()  # start recording host-memory changes for the scheduler
+        self._loads: dict[str, tuple[LoadPlan, LoadHandle]] = {}
+        self._errors: set[int] = set()
+        self._lost: set[bytes] = set()
+        self._refused: set[str] = set()  # loads that never started: finished at once, all blocks failed
+        self.stats = {"loads": 0, "loaded_blocks": 0, "failed_blocks": 0, "stored_blocks": 0,
+                      "store_errors": 0}
+
+    def start(self, plan: StepPlan) -> None:
+        for lp in plan.loads:
+            try:
+                self._loads[lp.req_id] = (lp, self.stack.load(list(lp.hashes), list(lp.block_ids)))
+            except Exception as e:  # noqa: BLE001 - a kvtier fault is a recompute, never a crash
+                log.error("kvtier: load for request %s refused: %s", lp.req_id, e)
+                self._errors.update(lp.block_ids)
+                self.stats["failed_blocks"] += len(lp.block_ids)
+                self._refused.add(lp.req_id)
+            self.stats["loads"] += 1
+
+    def save(self, plan: StepPlan) -> None:
+        for sp in plan.stores:
+            try:
+                res = self.stack.store(list(sp.hashes), list(sp.block_ids)).wait(timeout=60)
+                self.stats["stored_blocks"] += res.num_stored
+            except Exception as e:  # noqa: BLE001 - a failed store is a future miss, never a crash
+                self.stats["store_errors"] += 1
+                log.error("kvtier: store for request %s failed: %s", sp.req_id, e)
+
+    def finished(self) -> set[str]:
+        """Requests whose load has ended (loaded, or failed and reported in ``load_errors``)."""
+        done, self._refused = self._refused, set()
+        for req_id, (lp, handle) in list(self._loads.items()):
+            if not handle.done():
+                continue
+            del self._loads[req_id]
+            done.add(req_id)
+            res = handle.wait(0)
+            self.stats["loaded_blocks"] += res.num_loaded
+            if res.recompute:
+                self.stats["failed_blocks"] += len(res.recompute)
+                self._errors.update(res.recompute)
+                self._lost.update(lp.hashes[res.num_loaded:res.num_loaded + 1])
+                log.warning("kvtier: request %s: %d of %d blocks not loaded (recomputed): %s", req_id,
+                            len(res.recompute), len(lp.block_ids), "; ".join(res.errors[:3]) or "missing")
+        return done
+
+    def load_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    def report(self) -> WorkerReport:
+        rep = self.stack.drain_report()
+        rep.lost |= self._lost
+        self._lost = set()
+        return rep
+
+    def close(self) -> None:
+        for _, handle in self._loads.values():
+            try:
+                handle.wait(30)
+            except Exception:  # noqa: BLE001
+                pass
+        self.stack.close()

@@ -1,0 +1,204 @@
+"""The manager: the scheduler half of the tier stack.  Torch-free by import, never blocks on I/O.
+
+It answers "how much of this chain can be loaded?" from what it knows (the block index: blocks in the
+worker's host memory as the worker reported them, blocks found in backends) and, for the rest, starts an
+existence probe of the shared backends in a background thread and answers PENDING until that probe has
+finished, the way vLLM's ``OffloadingManager.lookup`` answers None.  It turns scheduler decisions into
+plain plan objects (:mod:`kvtier.plans`) for the worker, and folds the worker's reports back in.
+
+Invariants:
+
+* **Hints, never promises.**  What the index says about a block is a hint; the worker verifies every
+  byte it loads and reports what it could not load (``WorkerReport.lost``), which the manager forgets.
+* **No I/O on the caller's thread.**  ``lookup`` only reads the index and completed probe results;
+  backend calls run in the probe pool, bounded by each backend's own timeouts.
+* **Failures are misses.**  A backend that raises during a probe counts as 0 blocks found (and a
+  metric), never an exception to the engine.
+* **Bounded.**  Probe results are kept ``probe_ttl_s`` and at most ``max_probes`` at once; backend hints
+  beyond ``max_hints`` entries are forgotten oldest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ._stack_backends import BackendSet
+from .backend import StorageBackend
+from .config import KvtierConfig
+from .index import BlockIndex, Tier
+from .keys import Namespace
+from .metrics import StackMetrics
+from .plans import Lookup, LookupState, WorkerReport
+
+log = logging.getLogger("kvtier.manager")
+
+
+class TierManager:
+    """Scheduler-side state of one kvtier deployment (one namespace).
+
+    ``backends``: instances to probe instead of building ``config.backends`` (tests); the manager closes
+    only the backends it built.  ``metrics``: share the stack's metrics (in-process use) or get its own.
+    """
+
+    def __init__(self, config: KvtierConfig, *, backends: Sequence[StorageBackend] | None = None,
+                 metrics: StackMetrics | None = None, probe_threads: int = 2, probe_ttl_s: float = 2.0,
+                 max_hints: int = 1 << 20):
+        self.config = config
+        self.namespace: Namespace = config.namespace()
+        self.block_size = self.namespace.block_size
+        if backends is None:
+            built = [b.plugin()(b.options, name=b.name) for b in config.backends]
+            self._owned = True
+        else:
+            built, self._owned = list(backends), False
+        names = [b.name for b in built]
+        tiers = ["device", "host", *names]
+        self.metrics = metrics or StackMetrics(tiers, self.block_size)
+        cfg_write = {b.name: b.write for b in config.backends}
+        self.backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
+                                   self.namespace.layout_id, 0)
+        self.index = BlockIndex(capacity=1024)
+        self.max_hints = max_hints
+        self.probe_ttl_s = probe_ttl_s
+        self.max_probes = 4096
+        self._lock = threading.Lock()
+        # (first hash, length) -> (future, finished-at); the future returns (blocks found, backend index)
+        self._probes: OrderedDict[tuple[bytes, int], tuple[Future, float]] = OrderedDict()
+        self._pool = ThreadPoolExecutor(probe_threads, "kvtier-probe") if built else None
+        self._closed = False
+
+    # ------------------------------------------------------------------ lookup (never blocks)
+
+    def lookup(self, hashes: Sequence[bytes]) -> Lookup:
+        """How many leading blocks of ``hashes`` are available, without waiting: memory and known
+        backend blocks from the index; for the rest, a backend probe started now (PENDING) or finished
+        earlier (its answer, kept ``probe_ttl_s``)."""
+        n = len(hashes)
+        with self._lock:
+            m = self.index.lookup_prefix(hashes)
+            p, tiers = m.length, [self._tier_name(int(t)) for t in m.tiers]
+        if p == n or self._pool is None:
+            return _answer(p, tiers)
+        got = self._probe_result(hashes[p:])
+        if got is None:
+            return Lookup(LookupState.PENDING, 0)
+        found, who = got
+        if found:
+            with self._lock:
+                self._remember_backend(hashes[p:p + found], who)
+        return _answer(p + found, tiers + [self.backends.names[who]] * found)
+
+    def _probe_result(self, hashes: Sequence[bytes]) -> tuple[int, int] | None:
+        key = (hashes[0], len(hashes))
+        now = time.monotonic()
+        with self._lock:
+            self._expire_locked(now)
+            entry = self._probes.get(key)
+            if entry is None:
+                if self._closed:
+                    return 0, 0
+                fut = self._pool.submit(self._probe, list(hashes))  # type: ignore[union-attr]
+                self._probes[key] = (fut, 0.0)
+                return None
+            fut, _ = entry
+            if not fut.done():
+                return None
+            if entry[1] == 0.0:
+                self._probes[key] = (fut, now)
+        try:
+            return fut.result()
+        except Exception:  # noqa: BLE001 - _probe never raises; belt and braces
+            return 0, 0
+
+    def _probe(self, hashes: list[bytes]) -> tuple[int, int]:
+        """Longest prefix in any backend (runs in the probe pool; BackendSet turns faults into 0)."""
+        return self.backends.longest_prefix(self.namespace.keys(hashes))
+
+    def _expire_locked(self, now: float) -> None:
+        while self._probes:
+            key, (fut, done_at) = next(iter(self._probes.items()))
+            stale = done_at and now - done_at > self.probe_ttl_s
+            if not stale and len(self._probes) <= self.max_probes:
+                break
+            if not fut.done() and len(self._probes) <= 2 * self.max_probes:
+                break  # never drop a running probe unless the table is far over its bound
+            self._probes.popitem(last=False)
+
+    # ------------------------------------------------------------------ what the worker tells us
+
+    def apply(self, report: WorkerReport) -> None:
+        """Fold a worker report into the index."""
+        with self._lock:
+            for h in report.left_host:
+                if h in self.index:
+                    self.index.clear_host(h)
+                    self._gc_locked(h)
+            for h, slot in report.in_host.items():
+                other = self.index.key_at_host(slot)
+                if other is not None and other != h:
+                    self.index.clear_host(other)
+                    self._gc_locked(other)
+                if h not in self.index:
+                    self.index.insert(h)
+                self.index.set_host(h, slot)
+            for h in report.lost:
+                if h in self.index:
+                    self.index.remove(h)
+            # A probe answer that included a lost block is stale too.
+            if report.lost:
+                for key in [k for k in self._probes if k[0] in report.lost]:
+                    del self._probes[key]
+
+    def forget_probes(self) -> None:
+        """Drop every kept probe answer (tests; after an operator changed the backends)."""
+        with self._lock:
+            self._probes.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    def _tier_name(self, code: int) -> str:
+        i = Tier.backend_index(code)
+        return Tier.name(code) if i is None else self.backends.names[i]
+
+    def _remember_backend(self, hashes: Sequence[bytes], who: int) -> None:
+        new = [h for h in hashes if h not in self.index]
+        if new:
+            self.index.insert_many(new, backends=[who])
+        for h in hashes:
+            self.index.add_backend(h, who)
+        excess = len(self.index) - self.max_hints
+        if excess > 0:
+            for key in self.index.eviction_candidates(Tier.backend(who), excess + self.max_hints // 8):
+                e = self.index.get(key)
+                if e is not None and e.host is None and e.refs == 0:
+                    self.index.remove(key)
+
+    def _gc_locked(self, key: bytes) -> None:
+        e = self.index.get(key)
+        if e is not None and e.refs == 0 and e.device is None and e.host is None and not e.backends:
+            self.index.remove(key)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"index_entries": len(self.index), "host": self.index.count(Tier.HOST),
+                    "probes": len(self._probes)}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.backends.close([self._owned] * len(self.backends))
+
+
+def _answer(n: int, tiers: list[str]) -> Lookup:
+    return Lookup(LookupState.HIT, n, tuple(tiers[:n])) if n else Lookup(LookupState.MISS, 0)
+
+
+__all__ = ["TierManager"]

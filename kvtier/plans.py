@@ -1,0 +1,104 @@
+"""Plain plan objects the manager (scheduler side) and the worker (tensor side) exchange.
+
+They cross process boundaries (vLLM pickles connector metadata from its EngineCore to every worker, and
+worker reports back), so they hold only bytes, ints, strings and tuples: never a tensor, a handle or a
+reference into either side's state.  Invariants (checked by ``__post_init__``): a plan's ``hashes`` and
+``block_ids`` have the same length, block ids are distinct and >= 0.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class LookupState(enum.Enum):
+    """What a non-blocking lookup knows now."""
+
+    HIT = "hit"  # a leading run of blocks is available (``num_blocks`` > 0)
+    MISS = "miss"  # nothing available
+    PENDING = "pending"  # backends are being asked; ask again later
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A lookup answer: the leading ``num_blocks`` blocks are available, ``tiers[i]`` names where block
+    ``i`` is best served from ("host" or a backend name).  A hint, never a promise: a load may still
+    fail (evicted, corrupt, backend down) and then the engine recomputes."""
+
+    state: LookupState
+    num_blocks: int = 0
+    tiers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 0 or (self.state is LookupState.HIT) != (self.num_blocks > 0):
+            raise ValueError(f"lookup: state {self.state.value} with {self.num_blocks} blocks")
+
+
+def _check_pairs(what: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> None:
+    if len(hashes) != len(block_ids):
+        raise ValueError(f"{what}: {len(hashes)} hashes but {len(block_ids)} block ids")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"{what}: duplicate destination block ids {sorted(block_ids)}")
+    bad = [b for b in block_ids if b < 0]
+    if bad:
+        raise ValueError(f"{what}: negative block ids {bad}")
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Load ``hashes`` (a chain prefix) into device blocks ``block_ids`` for request ``req_id``."""
+
+    req_id: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_pairs(f"load plan for {self.req_id!r}", self.hashes, self.block_ids)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Store device blocks ``block_ids`` (holding ``hashes``, already computed this step) for ``req_id``."""
+
+    req_id: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_pairs(f"store plan for {self.req_id!r}", self.hashes, self.block_ids)
+
+
+@dataclass
+class StepPlan:
+    """Everything the worker must do in one engine step."""
+
+    loads: list[LoadPlan] = field(default_factory=list)
+    stores: list[StorePlan] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)
+
+
+@dataclass
+class WorkerReport:
+    """What the worker learnt since its last report: blocks now in its host memory (hash, slot), blocks
+    that left it, and blocks a load found missing or corrupt (hints the manager must forget).
+
+    Reports of several workers (TP ranks) merge with :meth:`merge`: a block counts as in host memory
+    only if every rank has it (each rank holds its own shard), and anything lost on one rank is lost."""
+
+    in_host: dict[bytes, int] = field(default_factory=dict)
+    left_host: set[bytes] = field(default_factory=set)
+    lost: set[bytes] = field(default_factory=set)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        both = {h: s for h, s in self.in_host.items() if h in other.in_host}
+        gone = self.left_host | other.left_host | (self.in_host.keys() ^ other.in_host.keys())
+        return WorkerReport(both, set(gone), self.lost | other.lost)
+
+    def __bool__(self) -> bool:
+        return bool(self.in_host or self.left_host or self.lost)
+
+
+__all__ = ["LoadPlan", "Lookup", "LookupState", "StepPlan", "StorePlan", "WorkerReport"]
