@@ -351,6 +351,9 @@ class LocalDiskBackend(StorageBackend):
 
         out = self._batch(len(keys), nbytes, work)
         if errors:
+            # Disk full / access denied are counted per failed key; a raised error is counted when typed.
+            for e in errors[1:] if len(errors) == len(keys) else errors:
+                self._count_fault(e)
             if len(errors) == len(keys):
                 raise errors[0]
             log.warning("local_disk %s: %d of %d keys failed, first: %s", what, len(errors), len(keys),
@@ -428,6 +431,9 @@ class LocalDiskBackend(StorageBackend):
             raise FileNotFoundError(f"local_disk root {self.root} is gone")
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise PermissionError(f"local_disk root {self.root} is not writable")
+
+    def _location(self) -> str:
+        return self.root
 
     def _eviction_order(self) -> list[StoredBlock]:
         """The index's LRU order (the order a put evicts in), in-flight writes excluded."""

@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import socket
@@ -35,6 +36,10 @@ from kvtier.keys import key_problem
 
 log = logging.getLogger("kvtier.backends.s3")
 _MISSING = {"404", "NoSuchKey", "NotFound"}
+# S3 error codes that say the service is there but busy or broken (retry later) / refuses these credentials.
+_UNAVAILABLE = {"500", "502", "503", "InternalError", "ServiceUnavailable", "SlowDown", "Throttling"}
+_DENIED = {"403", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+           "ExpiredToken", "InvalidToken", "AccountProblem"}
 _READ_CHUNK = 1 << 20  # bytes per socket read: the granularity at which an abandoned read can be stopped
 _DELETE_BATCH = 1000  # the DeleteObjects limit
 
@@ -399,14 +404,31 @@ class S3Backend(StorageBackend):
         return [f.result() if f in done and f.exception() is None else False for f in futures]
 
     def _scrub(self, e: BaseException) -> BaseException:
-        """``e``, or if its message holds a credential, a scrubbed copy (typed like it by name)."""
+        """``e``, or if its message holds a credential, a scrubbed copy, of the builtin type it translates to."""
         text = str(e)
         if not any(s in text for s in self._secrets):
             return e
         for s in self._secrets:
             text = text.replace(s, "***")
-        return (ConnectionError if "connect" in type(e).__name__.lower() else RuntimeError)(
-            f"{type(e).__name__}: {text}")
+        typed = self._translate_error(e) if isinstance(e, Exception) else e
+        kind = type(typed) if type(typed) in (TimeoutError, ConnectionError, PermissionError) else RuntimeError
+        return kind(f"{type(e).__name__}: {text}")
+
+    def _location(self) -> str:
+        return f"s3://{self._bucket}/{self._prefix}"
+
+    def _translate_error(self, e: Exception) -> Exception:
+        """botocore's exceptions as the builtin ones the base class types (by class, never by text)."""
+        from botocore import exceptions as bx
+
+        if isinstance(e, (bx.ReadTimeoutError, bx.ConnectTimeoutError)) or _error_code(e) == "RequestTimeout":
+            return TimeoutError(str(e))
+        if isinstance(e, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)) or \
+                _error_code(e) in _UNAVAILABLE:
+            return ConnectionError(str(e))
+        if isinstance(e, bx.NoCredentialsError) or _error_code(e) in _DENIED:
+            return PermissionError(errno.EACCES, str(e), self._location())
+        return e
 
 
 def _no_expect_header(params: dict[str, Any], **kwargs: Any) -> None:

@@ -21,6 +21,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import socket
+import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -59,6 +63,21 @@ class BackendTimeout(BackendError):
     """The backend did not answer within its configured timeout."""
 
 
+class BackendDiskFull(BackendError):
+    """The storage has no room (ENOSPC, EDQUOT).  Retrying will not help until space is freed or the
+    backend's ``capacity`` is lowered; counted in ``stats().disk_full``."""
+
+
+class BackendPermissionDenied(BackendError):
+    """The process may not use the storage (EACCES, EPERM, EROFS; S3 AccessDenied).  Retrying will not help
+    until access is granted; counted in ``stats().permission_denied``."""
+
+
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}
+_DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+           errno.EROFS: "read-only filesystem"}
+
+
 class BackendOptions(BaseModel):
     """Base of every backend's options (its YAML ``options:`` mapping).  Unknown keys are errors, also for
     a backend whose ``Options`` is a plain pydantic ``BaseModel`` (``kvtier.plugins.strict_options``)."""
@@ -81,6 +100,8 @@ class BackendStats:
     get_failures: int = 0
     corrupt: int = 0
     deletes: int = 0
+    disk_full: int = 0  # errors: no space / quota (BackendDiskFull, or a key of a batch that failed so)
+    permission_denied: int = 0  # errors: access refused (BackendPermissionDenied, or such a key)
     put_seconds: float = 0.0
     get_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -190,6 +211,18 @@ class StorageBackend(ABC):
     def _usage(self) -> dict[str, Any]:
         """Current usage, e.g. {"blocks": n, "bytes": b, "capacity_bytes": c}; optional."""
         return {}
+
+    def _location(self) -> str | None:
+        """Where the backend keeps its values (a directory, ``s3://bucket/prefix``), for error messages
+        that say where to free space or grant access; optional."""
+        return None
+
+    def _translate_error(self, e: Exception) -> Exception:
+        """Map a client library's own exception onto the builtin one that says what happened
+        (``TimeoutError``, ``ConnectionError``, ``OSError`` with ``ENOSPC`` / ``EACCES`` ...), so the base
+        class types it; optional, the default returns ``e``.  Errors are typed by class and errno, never
+        by their text."""
+        return e
 
     def _eviction_order(self) -> Iterable[StoredBlock]:
         """Every stored block (not manifests), least recently used first: the order ``evict_to`` removes
@@ -423,9 +456,36 @@ class StorageBackend(ABC):
             raise self._wrap(e, key) from e
 
     def _wrap(self, e: Exception, key: str | None) -> BackendError:
-        if isinstance(e, TimeoutError) or "timeout" in type(e).__name__.lower() or \
-                "timed out" in str(e).lower():
-            return BackendTimeout(self.name, key, f"timed out: {type(e).__name__}: {e}")
-        if isinstance(e, (ConnectionError, OSError)) or "connection" in type(e).__name__.lower():
-            return BackendUnavailable(self.name, key, f"unavailable: {type(e).__name__}: {e}")
-        return BackendError(self.name, key, f"{type(e).__name__}: {e}")
+        """The typed error for a hook's exception ``e`` (counted when it is disk full / access denied)."""
+        e = self._translate_error(e)
+        what = f"{type(e).__name__}: {e}"
+        if isinstance(e, TimeoutError):  # socket.timeout is TimeoutError
+            return BackendTimeout(self.name, key, f"timed out: {what}")
+        kind = self._count_fault(e)
+        if kind is not None:
+            where = getattr(e, "filename", None) or self._location() or "the backend's storage"
+            if kind == "disk_full":
+                return BackendDiskFull(self.name, key, f"{_DISK_FULL[e.errno]} at {where}: free space there, "
+                                       "or lower this backend's capacity below what the filesystem holds "
+                                       f"({what})")
+            uid = f" (uid {os.getuid()})" if hasattr(os, "getuid") else ""
+            todo = ("remount it read-write, or mark this backend `write: false`" if e.errno == errno.EROFS
+                    else f"grant this process{uid} read and write access there, or point the backend at "
+                         "storage it may use")
+            return BackendPermissionDenied(self.name, key, f"{_DENIED[e.errno]} on {where}: {todo} ({what})")
+        if isinstance(e, OSError):  # ConnectionError, ssl errors, a vanished disk (EIO, ENOENT, ...)
+            return BackendUnavailable(self.name, key, f"unavailable: {what}")
+        return BackendError(self.name, key, what)
+
+    def _count_fault(self, e: BaseException) -> str | None:
+        """Count ``e`` if it is disk full or access denied; its kind ("disk_full", "permission_denied") or
+        None.  Hooks that report a key's failure as False instead of raising call this for its error."""
+        # Only an OS errno says disk full / denied: ssl and resolver errors reuse the field for their own
+        # codes (an SSL verify failure has errno 1, which is EPERM's number).
+        os_error = isinstance(e, OSError) and not isinstance(e, (ssl.SSLError, socket.gaierror, socket.herror))
+        code = e.errno if os_error else None
+        kind = "disk_full" if code in _DISK_FULL else "permission_denied" if code in _DENIED else None
+        if kind is not None:
+            with self._lock:
+                setattr(self._stats, kind, getattr(self._stats, kind) + 1)
+        return kind

@@ -17,9 +17,10 @@ from __future__ import annotations
 import errno
 import os
 
+import pytest
 from _reliability.common import LID, check, key_of, payload
 
-from kvtier.backend import BackendError
+from kvtier.backend import BackendDiskFull, BackendError, BackendPermissionDenied
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.blockformat import HEADER_SIZE
 
@@ -47,6 +48,7 @@ def _put(b, keys, version=0):
         return b.put(keys, [payload(k, version, SIZE) for k in keys], LID)
     except BackendError as e:
         assert isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.ENOSPC, e
+        assert isinstance(e, BackendDiskFull) and b.root in str(e) and "free space there" in str(e), e
         return [False] * len(keys)
 
 
@@ -71,8 +73,10 @@ def test_disk_full_stores_fail_cleanly(small_tmpfs, figures):
     capacity_blocks = FS_SIZE // (HEADER_SIZE + SIZE)
     figures("stores refused with ENOSPC / attempted (disk full)", f"{len(refused)}/{n}")
     figures("put_failures counted (disk full)", s.put_failures)
+    figures("disk_full errors counted (disk full)", s.disk_full)
     assert len(stored) >= capacity_blocks - 3, "the filesystem should hold about FS_SIZE of blocks"
     assert s.put_failures == len(refused) and s.puts == len(stored)
+    assert s.disk_full == len(refused) and s.permission_denied == 0, "each key refused for want of space"
     assert _temp_files(root) == [], "a failed write removes its temp file"
     assert s.extra["bytes"] == _block_bytes(root) == len(stored) * (HEADER_SIZE + SIZE), \
         "accounted usage matches the bytes on disk; refused writes released their reservation"
@@ -158,3 +162,31 @@ def test_capacity_keeps_usage_under_bound(small_tmpfs, figures):
     b2 = LocalDiskBackend({"path": str(root), "capacity": cap // 2})
     assert _block_bytes(root) <= cap // 2 and b2.stats().extra["bytes"] <= cap // 2
     b2.close()
+
+
+def test_read_only_filesystem_is_permission_denied(small_tmpfs, figures):
+    """The filesystem goes read-only (remounted ro, as after an ext4 error): stores fail with
+    BackendPermissionDenied saying so and what to do, counted apart from disk full; reads go on."""
+    import subprocess
+
+    root = small_tmpfs / "blocks"
+    b = LocalDiskBackend({"path": str(root), "capacity": "1GiB", "threads": 2})
+    mine = [key_of(i, tag="ro") for i in range(BATCH)]
+    assert _put(b, mine) == [True] * BATCH
+    r = subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
+    try:
+        more = [key_of(i, tag="ro") for i in range(BATCH, 2 * BATCH)]
+        with pytest.raises(BackendPermissionDenied) as e:
+            b.put(more, [payload(k, 0, SIZE) for k in more], LID)
+        assert f"read-only filesystem on {b.root}" in str(e.value)
+        assert "write: false" in str(e.value)
+        s = b.stats()
+        figures("stores refused on a read-only filesystem / permission_denied counted",
+                f"{s.put_failures}/{s.permission_denied}")
+        assert s.permission_denied == BATCH and s.disk_full == 0
+        assert _read_all(b, mine) == [0] * BATCH
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], capture_output=True)
+    b.close()
