@@ -54,7 +54,9 @@ _NS = re.compile(r"[0-9a-f]{32}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _HASH = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
 _TMP = re.compile(r"\.(?:[0-9a-f]+|manifest\.json)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)\.[0-9]+\.tmp")
-_RFLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+# O_NONBLOCK: opening a FIFO planted under a block's name returns at once instead of waiting for a writer
+# forever (it changes nothing for regular files, which are never read "non-blocking").
+_RFLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _PROBE = bytearray(1)  # one byte past the expected end: tells "longer than expected" without an fstat
 _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces at least this large
@@ -291,8 +293,9 @@ class LocalDiskBackend(StorageBackend):
                 os.close(dfd)
 
     @staticmethod
-    def _read_file(path: str, header: memoryview, payload: memoryview) -> int | None:
-        """Read a value into (header, payload) with one ``preadv``; its full size, or None if absent."""
+    def _read_file(path: str, header: memoryview, payload: memoryview) -> int | str | None:
+        """Read a value into (header, payload) with one ``preadv``; its full size, None if absent, or why
+        the entry under the name is no value at all (a FIFO, socket, device or directory: never read)."""
         try:
             fd = os.open(path, _RFLAGS)
         except FileNotFoundError:
@@ -300,8 +303,13 @@ class LocalDiskBackend(StorageBackend):
         except OSError as e:
             if e.errno == errno.ELOOP:  # a symlink planted under a block's name is never followed
                 return None
+            if e.errno == errno.ENXIO:  # open() of a socket, or of a device with no driver behind it
+                return "not a regular file but a socket or device"
             raise
         try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}"
             want = header.nbytes + payload.nbytes
             n = os.preadv(fd, [header, payload, _PROBE], 0)
             if n == want:
@@ -379,6 +387,8 @@ class LocalDiskBackend(StorageBackend):
             if size is None:
                 self._forget(key)
                 return False
+            if isinstance(size, str):
+                return f"{where[i][1]} is {size}"  # corrupt: counted and deleted by get_into
             why = verify(key, size, header, payload, layout_id)
             if why is None:
                 self._touch(key, size)
@@ -388,7 +398,12 @@ class LocalDiskBackend(StorageBackend):
 
     def _read_into(self, keys, headers, payloads):
         where = self._check_keys(keys)
-        return [self._read_file(w[1], h, p) for w, h, p in zip(where, headers, payloads)]
+        sizes = [self._read_file(w[1], h, p) for w, h, p in zip(where, headers, payloads)]
+        for (_, path), size in zip(where, sizes):
+            if isinstance(size, str):
+                log.warning("local_disk: %s is %s; it reads as an empty, corrupt value", path, size)
+        # A special file is a value of no bytes: every reader (kvtier verify) sees it fail its checks.
+        return [0 if isinstance(size, str) else size for size in sizes]
 
     def _exists(self, keys):
         where = self._check_keys(keys)
@@ -452,6 +467,10 @@ class LocalDiskBackend(StorageBackend):
             pool.shutdown(wait=True)
 
 
+_FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device",
+               stat.S_IFBLK: "block device", stat.S_IFDIR: "directory"}
+
+
 def _scandir(path: str) -> list[os.DirEntry]:
     """Entries of ``path``; empty if it vanished (another process may prune it)."""
     try:
@@ -466,6 +485,11 @@ def _unlink(path: str) -> int:
         os.unlink(path)
         return 1
     except FileNotFoundError:  # another process evicted or deleted it first
+        return 0
+    except IsADirectoryError:  # a directory planted under a block's name: removed if empty, else left
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+            return 1
         return 0
 
 

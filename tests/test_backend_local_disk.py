@@ -343,3 +343,52 @@ def test_symlinked_shard_directory_is_refused(tmp_path):
         be.put([key], [np.arange(64, dtype=np.uint8)], 7)
     assert list(outside.iterdir()) == []  # nothing was written through the link
     be.close()
+
+
+# ------------------------------------------------------------------ special files under a block's name
+
+
+def _plant_special(path: str, kind: str, keep: list) -> None:
+    """A FIFO, a listening unix socket or an empty directory at ``path`` (its directory made first)."""
+    import socket
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":  # bound by its short name: a socket path is limited to ~100 bytes
+        cwd = os.getcwd()
+        os.chdir(os.path.dirname(path))
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(os.path.basename(path))
+            s.listen()
+            keep.append(s)
+        finally:
+            os.chdir(cwd)
+    else:
+        os.mkdir(path)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "socket", "directory"])
+def test_special_file_under_a_block_name_is_corrupt_not_a_hang(tmp_path, kind):
+    """open() of a FIFO blocks until a writer comes: a load must never wait on one.  Whatever is not a
+    regular file is a corrupt entry: a miss, counted, removed; the other keys of the batch are served."""
+    b = mk(tmp_path)
+    good, bad = newkeys(2)
+    data = os.urandom(64)
+    assert b.put([good], [data], LID) == [True]
+    path = b._where(bad)[1]
+    sockets: list = []
+    _plant_special(path, kind, sockets)
+    try:
+        bufs = [bytearray(64), bytearray(64)]
+        assert b.get_into([bad, good], bufs, LID) == [False, True] and bytes(bufs[1]) == data
+        s = b.stats()
+        assert (s.corrupt, s.misses, s.hits) == (1, 1, 1)
+        assert not os.path.lexists(path), f"the {kind} was not removed"
+        assert b.put([bad], [data], LID) == [True] and get(b, bad, 64) == data  # the name is usable again
+    finally:
+        for s in sockets:
+            s.close()
+    b.close()

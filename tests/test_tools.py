@@ -188,6 +188,24 @@ def test_verify_local_disk_finds_exactly_the_corrupt_blocks(tmp_path, capsys, po
     b.close()
 
 
+@pytest.mark.timeout(60)
+def test_verify_finishes_on_a_fifo_under_a_block_name(tmp_path, capsys, populated):
+    """A FIFO where a block file should be: opening it for reading would wait for a writer forever.  verify
+    reports it as corrupt without blocking, and --fix removes it."""
+    own = populated["own"]
+    fifo = block_path(tmp_path, NS.key(bytes(32)))
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    cfg = config(tmp_path, disk(tmp_path))
+    rc, doc = cli_json(capsys, "verify", "--config", cfg)
+    (b,) = doc["backends"]
+    assert rc == 1 and [c["key"] for c in b["corrupt"]] == [NS.key(bytes(32))], b
+    assert b["ok"] == len(own) + 5 and fifo.exists()  # no --fix: left alone
+    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--fix")
+    assert rc == 0 and "1 corrupt, 1 deleted" in out, out
+    assert not os.path.lexists(fifo)
+
+
 def test_verify_checks_payload_length_against_the_manifest(tmp_path, capsys):
     b = LocalDiskBackend({"path": str(tmp_path / "blocks")})
     b.put_manifest(NS)
