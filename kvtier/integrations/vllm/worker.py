@@ -16,8 +16,10 @@ vLLM registers (host memory, transfers, backend I/O).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+
 import torch
 
 from ...config import KvtierConfig
@@ -112,8 +114,6 @@ class WorkerSide:
 
     def close(self) -> None:
         for _, handle in self._loads.values():
-            try:
+            with contextlib.suppress(Exception):  # a stuck load must not stop the shutdown
                 handle.wait(30)
-            except Exception:  # noqa: BLE001
-                pass
         self.stack.close()

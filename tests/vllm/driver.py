@@ -1,0 +1,76 @@
+"""One real vLLM process (CPU build) for the connector tests: serve a local random-weight Llama, run the
+prompts one at a time (so which blocks vLLM's own prefix cache holds is deterministic), write greedy
+tokens, top logprobs and cached-token counts as JSON.
+
+    python tests/vllm/driver.py --model DIR --role kv_producer|kv_consumer|kv_both|none --config YAML
+        --prompts FILE --out FILE [--pause-after K --ready FILE --go FILE]
+
+``--pause-after K``: after K prompts, create ``--ready`` and wait for ``--go`` (a test kills a server
+in between).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+# At import, not in main(): vLLM's worker processes are spawned and import this module without running
+# main(), and the tests read what kvtier logs there.
+logging.basicConfig(level=logging.INFO, format="%(processName)s %(name)s %(levelname)s %(message)s")
+logging.getLogger("kvtier").setLevel(logging.INFO)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--role", default="none")
+    ap.add_argument("--config")
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--hash-algo", default="sha256_cbor")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--pause-after", type=int, default=-1)
+    ap.add_argument("--ready")
+    ap.add_argument("--go")
+    a = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if a.role != "none":
+        extra = {"kvtier_config": a.config} if a.config else {}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role=a.role, kv_connector_extra_config=extra)
+    t0 = time.perf_counter()
+    llm = LLM(model=a.model, skip_tokenizer_init=True, enforce_eager=True, block_size=a.block_size,
+              dtype="bfloat16", max_model_len=2048, enable_prefix_caching=True,
+              prefix_caching_hash_algo=a.hash_algo, seed=0, **kw)
+    startup = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=2, detokenize=False)
+    with open(a.prompts) as f:
+        prompts = json.load(f)
+    results = []
+    for i, p in enumerate(prompts):
+        if i == a.pause_after:
+            open(a.ready, "w").close()
+            while not os.path.exists(a.go):
+                time.sleep(0.05)
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        o = out.outputs[0]
+        results.append({"tokens": list(o.token_ids),
+                        "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in o.logprobs],
+                        "cached": out.num_cached_tokens, "seconds": time.perf_counter() - t})
+    with open(a.out, "w") as f:
+        json.dump({"startup_s": startup, "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
