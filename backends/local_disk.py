@@ -13,13 +13,21 @@ Invariants:
   ``<32 hex>/<32|64 hex>`` or ``<32 hex>/manifest.json``, lower case) before a path is formed from it (the
   base class refuses such keys before any hook; the hooks check again, as tools call them directly), and
   files are opened with ``O_NOFOLLOW``.
-* Accounted usage (bytes of the blocks this process knows + bytes reserved by its in-flight writes) never
-  exceeds ``capacity``: a put reserves its bytes first, evicting least-recently-used blocks (unlinked
-  under the index lock, so bytes on disk never run ahead of the account); a put that cannot get room
-  (the room is held by in-flight writes) is refused, never waits.
+* ``capacity`` bounds the directory, whatever number of processes share it: the bytes of its block files
+  plus the bytes reserved by every writer's in-flight temp files never exceed it.  All of them keep that
+  account in one ledger, ``<path>/.kvtier-usage.json``, changed only under an exclusive ``flock`` on it
+  and always together with the filesystem change it describes: a put reserves room for its batch first
+  (evicting least recently used blocks if needed), writes its temp files, then renames them into place
+  under the lock, which frees the replaced files' bytes in the same step; deletes and evictions unlink
+  under it.  So bytes on disk never run ahead of the ledger.  A put that cannot get room (the room is held
+  by in-flight writes) is refused, never waits.  The ledger is recounted from a scan of the directory
+  when it is missing or unreadable, when a writer that held bytes in it is found dead (kill -9: it may
+  have renamed without accounting), and when a process must evict but knows no block to evict.
 * The in-memory index is a cache of the directory, rebuilt at start-up (LRU order from each file's
-  max(atime, mtime)).  A key it does not know is looked up on disk (another process may have written it)
-  and adopted on a verified read; a known key whose file vanished (evicted by another process) is dropped.
+  max(atime, mtime)) and refreshed whenever the ledger is recounted (blocks it did not know go first,
+  oldest first).  A key it does not know is looked up on disk (another process may have written it) and
+  adopted on a verified read; a known key whose file vanished (evicted by another process) is dropped.
+  Each process evicts in its own LRU order, so across processes eviction is only roughly LRU.
   Manifests are not blocks: never evicted, not counted.
 """
 
@@ -27,8 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import itertools
+import json
 import logging
 import os
 import re
@@ -39,6 +49,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from operator import itemgetter
 
 from pydantic import Field, field_validator
@@ -61,6 +72,63 @@ _WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_N
 _PROBE = bytearray(1)  # one byte past the expected end: tells "longer than expected" without an fstat
 _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces at least this large
 _HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+LEDGER_NAME = ".kvtier-usage.json"  # at the root: a dot name, never a namespace, never a block
+_PAGE = 4096  # the ledger is rewritten in place, padded to whole pages: never truncated, never shrunk
+
+
+@dataclass
+class _Ledger:
+    """The directory's usage, shared by every process using it (see the module docstring)."""
+
+    bytes: int = 0  # sum of the sizes of the block files
+    held: dict[str, list] = field(default_factory=dict)  # "<host tag>:<pid>" -> [reserved bytes, time]
+    file_size: int = 0
+    changed: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.bytes + sum(h[0] for h in self.held.values())
+
+    def hold(self, writer: str, nbytes: int) -> None:
+        """Reserve (``nbytes`` > 0) or release (< 0) room for a writer's temp files."""
+        h = self.held.setdefault(writer, [0, 0.0])
+        h[0] += nbytes
+        h[1] = time.time()
+        if h[0] <= 0:  # nothing in flight: no entry, so a dead writer's entry always means lost bytes
+            del self.held[writer]
+        self.changed = True
+
+    def drop_dead_writers(self, max_age_s: float) -> bool:
+        """Forget reservations of writers that are gone (dead pid on this host; silent for ``max_age_s``
+        on another); True if any was dropped."""
+        now = time.time()
+        dead = [w for w, (_, t) in self.held.items()
+                if (not _pid_alive(int(w.partition(":")[2])) if w.partition(":")[0] == _HOST_TAG
+                    else now - t > max_age_s)]
+        for w in dead:
+            del self.held[w]
+        self.changed |= bool(dead)
+        return bool(dead)
+
+    @classmethod
+    def read(cls, fd: int) -> _Ledger | None:
+        """The ledger in ``fd``; None if it is empty or unreadable (then it is recounted)."""
+        size = os.fstat(fd).st_size
+        try:
+            doc = json.loads(os.pread(fd, size, 0)) if size else None
+            led = cls(int(doc["bytes"]), {str(w): [int(n), float(t)] for w, (n, t) in doc["held"].items()},
+                      size)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+        return led if led.bytes >= 0 and all(h[0] > 0 for h in led.held.values()) else None
+
+    def write(self, fd: int) -> None:
+        data = json.dumps({"bytes": self.bytes, "held": self.held}).encode()
+        # Padded in place (JSON allows trailing spaces): no truncate, so a rewrite on a full disk reuses
+        # the pages it has instead of needing new ones.
+        self.file_size = max(self.file_size, -(-len(data) // _PAGE) * _PAGE)
+        os.pwrite(fd, data.ljust(self.file_size), 0)
+        self.changed = False
 
 
 class LocalDiskBackend(StorageBackend):
@@ -90,10 +158,11 @@ class LocalDiskBackend(StorageBackend):
         self.capacity = o.capacity
         self._idx_lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> stored bytes, LRU first
-        self._used = 0  # sum(index sizes) + in-flight reservations
         self._inflight: dict[str, int] = {}  # keys being written by this process: never evicted
+        self._dir_bytes = 0  # the ledger's total when last seen
         self._tmp_seq = itertools.count()  # next() on itertools.count is atomic under the GIL
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()  # its own: the pool is first needed under other locks
         self._closed = False
         self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
         os.makedirs(self.root, exist_ok=True)
@@ -140,8 +209,23 @@ class LocalDiskBackend(StorageBackend):
     # ------------------------------------------------------------------ start-up
 
     def _rebuild(self) -> None:
-        """Index every block file under the root, oldest use first; remove dead writers' temp files."""
-        now = time.time()
+        """Index every block file under the root, oldest use first; remove dead writers' temp files; evict
+        down to the capacity."""
+        found = self._list_blocks(time.time())
+        with self._idx_lock:
+            for _, key, size in found:
+                self._index[key] = size
+        try:
+            with self._shared() as led:
+                if led.drop_dead_writers(self.options.tmp_max_age_s):
+                    self._recount(led)
+                self._make_room(led, 0)  # the capacity may have shrunk since the last run
+        except OSError as e:  # read-only, full: reads work, and each write will say why it fails
+            log.warning("local_disk: %s: cannot update the usage ledger at start-up (%s); reads work, "
+                        "writes will fail until it can be", self.root, e)
+
+    def _list_blocks(self, now: float) -> list[tuple[float, str, int]]:
+        """(last use, key, size) of every block file, oldest first; dead writers' temp files removed."""
         shards: list[tuple[str, os.DirEntry]] = []
         for ns in _scandir(self.root):
             if not (_NS.fullmatch(ns.name) and ns.is_dir(follow_symlinks=False)):
@@ -156,11 +240,7 @@ class LocalDiskBackend(StorageBackend):
             parts = list(pool.map(lambda s: self._scan_shard(*s, now), shards))
         found = [e for part in parts for e in part]
         found.sort(key=itemgetter(0))
-        with self._idx_lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self._used += size
-            self._evict_locked(0, keep=None)  # the capacity may have shrunk since the last run
+        return found
 
     def _scan_shard(self, ns: str, shard: os.DirEntry, now: float) -> list[tuple[float, str, int]]:
         found = []
@@ -190,79 +270,203 @@ class LocalDiskBackend(StorageBackend):
             _unlink(entry.path)
             log.info("local_disk: removed leftover temp file %s", entry.path)
 
-    # ------------------------------------------------------------------ index and capacity
+    # ------------------------------------------------------------------ the shared ledger, capacity
 
-    def _evict_locked(self, need: int, keep: str | None) -> bool:
-        """Unlink LRU blocks until ``need`` more bytes fit; False if in-flight writes hold the room."""
-        while self._used + need > self.capacity:
-            victim = next((k for k in self._index if k not in self._inflight and k != keep), None)
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[_Ledger]:
+        """The directory's ledger, held exclusively (an flock), written back on the way out, also after an
+        error: every change made to it stands for a filesystem change already done.
+
+        Opened per session, on a descriptor of its own: flocks on two descriptors exclude each other even
+        within one process, so this also orders this process's threads.  (A kept descriptor would be
+        shared by threads and forked children, whose flocks would then not exclude each other, and, open
+        for writing, would keep the filesystem from being remounted read-only.)  The index lock is taken
+        inside, only around index changes, and never held while waiting for the flock or for the pool:
+        the pool's read tasks take it."""
+        fd = os.open(f"{self.root}/{LEDGER_NAME}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+                     | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
+            led = _Ledger.read(fd)
+            if led is None:  # first use of the directory, or a torn / foreign file: count it
+                led = _Ledger(file_size=os.fstat(fd).st_size)
+                self._recount(led)
+            try:
+                yield led
+            finally:
+                if led.changed:
+                    led.write(fd)
+                self._dir_bytes = led.total
+        finally:
+            os.close(fd)
+
+    def _recount(self, led: _Ledger) -> None:
+        """Set the ledger's block bytes from a scan of the directory (under the ledger's lock, so no other
+        process changes it meanwhile), and refresh the index from it: blocks this process did not know
+        (other processes', a dead writer's) go first, oldest first, ahead of its own LRU order."""
+        found = self._list_blocks(time.time())
+        led.bytes = sum(size for _, _, size in found)
+        led.changed = True
+        log.info("local_disk: %s recounted: %d blocks, %d bytes", self.root, len(found), led.bytes)
+        sizes = {key: size for _, key, size in found}
+        with self._idx_lock:
+            index = OrderedDict((key, size) for _, key, size in found if key not in self._index)
+            index.update((key, sizes[key]) for key in self._index if key in sizes)
+            self._index = index
+
+    def _make_room(self, led: _Ledger, need: int) -> bool:
+        """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if in-flight
+        writes hold the room.  Called under ``_shared``."""
+        if led.total + need <= self.capacity:
+            return True
+        # A dead writer's entry: it may have renamed without accounting.
+        recounted = led.drop_dead_writers(self.options.tmp_max_age_s)
+        if recounted:
+            self._recount(led)
+        while led.total + need > self.capacity:
+            with self._idx_lock:
+                victim = next((k for k in self._index if k not in self._inflight), None)
+                if victim is not None:
+                    del self._index[victim]
             if victim is None:
-                return False
-            self._used -= self._index.pop(victim)
-            _unlink(self._where(victim)[1])
+                if recounted:
+                    return False
+                self._recount(led)  # the room is held by blocks other processes wrote
+                recounted = True
+                continue
+            led.bytes -= _unlink_sized(self._where(victim, checked=True)[1])[1]
+            led.changed = True
         return True
 
-    def _reserve(self, key: str, size: int) -> bool:
-        with self._idx_lock:
-            if size > self.capacity or not self._evict_locked(size, keep=None):
-                return False
-            self._used += size
-            self._inflight[key] = self._inflight.get(key, 0) + 1
-            return True
+    def _writer(self) -> str:
+        return f"{_HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own
 
-    def _settle(self, key: str, size: int, committed: bool) -> None:
-        """End a reservation: on success the reserved bytes become the key's (replacing any old entry)."""
-        with self._idx_lock:
-            n = self._inflight.pop(key) - 1
-            if n:
-                self._inflight[key] = n
-            if committed:
-                old = self._index.pop(key, None)
-                if old is not None:
-                    self._used -= old
-                self._index[key] = size
-            else:
-                self._used -= size
+    def _reserve(self, keys: Sequence[str], sizes: Sequence[int]) -> list[bool]:
+        """Reserve room for a batch's blocks, in order, in one lock session; per key whether granted (not:
+        a block bigger than the capacity, or once the room is held by in-flight writes).  Manifests are
+        not blocks: always granted, never reserved."""
+        granted = [False] * len(keys)
+        with self._shared() as led:
+            held = 0  # this batch's reservations so far, entered in the ledger once, at the end
+            for i, (key, size) in enumerate(zip(keys, sizes)):
+                if key.endswith(MANIFEST_NAME):
+                    granted[i] = True
+                    continue
+                if size > self.capacity:
+                    continue
+                if not self._make_room(led, held + size):
+                    break  # the room is in flight: the rest of the batch would only scan again
+                held += size
+                with self._idx_lock:
+                    self._inflight[key] = self._inflight.get(key, 0) + 1
+                granted[i] = True
+            if held:
+                led.hold(self._writer(), held)
+        return granted
+
+    def _settle(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],
+                granted: Sequence[bool], tmps: Sequence[str | None]) -> tuple[list[bool], list[OSError]]:
+        """End a batch's reservations: rename each written temp file into place and account it, all under
+        one lock session, so a replaced file's bytes are freed in the same step.  Per key whether it is
+        stored, and the rename errors (their temp files removed)."""
+        written = [i for i in range(len(keys)) if granted[i] and tmps[i] is not None]
+        # A key twice in one batch: only its last value is renamed (as if written in order), so that no
+        # two threads rename over one path at once and each rename's replaced size is exact.
+        last = {keys[i]: i for i in written}
+        todo = [i for i in written if last[keys[i]] == i]
+        superseded = [i for i in written if last[keys[i]] != i]
+
+        def rename(idx: range) -> list[int | OSError]:
+            """lstat + replace for todo[idx]: the bytes each replaced (or its error).  In the pool's threads,
+            on the session's behalf: replacing a file frees its pages, which is worth spreading."""
+            out: list[int | OSError] = []
+            for j in idx:
+                tmp, path = tmps[todo[j]], where[todo[j]][1]
+                try:
+                    old = _regular_size(path)
+                    os.replace(tmp, path)
+                    out.append(old)
+                except OSError as e:
+                    _unlink(tmp)
+                    out.append(e)
+            return out
+
+        stored = [False] * len(keys)
+        errors: list[OSError] = []
+        released = 0
+        for i in superseded:
+            _unlink(tmps[i])
+            stored[i] = True
+        with self._shared() as led:
+            try:
+                replaced = dict(zip(todo, self._batch(len(todo), sum(sizes[i] for i in todo), rename)))
+            finally:  # the reservations end whatever happened to the renames
+                with self._idx_lock:
+                    for i, key in enumerate(keys):
+                        if granted[i] and not key.endswith(MANIFEST_NAME):
+                            n = self._inflight.pop(key) - 1
+                            if n:
+                                self._inflight[key] = n
+                            released += sizes[i]
+                if released:
+                    led.hold(self._writer(), -released)
+            with self._idx_lock:
+                for i, old in replaced.items():
+                    if isinstance(old, OSError):
+                        errors.append(old)
+                        continue
+                    stored[i] = True
+                    if not keys[i].endswith(MANIFEST_NAME):
+                        led.bytes += sizes[i] - old
+                        led.changed = True
+                        self._index.pop(keys[i], None)
+                        self._index[keys[i]] = sizes[i]
+        return stored, errors
 
     def _touch(self, key: str, size: int) -> None:
-        """A verified read: make ``key`` most recent, adopting it if another process wrote it."""
+        """A verified read: make ``key`` most recent, adopting it if another process wrote it (its bytes
+        are in the ledger already)."""
         with self._idx_lock:
-            old = self._index.get(key)
-            if old is not None:
+            if key in self._index:
                 self._index.move_to_end(key)
-                return
-            self._index[key] = size
-            self._used += size
-            self._evict_locked(0, keep=key)
+            else:
+                self._index[key] = size
 
     def _forget(self, key: str) -> None:
         with self._idx_lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
+            self._index.pop(key, None)
 
     # ------------------------------------------------------------------ one file
 
-    def _store(self, key: str, where: tuple[str, str], header: bytes | None, payload: memoryview,
-               layout_id: int) -> bool:
-        """Frame (if ``header`` is None) and atomically write one value; False if refused for room."""
-        manifest = key.endswith(MANIFEST_NAME)
-        size = (blockformat.HEADER_SIZE if header is None else len(header)) + payload.nbytes
-        if not manifest and not self._reserve(key, size):
-            return False
-        ok = False
-        try:
-            if header is None:
-                header = frame(key, payload, layout_id)  # checksummed here, in this worker
-            self._write_file(where, header, payload)
-            ok = True
-        finally:
-            if not manifest:
-                self._settle(key, size, ok)
-        return True
+    def _store(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],
+               value: Callable[[int], tuple[bytes, memoryview]], what: str) -> list[bool]:
+        """Store a batch: reserve room for all of it, write each granted ``value(i)`` (header, payload) to a
+        temp file (in the pool's threads), then rename them into place under one lock; per key whether
+        stored.  Two ledger sessions per batch, not per block."""
+        granted = self._reserve(keys, sizes)
+        tmps: list[str | None] = [None] * len(keys)
 
-    def _write_file(self, where: tuple[str, str], header: bytes, payload: memoryview) -> None:
-        d, path = where
+        def one(i: int, _scratch) -> bool:
+            if granted[i]:
+                tmps[i] = self._write_tmp(*where[i], *value(i))
+            return True
+
+        try:
+            self._per_key(keys, sum(sizes), one, what)  # raises only if every write failed
+        finally:
+            stored, errors = self._settle(keys, where, sizes, granted, tmps)  # whatever happened above
+        self._report(errors, len(keys), what)
+        if self.options.fsync:
+            for d in {w[0] for w, ok in zip(where, stored) if ok}:
+                dfd = os.open(d, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        return stored
+
+    def _write_tmp(self, d: str, path: str, header: bytes, payload: memoryview) -> str:
+        """Write the value to a new temp file beside ``path``; its name (removed again on any error)."""
         # The pid is read per write, not cached: a forked child must not reuse its parent's temp names.
         tmp = f"{d}/.{path[len(d) + 1:]}.{_HOST_TAG}.{os.getpid()}.{next(self._tmp_seq)}.tmp"
         try:
@@ -281,16 +485,10 @@ class LocalDiskBackend(StorageBackend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
             raise
-        if self.options.fsync:
-            dfd = os.open(d, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        return tmp
 
     @staticmethod
     def _read_file(path: str, header: memoryview, payload: memoryview) -> int | str | None:
@@ -331,7 +529,7 @@ class LocalDiskBackend(StorageBackend):
         if k <= 1:
             return work(range(n))
         if self._pool is None:
-            with self._idx_lock:
+            with self._pool_lock:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="kvtier-disk")
         futures = [self._pool.submit(work, range(j, n, k)) for j in range(1, k)]
@@ -358,25 +556,30 @@ class LocalDiskBackend(StorageBackend):
             return res
 
         out = self._batch(len(keys), nbytes, work)
-        if errors:
-            # Disk full / access denied are counted per failed key; a raised error is counted when typed.
-            for e in errors[1:] if len(errors) == len(keys) else errors:
-                self._count_fault(e)
-            if len(errors) == len(keys):
-                raise errors[0]
-            log.warning("local_disk %s: %d of %d keys failed, first: %s", what, len(errors), len(keys),
-                        errors[0])
+        self._report(errors, len(keys), what)
         return out
+
+    def _report(self, errors: list[OSError], n: int, what: str) -> None:
+        """A batch's per-key errors: raised (the first) if all ``n`` keys failed, else logged.  Disk full /
+        access denied are counted per failed key (a raised error is counted when the base class types it)."""
+        if not errors:
+            return
+        for e in errors[1:] if len(errors) == n else errors:
+            self._count_fault(e)
+        if len(errors) == n:
+            raise errors[0]
+        log.warning("local_disk %s: %d of %d keys failed, first: %s", what, len(errors), n, errors[0])
 
     def _put_blocks(self, keys, payloads, layout_id):
         where = self._check_keys(keys)
-        return self._per_key(keys, sum(p.nbytes for p in payloads),
-                             lambda i, _: self._store(keys[i], where[i], None, payloads[i], layout_id), "put")
+        sizes = [blockformat.HEADER_SIZE + p.nbytes for p in payloads]
+        # Framed in the workers: each payload is checksummed right before it is written.
+        return self._store(keys, where, sizes, lambda i: (frame(keys[i], payloads[i], layout_id), payloads[i]),
+                           "put")
 
     def _write(self, keys, values):
         where = self._check_keys(keys)
-        return self._per_key(keys, sum(v[1].nbytes for v in values),
-                             lambda i, _: self._store(keys[i], where[i], values[i][0], values[i][1], 0), "write")
+        return self._store(keys, where, [len(h) + p.nbytes for h, p in values], values.__getitem__, "write")
 
     def _get_blocks(self, keys, payloads, layout_id):
         where = self._check_keys(keys)
@@ -414,12 +617,15 @@ class LocalDiskBackend(StorageBackend):
     def _delete(self, keys) -> int:
         where = self._check_keys(keys)
         n = 0
-        with self._idx_lock:  # unlinked under the lock: a put cannot reuse room not yet freed
+        with self._shared() as led:  # unlinked under the lock: a put cannot reuse room not yet freed
             for key, (_, path) in zip(keys, where):
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= size
-                n += _unlink(path)
+                with self._idx_lock:
+                    self._index.pop(key, None)
+                removed, freed = _unlink_sized(path)
+                if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger
+                    led.bytes -= freed
+                    led.changed = True
+                n += removed
         return n
 
     def _scan(self, prefix: str) -> Iterator[StoredBlock]:
@@ -456,8 +662,13 @@ class LocalDiskBackend(StorageBackend):
             return [StoredBlock(k, n) for k, n in self._index.items() if k not in self._inflight]
 
     def _usage(self) -> dict:
+        """``blocks``: those this process knows; ``bytes``: the directory's (every process's blocks and
+        in-flight writes), from the ledger."""
+        if not self._closed:  # refresh; if the ledger cannot be read (read-only root): the last value seen
+            with contextlib.suppress(OSError), self._shared():
+                pass
         with self._idx_lock:
-            return {"blocks": len(self._index), "bytes": self._used, "capacity_bytes": self.capacity,
+            return {"blocks": len(self._index), "bytes": self._dir_bytes, "capacity_bytes": self.capacity,
                     "path": self.root, "startup_seconds": self.startup_seconds}
 
     def _close(self) -> None:
@@ -491,6 +702,22 @@ def _unlink(path: str) -> int:
             os.rmdir(path)
             return 1
         return 0
+
+
+def _regular_size(path: str) -> int:
+    """Bytes of the regular file at ``path``; 0 if there is none (absent, or a planted special file)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def _unlink_sized(path: str) -> tuple[int, int]:
+    """Remove ``path``: (1 if it was there else 0, bytes of regular file data freed)."""
+    size = _regular_size(path)
+    removed = _unlink(path)
+    return removed, size if removed else 0
 
 
 def _pid_alive(pid: int) -> bool:

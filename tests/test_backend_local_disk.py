@@ -392,3 +392,85 @@ def test_special_file_under_a_block_name_is_corrupt_not_a_hang(tmp_path, kind):
         for s in sockets:
             s.close()
     b.close()
+
+
+# ------------------------------------------------------------------ the shared ledger (capacity of a directory)
+
+
+def test_capacity_bounds_the_directory_not_each_instance(tmp_path):
+    """Two instances (as two processes would) share one capacity: the second one's writes evict the first
+    one's blocks instead of adding a second capacity's worth."""
+    size = 1000
+    a, b = mk(tmp_path, capacity=10 * (H + size)), mk(tmp_path, capacity=10 * (H + size))
+    ka, kb = newkeys(8), newkeys(8)
+    assert a.put(ka, [os.urandom(size) for _ in ka], LID) == [True] * 8
+    assert b.put(kb, [os.urandom(size) for _ in kb], LID) == [True] * 8
+    assert disk_bytes(a.root) == 10 * (H + size) == b.stats().extra["bytes"] == a.stats().extra["bytes"]
+    assert sum(b.exists(ka)) == 2 and b.exists(kb) == [True] * 8, "b evicted a's oldest blocks"
+
+
+def _ledger(root) -> dict:
+    import json
+
+    return json.loads((root / ".kvtier-usage.json").read_text())
+
+
+@pytest.mark.timeout(60)
+def test_ledger_survives_a_writer_killed_between_rename_and_account(tmp_path):
+    """kill -9 of a writer after its batch's renames and before the ledger records them: its reservation
+    stays and its blocks are not counted.  The next process that needs room finds that writer dead,
+    recounts the directory, and the account matches the disk again; the whole capacity stays usable."""
+    size = 1000
+    cap = 10 * (H + size)
+    root = tmp_path / "d"
+    a = LocalDiskBackend({"path": str(root), "capacity": cap})  # running before and after the kill
+    code = textwrap.dedent(f"""
+        import os, signal
+        from kvtier.backends import local_disk
+        from kvtier.keys import Namespace
+        ns = Namespace("m", "bfloat16", 2, 2, 64, 16)
+        b = local_disk.LocalDiskBackend({{"path": {str(root)!r}, "capacity": {cap}}})
+        writes = []
+        real = local_disk._Ledger.write
+        def write(self, fd):
+            writes.append(1)
+            if len(writes) == 2:  # the batch's second session: renames done, not yet accounted
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(self, fd)
+        local_disk._Ledger.write = write
+        b.put([ns.key(bytes([i]) * 16) for i in range(4)], [os.urandom({size})] * 4, ns.layout_id)
+    """)
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == -9
+    led = _ledger(root)
+    assert led["bytes"] == 0 and sum(n for n, _ in led["held"].values()) == 4 * (H + size)
+    assert disk_bytes(root) == 4 * (H + size), "the killed writer's blocks are on disk, unaccounted"
+    ks = newkeys(10)
+    for k in ks:  # a whole capacity of new blocks: needs the dead writer's room and its blocks' room
+        assert a.put([k], [os.urandom(size)], LID) == [True]
+        assert disk_bytes(root) <= cap
+    assert _ledger(root)["held"] == {}
+    assert a.stats().extra["bytes"] == disk_bytes(root) == cap
+    assert a.exists(ks) == [True] * 10
+
+
+@pytest.mark.timeout(60)
+def test_ledger_missing_or_torn_is_recounted(tmp_path):
+    size = 1000
+    a = mk(tmp_path, capacity=10 * (H + size))
+    ks = newkeys(6)
+    a.put(ks, [os.urandom(size) for _ in ks], LID)
+    ledger = tmp_path / "d" / ".kvtier-usage.json"
+    for damage in (lambda: ledger.unlink(), lambda: ledger.write_text('{"bytes": 12, "he'),
+                   lambda: ledger.write_text('{"bytes": -5, "held": {}}')):
+        damage()
+        assert a.stats().extra["bytes"] == 6 * (H + size) == _ledger(tmp_path / "d")["bytes"]
+
+
+def test_a_key_twice_in_one_batch_is_accounted_once(tmp_path):
+    b = mk(tmp_path, capacity=10 * (H + 100))
+    k, other = newkeys(2)
+    first, last = os.urandom(100), os.urandom(100)
+    assert b.put([k, other, k], [first, os.urandom(100), last], LID) == [True] * 3
+    assert get(b, k, 100) == last
+    assert b.stats().extra["bytes"] == disk_bytes(b.root) == 2 * (H + 100)
+    assert not [f for _, _, fs in os.walk(b.root) for f in fs if f.endswith(".tmp")]

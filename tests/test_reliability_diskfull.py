@@ -185,7 +185,7 @@ def test_read_only_filesystem_is_permission_denied(small_tmpfs, figures):
         s = b.stats()
         figures("stores refused on a read-only filesystem / permission_denied counted",
                 f"{s.put_failures}/{s.permission_denied}")
-        assert s.permission_denied == BATCH and s.disk_full == 0
+        assert s.permission_denied >= 1 and s.put_failures == BATCH and s.disk_full == 0
         assert _read_all(b, mine) == [0] * BATCH
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], capture_output=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.backends.local_disk import LEDGER_NAME, LocalDiskBackend
 from kvtier.cli import main
 from kvtier.commands._storage_tools import NamespaceInfo
 from kvtier.keys import Namespace
@@ -110,7 +110,8 @@ def test_inspect_local_disk(tmp_path, capsys, populated):
     assert other["manifest"]["tp_rank"] == 1 and other["manifest"]["kv_dtype"] == "bfloat16"
     assert (anon["blocks"], anon["bytes"]) == (2, 2 * 288)
     assert anon["manifest"] is None and anon["manifest_problem"] == "no manifest"
-    assert sum(1 for _ in (tmp_path / "blocks").rglob("*") if _.is_file()) == 12 + 2  # + 2 manifests
+    # + 2 manifests + the usage ledger
+    assert sum(1 for _ in (tmp_path / "blocks").rglob("*") if _.is_file()) == 12 + 2 + 1
 
     rc, out, _ = cli(capsys, "inspect", "--config", cfg)
     assert rc == 0
@@ -154,7 +155,8 @@ def test_verify_local_disk_finds_exactly_the_corrupt_blocks(tmp_path, capsys, po
     flip(block_path(tmp_path, anon[0]), 88 + 3)  # a payload byte in the namespace without a manifest
     bad = {own[0]: "payload checksum mismatch", own[1]: "header checksum mismatch",
            own[2]: "payload length", own[4]: "block hash", anon[0]: "payload checksum mismatch"}
-    files = {p: p.read_bytes() for p in (tmp_path / "blocks").rglob("*") if p.is_file()}
+    files = {p: p.read_bytes() for p in (tmp_path / "blocks").rglob("*")  # the ledger changes with deletes
+             if p.is_file() and p.name != LEDGER_NAME}
     cfg = config(tmp_path, disk(tmp_path, capacity=4 * STORED))
 
     rc, out, err = cli(capsys, "verify", "--config", cfg)

@@ -14,6 +14,11 @@
     writes batches (versions ``I << 40 | n``) and reads batches of the shared key set, checking every
     hit with ``common.check``.  Prints one JSON object of counts at the end.
 
+``worker.py churn disk DIR --id I --capacity C [--size BYTES --batch B --seconds S --threads T]``
+    Prints ``ready``, waits for a line on stdin, then for S seconds stores batches of new keys (all in
+    shard ``00``, so one directory listing sees every block), each put evicting older blocks.  Prints one
+    JSON object of counts at the end.
+
 Key schedule of the zygote's children (the test replays it): batch ``b`` of round ``r`` stores the keys
 ``common.batch_keys(r, b)`` with version ``common.version(r, b)``.
 """
@@ -28,7 +33,7 @@ import time
 import traceback
 
 import numpy as np
-from common import LID, batch_keys, check, key_of, make_backend, payload, version
+from common import LID, NS, batch_keys, check, key_of, make_backend, payload, version
 
 # progress slots
 ROUND, STARTED, DONE, REFUSED = 0, 1, 2, 3
@@ -126,9 +131,35 @@ def mix(args) -> int:
     return 0
 
 
+def churn(args) -> int:
+    import hashlib
+
+    backend = make_backend("disk", args.target, capacity=args.capacity, threads=args.threads)
+    data = np.frombuffer(np.random.default_rng(args.id).bytes(args.size), dtype=np.uint8)
+    res = {"id": args.id, "stored": 0, "refused": 0, "errors": 0, "first_error": None}
+    print("ready", flush=True)
+    sys.stdin.readline()
+    deadline = time.monotonic() + args.seconds
+    n = 0
+    while time.monotonic() < deadline:
+        hashes = [b"\x00" + hashlib.sha256(f"churn-{args.id}-{n + j}".encode()).digest()[:15]
+                  for j in range(args.batch)]
+        n += args.batch
+        try:
+            ok = backend.put([NS.key(h) for h in hashes], [data] * len(hashes), LID)
+            res["stored"] += sum(ok)
+            res["refused"] += len(ok) - sum(ok)
+        except Exception as e:  # noqa: BLE001 - counted; the test asserts there are none
+            res["errors"] += 1
+            res["first_error"] = res["first_error"] or f"{type(e).__name__}: {e}"
+    backend.close()
+    print(json.dumps(res), flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["zygote", "mix"])
+    p.add_argument("mode", choices=["zygote", "mix", "churn"])
     p.add_argument("kind", choices=["disk", "redis"])
     p.add_argument("target")
     p.add_argument("--progress")
@@ -138,8 +169,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--capacity", default=None)
+    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    return zygote(args) if args.mode == "zygote" else mix(args)
+    return {"zygote": zygote, "mix": mix, "churn": churn}[args.mode](args)
 
 
 if __name__ == "__main__":
