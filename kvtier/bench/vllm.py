@@ -1,0 +1,134 @@
+"""``kvtier bench vllm``: time to first token inside a real vLLM, per source of a 4k-token prompt's KV.
+
+A model whose KV is shaped like Llama-3-8B's (32 layers, 8 KV heads, head dim 128; small hidden size,
+random weights built locally) is served by vLLM.  Rows, all on the same prompts in one run:
+
+* ``recompute``: a fresh prompt, computed (the prefill instance's own TTFT);
+* ``vllm-device-cache``: the same prompt again in that process, a hit in vLLM's own prefix cache (the floor);
+* ``kvtier:<backend>``: a separate decode process (``kv_consumer``) whose memory is empty loads the prefix
+  from that backend; ``kvtier:host``: the same process after ``reset_prefix_cache()``, so the hit comes
+  from kvtier's host tier in the worker;
+* ``example-connector``: vLLM's own ExampleConnector (safetensors on local disk) in the same roles.
+
+Ratios are TTFT / floor (lower is better).  Medians over ``--repeats`` prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from ._util import print_table, write_json
+
+HELP = "TTFT inside a real vLLM: recompute, vLLM's own cache, kvtier host / disk / Redis / S3, ExampleConnector"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3, help="distinct prompts per row (median)")
+    p.add_argument("--backends", default="disk,redis,s3")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector rows")
+    p.add_argument("--json", metavar="PATH")
+
+
+def _model(d: Path, layers: int) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=16384)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    return str(d)
+
+
+def _run(tmp: Path, tag: str, model: str, prompts: list, steps: list, kv_transfer: dict | None) -> list[dict]:
+    spec = {"model": model, "prompts": prompts, "steps": steps, "kv_transfer": kv_transfer,
+            "out": str(tmp / f"{tag}.json"), "kv_space_gib": 2}
+    (tmp / f"{tag}.spec.json").write_text(json.dumps(spec))
+    with open(tmp / f"{tag}.log", "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "kvtier.bench._vllm_driver", str(tmp / f"{tag}.spec.json")],
+                            stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+    if rc != 0:
+        raise RuntimeError(f"vLLM run {tag!r} failed ({rc}); see {tmp / (tag + '.log')}:\n"
+                           + (tmp / f"{tag}.log").read_text()[-3000:])
+    return json.loads((tmp / f"{tag}.json").read_text())
+
+
+def _kvtier(role: str, cfg_path: Path) -> dict:
+    return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path)}}
+
+
+def _backend(name: str, stack: ExitStack, tmp: Path) -> dict:
+    if name == "disk":
+        return {"name": "disk", "type": "local_disk", "options": {"path": str(tmp / "kv"), "capacity": "64GiB"}}
+    if name == "redis":
+        from ..testing.redis_server import start_redis
+
+        srv = start_redis()
+        stack.callback(srv.stop)
+        return {"name": "redis", "type": "redis", "options": {"url": srv.url}}
+    if name == "s3":
+        import uuid
+
+        from ..testing.moto_server import dummy_credentials
+        from .backend_s3 import _ChildMoto
+
+        stack.enter_context(dummy_credentials())
+        endpoint = stack.enter_context(_ChildMoto())
+        return {"name": "s3", "type": "s3", "options": {"bucket": f"vllm-{uuid.uuid4().hex[:8]}",
+                                                        "create_bucket": True, "endpoint_url": endpoint,
+                                                        "region": "us-east-1", "max_workers": 8}}
+    raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
+
+
+def run(args) -> int:
+    import yaml
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 1)] for _ in range(args.repeats)]
+    n = len(prompts)
+    rows: dict[str, list[float]] = {}
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = _model(tmp / "model", args.layers)
+        backends = [_backend(b.strip(), stack, tmp) for b in args.backends.split(",") if b.strip()]
+        for be in backends:
+            cfg = tmp / f"{be['name']}.yaml"
+            cfg.write_text(yaml.safe_dump({"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "2GiB"},
+                                           "backends": [be]}))
+            # prefill: recompute, then vLLM's own cache (the floor); stores into the backend
+            pre = _run(tmp, f"prefill-{be['name']}", model, prompts,
+                       [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)], _kvtier("kv_producer", cfg))
+            rows.setdefault("recompute", []).extend(r["ttft_s"] for r in pre[:n])
+            rows.setdefault("vllm-device-cache", []).extend(r["ttft_s"] for r in pre[n:])
+            # decode: from the backend (empty memory), then from kvtier's host tier after a prefix-cache reset
+            dec = _run(tmp, f"decode-{be['name']}", model, prompts,
+                       [["ttft", i] for i in range(n)] + [["reset"]] + [["ttft", i] for i in range(n)],
+                       _kvtier("kv_consumer", cfg))
+            rows.setdefault(f"kvtier:{be['name']}", []).extend(r["ttft_s"] for r in dec[:n])
+            rows.setdefault("kvtier:host", []).extend(r["ttft_s"] for r in dec[n:])
+            if any(r["cached"] < args.tokens // 32 * 32 for r in dec):
+                print(f"WARNING {be['name']}: some loads were partial: {[r['cached'] for r in dec]}")
+        if not args.no_example:
+            ex = {"kv_connector": "ExampleConnector",
+                  "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
+            _run(tmp, "example-prefill", model, prompts, [["ttft", i] for i in range(n)], {**ex, "kv_role": "kv_both"})
+            dec = _run(tmp, "example-decode", model, prompts, [["ttft", i] for i in range(n)], {**ex, "kv_role": "kv_both"})
+            rows["example-connector"] = [r["ttft_s"] for r in dec]
+    floor = statistics.median(rows["vllm-device-cache"])
+    table = [{"source": k, "ttft_ms": statistics.median(v) * 1e3, "x_floor": statistics.median(v) / floor,
+              "runs": len(v)} for k, v in rows.items()]
+    print(f"TTFT of a {args.tokens}-token prompt, {args.layers} layers x 8 kv heads x 128 head dim (bf16, "
+          f"{args.tokens * args.layers * 2 * 8 * 128 * 2 / 2**20:.0f} MiB of KV), medians")
+    print_table(table, ["source", "ttft_ms", "x_floor", "runs"])
+    write_json(args.json, {"rows": table})
+    return 0
