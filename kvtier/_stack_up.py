@@ -41,13 +41,7 @@ class Upward:
         strs = s.namespace.keys(keys)
         where: list[int] = []
         while len(where) < len(keys):
-            p, best, who = len(where), 0, -1
-            for b in range(len(s._backends)):
-                n = s._backends.contains_prefix(b, strs[p:])
-                if n > best:
-                    best, who = n, b
-                if p + best == len(keys):
-                    break
+            best, who = s._backends.longest_prefix(strs[len(where):])
             if best == 0:
                 break
             where += [who] * best

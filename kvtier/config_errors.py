@@ -200,7 +200,11 @@ def problems_of(exc: ValidationError, root: type[BaseModel], prefix: tuple[str, 
     """(path, problem) per error; errors from the members of one union at one path are merged."""
     out: dict[str, list[str]] = {}
     for err in exc.errors(include_url=False):
-        parts, owner, field, tp = _walk(root, err["loc"])
+        loc = err["loc"]
+        if err["type"] == "invalid_key" and loc:
+            # The bad key is not a path of the schema: name the mapping that holds it.
+            loc = loc[:-1]
+        parts, owner, field, tp = _walk(root, loc)
         path = join_path([*prefix, *parts]) or "(top level)"
         if tp is SecretStr and "input" in err:  # a password typed as a number is still a password
             err = {**err, "input": _HIDDEN}

@@ -85,6 +85,12 @@ class PrefixMatch:
     device_ids: np.ndarray  # int32[length]
     host_slots: np.ndarray  # int32[length]
 
+    @property
+    def in_memory(self) -> int:
+        """Leading blocks served from device or host memory (before the first backend-only one)."""
+        mem = self.tiers <= Tier.HOST
+        return int(mem.argmin()) if not mem.all() else self.length
+
     def counts(self) -> dict[int, int]:
         codes, n = np.unique(self.tiers, return_counts=True)
         return {int(c): int(k) for c, k in zip(codes, n)}

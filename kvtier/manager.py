@@ -43,34 +43,38 @@ class TierManager:
     """Scheduler-side state of one kvtier deployment (one namespace).
 
     ``backends``: instances to probe instead of building ``config.backends`` (tests); the manager closes
-    only the backends it built.  ``metrics``: share the stack's metrics (in-process use) or get its own.
+    only the backends it built.  In-process (:class:`~kvtier.stack.TierStack`) the stack passes its
+    backend set, metrics, index and lock, so one index is the truth for both halves.
     """
 
-    def __init__(self, config: KvtierConfig, *, backends: Sequence[StorageBackend] | None = None,
-                 metrics: StackMetrics | None = None, probe_threads: int = 2, probe_ttl_s: float = 2.0,
+    def __init__(self, config: KvtierConfig, *, backends: Sequence[StorageBackend] | BackendSet | None = None,
+                 metrics: StackMetrics | None = None, index: BlockIndex | None = None,
+                 lock: threading.Lock | None = None, probe_threads: int = 2, probe_ttl_s: float = 2.0,
                  max_hints: int = 1 << 20):
         self.config = config
         self.namespace: Namespace = config.namespace()
         self.block_size = self.namespace.block_size
-        if backends is None:
-            built = [b.plugin()(b.options, name=b.name) for b in config.backends]
-            self._owned = True
+        self._owned = backends is None
+        if isinstance(backends, BackendSet):
+            self.backends = backends
+            self.metrics = backends.metrics
         else:
-            built, self._owned = list(backends), False
-        names = [b.name for b in built]
-        tiers = ["device", "host", *names]
-        self.metrics = metrics or StackMetrics(tiers, self.block_size)
-        cfg_write = {b.name: b.write for b in config.backends}
-        self.backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
-                                   self.namespace.layout_id, 0)
-        self.index = BlockIndex(capacity=1024)
+            built = ([b.plugin()(b.options, name=b.name) for b in config.backends] if backends is None
+                     else list(backends))
+            names = [b.name for b in built]
+            self.metrics = metrics or StackMetrics(["device", "host", *names], self.block_size)
+            cfg_write = {b.name: b.write for b in config.backends}
+            self.backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
+                                       self.namespace.layout_id, 0)
+        self.index = index if index is not None else BlockIndex(capacity=1024)
         self.max_hints = max_hints
         self.probe_ttl_s = probe_ttl_s
         self.max_probes = 4096
-        self._lock = threading.Lock()
+        self._lock = lock or threading.Lock()
         # (first hash, length) -> (future, finished-at); the future returns (blocks found, backend index)
         self._probes: OrderedDict[tuple[bytes, int], tuple[Future, float]] = OrderedDict()
-        self._pool = ThreadPoolExecutor(probe_threads, "kvtier-probe") if built else None
+        self._probe_threads = probe_threads
+        self._pool: ThreadPoolExecutor | None = None  # started by the first asynchronous probe
         self._closed = False
 
     # ------------------------------------------------------------------ lookup (never blocks)
@@ -83,7 +87,7 @@ class TierManager:
         with self._lock:
             m = self.index.lookup_prefix(hashes)
             p, tiers = m.length, [self._tier_name(int(t)) for t in m.tiers]
-        if p == n or self._pool is None:
+        if p == n or not len(self.backends):
             return _answer(p, tiers)
         got = self._probe_result(hashes[p:])
         if got is None:
@@ -94,6 +98,32 @@ class TierManager:
                 self._remember_backend(hashes[p:p + found], who)
         return _answer(p + found, tiers + [self.backends.names[who]] * found)
 
+    def resolve(self, hashes: Sequence[bytes]) -> tuple[str, ...]:
+        """The in-process lookup (it may wait on I/O): where each block of the longest available prefix
+        is best served from.  Memory tiers come from the index; backends are *asked* for the rest
+        (never trusted from hints, since another process may have stored or evicted), and within a
+        backend's run a block that is also in memory is served from memory."""
+        n, p, out = len(hashes), 0, []
+        keys: list[str] | None = None
+        while p < n:
+            with self._lock:
+                m = self.index.lookup_prefix(hashes[p:])
+                mem = [self._tier_name(int(t)) for t in m.tiers[:m.in_memory]]
+            out += mem
+            p += len(mem)
+            if p == n or not len(self.backends):
+                break
+            keys = keys or self.namespace.keys(hashes)
+            best, who = self.backends.longest_prefix(keys[p:])
+            if best == 0:
+                break
+            with self._lock:
+                m = self.index.lookup_prefix(hashes[p:p + best])
+                run = m.tiers.tolist() + [-1] * (best - m.length)
+            out += [self._tier_name(t) if t in (Tier.DEVICE, Tier.HOST) else self.backends.names[who] for t in run]
+            p += best
+        return tuple(out)
+
     def _probe_result(self, hashes: Sequence[bytes]) -> tuple[int, int] | None:
         key = (hashes[0], len(hashes))
         now = time.monotonic()
@@ -103,7 +133,9 @@ class TierManager:
             if entry is None:
                 if self._closed:
                     return 0, 0
-                fut = self._pool.submit(self._probe, list(hashes))  # type: ignore[union-attr]
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._probe_threads, "kvtier-probe")
+                fut = self._pool.submit(self._probe, list(hashes))
                 self._probes[key] = (fut, 0.0)
                 return None
             fut, _ = entry
@@ -192,8 +224,9 @@ class TierManager:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            pool = self._pool
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         self.backends.close([self._owned] * len(self.backends))
 
 

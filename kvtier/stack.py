@@ -62,6 +62,7 @@ from .host import HostTier
 from .index import BlockIndex, Tier
 from .keys import Namespace
 from .layout import KVLayout, LayoutError
+from .manager import TierManager
 from .metrics import StackMetrics
 from .plans import WorkerReport
 from .policy import EvictionPolicy, PrefetchPolicy, WritePolicy
@@ -136,6 +137,8 @@ class TierStack:
         self._down = Downward(self)
         self._up = Upward(self)
 
+        # The scheduler half: the same index and lock, the same backend probing the vLLM connector uses.
+        self.manager = TierManager(config, backends=self._backends, index=self.index, lock=self._lock)
         self._backends.put_manifests(self.namespace)
         self.metrics_port: int | None = None
         if config.metrics.prometheus_port:
@@ -177,29 +180,8 @@ class TierStack:
         ``record`` the result is counted as one request in the metrics (matched tokens per tier); pass
         False when a scheduler asks again about the same request."""
         hashes = list(hashes)
-        n, tiers, p = len(hashes), [], 0
-        keys: list[str] | None = None
-        while p < n:
-            with self._lock:
-                while p < n:
-                    e = self.index.get(hashes[p])
-                    if e is None or (e.device is None and e.host is None):
-                        break
-                    tiers.append("device" if e.device is not None else "host")
-                    p += 1
-            if p == n or not self._backends.backends:
-                break
-            keys = keys or self.namespace.keys(hashes)
-            best, who = self._backends.longest_prefix(keys[p:])
-            if best == 0:
-                break
-            with self._lock:  # within the backend's run, a block also in memory is best served there
-                for h in hashes[p:p + best]:
-                    e = self.index.get(h)
-                    mem = None if e is None else "device" if e.device is not None else \
-                        "host" if e.host is not None else None
-                    tiers.append(mem or self._backends.names[who])
-            p += best
+        n = len(hashes)
+        tiers = self.manager.resolve(hashes)
         res = LookupResult(tuple(tiers), self.block_size, n)
         if record:
             self.metrics.record_request(res.tiers, n)
@@ -228,14 +210,8 @@ class TierStack:
 
     def leading_in_memory(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` in host memory or on the device."""
-        n = 0
         with self._lock:
-            for h in hashes:
-                e = self.index.get(h)
-                if e is None or (e.host is None and e.device is None):
-                    break
-                n += 1
-        return n
+            return self.index.lookup_prefix(list(hashes)).in_memory
 
     # ------------------------------------------------------------------ worker side
 
@@ -301,6 +277,7 @@ class TierStack:
         self._io.shutdown(wait=True)
         if self._xfer is not None:
             self._xfer.close()
+        self.manager.close()
         self.metrics.close()
         self._backends.close(self._owned)
         if self.host is not None:
