@@ -16,6 +16,13 @@ Two algorithms:
   CBOR ourselves, vectorised with numpy, so the result is the same bytes at a fraction of the cost.
 * ``xxh3_128``: a seeded 128-bit hash of ``parent || int64-LE tokens || cbor(extra)`` for deployments
   that do not need vLLM compatibility.
+* ``sglang_sha256`` is byte-identical to SGLang's HiCache page keys (``get_storage_hash_str``):
+  ``h[i] = sha256(h[i-1] || uint32-LE tokens)`` (a page holding a token id >= 2**32:
+  ``sha256(h[i-1] || 0xff || uint64-LE tokens)``), where the chain starts from nothing, or from SGLang's
+  request namespace seed ``sha256("sglang-cache-namespace-v1" || part(extra_key) || part(cache_salt))`` when
+  either is set (``part(None) = 0x00``, ``part(s) = 0x01 || u64-LE len(utf8) || utf8``).  The ``seed`` is
+  SGLang's ``extra_key`` (its LoRA id appended, as SGLang does); multimodal items and LoRA are not extra
+  keys there (SGLang folds them into token ids / ``extra_key``), so they are refused.
 
 Never Python's ``hash()``: it differs per process.
 """
@@ -37,6 +44,10 @@ import numpy as np
 import xxhash
 
 ALGORITHMS = ("sha256_cbor", "xxh3_128")
+#: SGLang's HiCache page keys; valid wherever an algorithm name is (listed apart from ALGORITHMS, whose
+#: error messages are pinned by tests).
+SGLANG_SHA256 = "sglang_sha256"
+_SGLANG_NS_TAG = b"sglang-cache-namespace-v1"
 VLLM_DEFAULT_SEED = "vllm-none-hash"
 _INT64_MAX = 2**63 - 1
 
@@ -236,9 +247,20 @@ def sha256_cbor_frames(arr: np.ndarray, block_size: int, suffixes: list[bytes] |
 # --------------------------------------------------------------------------- the hasher
 
 
-def none_hash_seed(algo: str, seed: str | int | None) -> str | int:
-    """The seed NONE is derived from: the explicit one, else PYTHONHASHSEED, else vLLM's default."""
-    if seed is not None:
+def known_algo(algo: object) -> bool:
+    """Whether ``algo`` names a block-key algorithm (``ALGORITHMS`` or ``sglang_sha256``)."""
+    return algo in ALGORITHMS or algo == SGLANG_SHA256
+
+
+def _algo_problem(what: str, algo: object) -> str:
+    return (f"{what}: expected one of {', '.join(ALGORITHMS)}, got {algo!r} "
+            f"(or {SGLANG_SHA256!r}: SGLang's HiCache page keys)")
+
+
+def none_hash_seed(algo: str, seed: str | int | None) -> str | int | None:
+    """The seed NONE is derived from: the explicit one, else PYTHONHASHSEED, else vLLM's default.
+    ``sglang_sha256``: SGLang's ``extra_key`` as given (None = no extra key; never PYTHONHASHSEED)."""
+    if seed is not None or algo == SGLANG_SHA256:
         return seed
     env = os.environ.get("PYTHONHASHSEED")
     if algo == "sha256_cbor":
@@ -261,19 +283,25 @@ class BlockHasher:
     def __init__(self, block_size: int, algo: str = "sha256_cbor", seed: str | int | None = None):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: expected an integer >= 1, got {block_size!r}")
-        if algo not in ALGORITHMS:
-            raise ValueError(f"algo: expected one of {', '.join(ALGORITHMS)}, got {algo!r}")
+        if not known_algo(algo):
+            raise ValueError(_algo_problem("algo", algo))
         self.block_size = block_size
         self.algo = algo
         self.seed = none_hash_seed(algo, seed)
-        if algo == "sha256_cbor":
+        if algo == SGLANG_SHA256:
+            if self.seed is not None and not isinstance(self.seed, str):
+                raise ValueError(f"seed: sglang_sha256 takes SGLang's extra_key (a string) or None, "
+                                 f"got {self.seed!r}")
+            self.none_hash = b""  # the chain starts from nothing (or a per-request namespace seed)
+            self.digest_size = 32
+        elif algo == "sha256_cbor":
             self.none_hash = sha256_cbor(self.seed)
             self.digest_size = 32
         else:
             if isinstance(self.seed, str):
                 self._xxh_seed = int.from_bytes(hashlib.sha256(self.seed.encode()).digest()[:8], "little")
             else:
-                self._xxh_seed = int(self.seed) & (2**64 - 1)
+                self._xxh_seed = int(self.seed or 0) & (2**64 - 1)
             self.none_hash = xxhash.xxh3_128_digest(b"kvtier-xxh3-128-none", seed=self._xxh_seed)
             self.digest_size = 16
 
@@ -290,7 +318,19 @@ class BlockHasher:
         """Hashes of every full block of ``tokens`` (a partial trailing block is ignored)."""
         arr = as_token_array(tokens)
         items = validate_mm_items(mm, arr.size)
-        return self._hash_range(arr, 0, None, items, _lora_key(lora), _salt_key(cache_salt))
+        lora_key, salt_key = _lora_key(lora), _salt_key(cache_salt)
+        self._refuse_sglang_extras(items, lora_key)
+        return self._hash_range(arr, 0, None, items, lora_key, salt_key)
+
+    def _refuse_sglang_extras(self, items: tuple[MMItem, ...], lora_key: tuple | None) -> None:
+        if self.algo != SGLANG_SHA256:
+            return
+        if items:
+            raise ValueError("mm: sglang_sha256 page keys carry no multimodal items (SGLang puts them in "
+                             "the token ids); hash the token ids SGLang sees")
+        if lora_key is not None:
+            raise ValueError("lora: sglang_sha256 page keys carry no LoRA; SGLang appends the LoRA id to "
+                             "extra_key: pass extra_key + lora_id as the seed")
 
     def extra_keys(self, block_index: int, items: Sequence[MMItem], lora_key: tuple | None,
                    salt_key: tuple | None) -> tuple | None:
@@ -322,6 +362,11 @@ class BlockHasher:
         if nblocks == 0:
             return []
         arr = arr[: nblocks * B]
+        if self.algo == SGLANG_SHA256:
+            if parent is None:
+                extra_key = self.seed if isinstance(self.seed, str) else None
+                parent = sglang_namespace_seed(extra_key, None if salt_key is None else salt_key[1])
+            return sglang_sha256_chain(arr, B, parent)
         extras = self._extras_for(first_block, nblocks, items, lora_key, salt_key)
         parent = parent if parent is not None else self.none_hash
         if self.algo == "sha256_cbor":
@@ -384,6 +429,49 @@ class BlockHasher:
         return out
 
 
+def sglang_namespace_seed(extra_key: str | None, cache_salt: str | None) -> bytes | None:
+    """SGLang's ``storage_namespace_seed`` (the prior digest of a request's first page), as bytes; None
+    when the request has neither an extra key nor a cache salt."""
+    if extra_key is None and cache_salt is None:
+        return None
+    h = hashlib.sha256(_SGLANG_NS_TAG)
+    for part in (extra_key, cache_salt):
+        if part is None:
+            h.update(b"\x00")
+        else:
+            enc = part.encode("utf-8")
+            h.update(b"\x01" + len(enc).to_bytes(8, "little") + enc)
+    return h.digest()
+
+
+def sglang_sha256_chain(arr: np.ndarray, block_size: int, parent: bytes | None) -> list[bytes]:
+    """SGLang's page-key chain over the full pages of ``arr`` (``parent``: the prior digest, or None)."""
+    B = block_size
+    n = arr.size // B
+    if n == 0:
+        return []
+    arr = arr[: n * B]
+    narrow = arr.dtype == np.uint32 or int(arr.max()) <= 0xFFFFFFFF
+    raw = memoryview(arr.astype("<u4" if narrow else "<u8", copy=False).tobytes())
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    h = parent or b""
+    if narrow:
+        step = B * 4
+        for i in range(n):
+            h = sha(h + raw[i * step:(i + 1) * step]).digest()
+            out.append(h)
+        return out
+    wide = arr.reshape(n, B) > 0xFFFFFFFF
+    for i in range(n):
+        block = arr[i * B:(i + 1) * B]
+        # A page holding a token id >= 2**32 is hashed wide, tagged by an odd byte count (0xff first).
+        data = (b"\xff" + block.astype("<u8").tobytes()) if wide[i].any() else block.astype("<u4").tobytes()
+        h = sha(h + data).digest()
+        out.append(h)
+    return out
+
+
 def _lora_key(lora: LoRA | tuple | dict | None) -> tuple | None:
     if lora is None:
         return None
@@ -424,6 +512,7 @@ class SequenceHasher:
         self._items = validate_mm_items(mm, arr.size)
         self._lora = _lora_key(lora)
         self._salt = _salt_key(cache_salt)
+        hasher._refuse_sglang_extras(self._items, self._lora)
         self._tail = np.empty(0, dtype=np.int64)
         self._num_tokens = 0
         self.hashes: list[bytes] = []
@@ -480,8 +569,8 @@ class Namespace:
     def __post_init__(self) -> None:
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention: expected 'mha' or 'mla', got {self.attention!r}")
-        if self.hash_algo not in ALGORITHMS:
-            raise ValueError(f"hash_algo: expected one of {', '.join(ALGORITHMS)}, got {self.hash_algo!r}")
+        if not known_algo(self.hash_algo):
+            raise ValueError(_algo_problem("hash_algo", self.hash_algo))
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size", "pp_size"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
