@@ -230,6 +230,8 @@ class StorageBackend(ABC):
         return self.scan()
 
     # ------------------------------------------------------------------ public API (used by the stack)
+    # Each method that takes keys (or a namespace id) raises InvalidKey for a non-canonical one before
+    # any hook runs, never a miss: see the module docstring.
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys of the chain ``keys`` are present."""
@@ -262,6 +264,7 @@ class StorageBackend(ABC):
         return lo
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present (content is verified on read, not here)."""
         if not keys:
             return []
         self._refuse_invalid(keys)
@@ -331,6 +334,7 @@ class StorageBackend(ABC):
         return ok
 
     def delete(self, keys: Sequence[str]) -> int:
+        """Delete the keys; how many existed."""
         if not keys:
             return 0
         self._refuse_invalid(keys)
@@ -340,7 +344,8 @@ class StorageBackend(ABC):
         return n
 
     def scan(self, namespace_id: str | None = None) -> Iterator[StoredBlock]:
-        """Stored blocks (not manifests), of one namespace or of all."""
+        """Stored blocks (not manifests), of one namespace or of all (a malformed namespace id raises
+        InvalidKey when iteration starts)."""
         if namespace_id:
             self._refuse_invalid([f"{namespace_id}/{MANIFEST_NAME}"], manifest=True)
         prefix = f"{namespace_id}/" if namespace_id else ""

@@ -17,7 +17,8 @@ a value's bytes as given.  Override them if your backend stores values different
 Invariants checked: a value is returned only if every header field and the checksum match what was
 asked for; a bad value is a miss, counted in ``stats().corrupt`` and deleted; an absent key leaves the
 caller's buffer untouched; namespaces never see each other's blocks; concurrent callers never get
-wrong bytes.
+wrong bytes; a malformed key or namespace id (path parts, NUL, case or whitespace variants, non-strings)
+is refused with ``InvalidKey`` by every public method and never reaches one of the backend's hooks.
 """
 
 from __future__ import annotations
