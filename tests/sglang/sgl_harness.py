@@ -162,7 +162,7 @@ def make_engine(kvtier_yaml: str | None, *, layout: str = "layer_first", model: 
                                start_layer=0, end_layer=layers)
         host = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
                                     pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
-                                    start_layer=0, end_layer=layers)
+                                    start_layer=0, end_layer=layers, target_layer_num=layers)
         shape: tuple[int, ...] = (layers, 1, page_size, 1, head_dim)
     else:
         dev = MHATokenToKVPool(tokens, page_size, dtype, heads, head_dim, layers, "cpu", False,

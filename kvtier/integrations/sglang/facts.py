@@ -1,0 +1,70 @@
+"""What SGLang already knows about the model and its KV pages, as kvtier config fields.
+
+SGLang's page keys carry no model, dtype, layout or TP rank (they hash token ids only), so everything
+that makes page bytes interchangeable goes into kvtier's namespace here: model id, KV dtype, layers,
+heads, head dim, page size, MHA / MLA, TP / PP rank and size, and the key algorithm ``sglang_sha256``.
+
+MLA KV is the same on every TP rank (SGLang writes it from one rank and every rank reads it), so an MLA
+model's namespace is rank 0's on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ...config import ConfigError, KvtierConfig, load_engine_config
+from ...keys import SGLANG_SHA256
+from ...layout import dtype_name
+from .pages import PageGeometry
+
+log = logging.getLogger("kvtier.sglang")
+
+#: Keys of ``--hicache-storage-backend-extra-config`` that kvtier reads (SGLang's own are passed through).
+EXTRA_KEYS = ("kvtier_config",)
+
+
+def refuse_unsupported(storage_config: Any) -> None:
+    """Raise ``NotImplementedError`` for SGLang parallel modes whose pages kvtier cannot name yet."""
+    if getattr(storage_config, "attn_cp_size", 1) > 1:
+        raise NotImplementedError("kvtier: attention context parallelism (attn_cp_size > 1) splits every page "
+                                  "across ranks; not supported yet")
+    if getattr(storage_config, "dcp_size", 1) > 1:
+        raise NotImplementedError("kvtier: decode context parallelism (dcp_size > 1) is not supported yet")
+    if getattr(storage_config, "should_split_heads", False):
+        raise NotImplementedError("kvtier: heterogeneous TP page splitting (tp_lcm_size with page_head) is "
+                                  "not supported yet")
+
+
+def model_facts(storage_config: Any, geo: PageGeometry) -> dict[str, Any]:
+    """The ``model`` section SGLang implies (``id`` only when SGLang names the model)."""
+    mla = bool(storage_config.is_mla_model)
+    facts: dict[str, Any] = {
+        "kv_dtype": dtype_name(geo.dtype),
+        "num_layers": geo.num_layers,
+        "num_kv_heads": geo.num_kv_heads,
+        "head_dim": geo.head_dim,
+        "block_size": geo.page_size,
+        "attention": "mla" if mla else "mha",
+        "tp_rank": 0 if mla else int(storage_config.tp_rank),
+        "tp_size": int(storage_config.tp_size),
+        "pp_rank": int(storage_config.pp_rank),
+        "pp_size": int(storage_config.pp_size),
+    }
+    if storage_config.model_name:
+        facts["id"] = str(storage_config.model_name)
+    return facts
+
+
+def kvtier_config(storage_config: Any, geo: PageGeometry) -> KvtierConfig:
+    """The deployment's kvtier config: the YAML named by ``extra_config["kvtier_config"]`` (the embedded
+    default's backends when absent), its ``model`` section filled from SGLang, keys ``sglang_sha256``."""
+    extra = storage_config.extra_config or {}
+    path = extra.get("kvtier_config")
+    cfg = load_engine_config(path, model_facts(storage_config, geo), engine="SGLang")
+    if "algo" in cfg.keys.model_fields_set and cfg.keys.algo != SGLANG_SHA256:
+        raise ConfigError([f"keys.algo: the YAML says {cfg.keys.algo!r} but SGLang names its pages itself "
+                           f"({SGLANG_SHA256}); remove the key, or set it to {SGLANG_SHA256} (also on a vLLM "
+                           "instance that shares these blocks)"], str(path or "<default>"))
+    # The namespace records what the keys mean: SGLang's page hashes.
+    return cfg.model_copy(update={"keys": cfg.keys.model_copy(update={"algo": SGLANG_SHA256})})
