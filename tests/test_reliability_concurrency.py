@@ -9,6 +9,9 @@ the version it carries, which must be one its writer really wrote).  Wrong reads
 process must have read blocks written by the other, or the test proved nothing.  The disk case runs
 twice: with room for every key, and with a capacity of a third of them, so both processes evict files
 the other is about to read or has just written.
+
+Four processes churning one small directory check that ``capacity`` bounds the directory as a whole:
+a sampler measures the real bytes on disk while they write, and one writer is killed with SIGKILL.
 """
 
 from __future__ import annotations
