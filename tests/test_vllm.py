@@ -62,13 +62,13 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict | None = None, *,
-             pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor") -> dict:
+             pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
     pf.write_text(json.dumps(prompts))
     cmd = [sys.executable, str(DRIVER), "--model", model, "--role", role, "--prompts", str(pf), "--out", str(out),
-           "--hash-algo", hash_algo, "--block-size", str(BS)]
+           "--hash-algo", hash_algo, "--block-size", str(BS), "--tp", str(tp)]
     if config is not None:
         cfg_path.write_text(yaml.safe_dump(config))
         cmd += ["--config", str(cfg_path)]
@@ -232,4 +232,18 @@ def test_s3_prefill_then_decode(model_dir, moto_server, s3_bucket, warm, tmp_pat
     run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg)
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], cfg)
     assert_same_outputs(got["results"], warm)
+    assert [r["cached"] for r in got["results"]] == [160, 288]
+
+
+def test_tensor_parallel_2(model_dir, tmp_path):
+    """TP=2 on CPU (one core per rank): each rank stores its own KV shard under its own namespace, and a
+    TP=2 decode loads both shards (the scheduler probes rank 0's; a rank that lacked its shard would
+    report the blocks and vLLM would recompute them)."""
+    d = tmp_path / "blocks"
+    run_vllm(model_dir, tmp_path, "kv_producer", [A, C], kv_config(disk(d)), tp=2)
+    shards = sorted(p for p in d.iterdir() if p.is_dir())
+    assert len(shards) == 2 and [len(block_files(p)) for p in shards] == [15, 15]
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), tp=2)
+    ref = run_vllm(model_dir, tmp_path, "kv_both", [A, C, B, A], NULL, tp=2)["results"][2:]
+    assert_same_outputs(got["results"], ref)
     assert [r["cached"] for r in got["results"]] == [160, 288]

@@ -2,7 +2,9 @@
 
 SPEC: ``model``, ``kv_transfer`` (a KVTransferConfig's fields, or null for no connector), ``prompts`` (token
 id lists), ``steps`` (``["ttft", i]``: time a 1-token generation of prompt ``i``; ``["reset"]``: drop vLLM's
-own prefix cache, so the next hit must come from the connector), ``out`` (JSON path), ``kv_space_gib``.
+own prefix cache, so the next hit must come from the connector; ``["itl", [i, ...]]``: a running request
+decodes while prompts ``i, ...`` arrive and are served, and the gaps between its tokens are recorded
+before and while they are), ``out`` (JSON path), ``kv_space_gib``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def main(spec_path: str) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     prompts, rows = spec["prompts"], []
     for step in spec["steps"]:
+        if step[0] == "itl":
+            rows.append(_itl(llm, [prompts[i] for i in step[1]], len(prompts[0])))
+            continue
         if step[0] == "reset":
             while not llm.reset_prefix_cache():
                 time.sleep(0.05)
@@ -38,6 +43,52 @@ def main(spec_path: str) -> None:
         rows.append({"prompt": step[1], "ttft_s": time.perf_counter() - t0, "cached": out.num_cached_tokens})
     with open(spec["out"], "w") as f:
         json.dump(rows, f)
+
+
+def _itl(llm, arriving: list, vocab_hint: int) -> dict:
+    """Inter-token gaps of one decoding request: 24 tokens alone, then while ``arriving`` prompts are
+    admitted and served (their KV computed or loaded), then alone again."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    dec = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, detokenize=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    eng.add_request("itl-decoder", {"prompt_token_ids": list(range(1, 65))}, dec)
+    stamps: list[float] = []
+    seen = 0
+
+    def step() -> list:
+        nonlocal seen
+        outs = eng.step()
+        for o in outs:
+            if o.request_id == "itl-decoder" and len(o.outputs[0].token_ids) > seen:
+                seen = len(o.outputs[0].token_ids)
+                stamps.append(time.perf_counter())
+        return outs
+
+    while seen < 24:
+        step()
+    base_end = len(stamps)
+    t0 = time.perf_counter()
+    for k, p in enumerate(arriving):
+        eng.add_request(f"itl-arrival-{k}", {"prompt_token_ids": p}, one)
+    pending = {f"itl-arrival-{k}" for k in range(len(arriving))}
+    while pending:
+        for o in step():
+            if o.request_id in pending and o.finished:
+                pending.discard(o.request_id)
+    window = time.perf_counter() - t0
+    load_end = len(stamps)
+    target = seen + 24
+    while seen < target:
+        step()
+    eng.abort_request(["itl-decoder"])
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    base, during = gaps[1:base_end - 1], gaps[base_end - 1:load_end]
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")  # noqa: E731
+    return {"itl_base_p50_s": pct(base, 0.5), "itl_base_p99_s": pct(base, 0.99), "itl_during_p50_s": pct(during, 0.5),
+            "itl_during_p99_s": pct(during, 0.99), "itl_during_max_s": max(during, default=float("nan")),
+            "arrivals_served_s": window, "decode_tokens_during": len(during)}
 
 
 if __name__ == "__main__":

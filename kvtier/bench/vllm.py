@@ -11,6 +11,11 @@ random weights built locally) is served by vLLM.  Rows, all on the same prompts 
 * ``example-connector``: vLLM's own ExampleConnector (safetensors on local disk) in the same roles.
 
 Ratios are TTFT / floor (lower is better).  Medians over ``--repeats`` prompts.
+
+Then decode stalls: a request decodes while two other 4k-token prompts arrive.  In the prefill process
+they are computed (``recompute``); in each decode process their KV is loaded by kvtier from the backend
+(asynchronously: the request waits in vLLM while the decoder keeps stepping).  The table gives the
+decoder's inter-token latency p50 / p99 / max before and while the arrivals are served.
 """
 
 from __future__ import annotations
@@ -94,9 +99,11 @@ def run(args) -> int:
     import yaml
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 1)] for _ in range(args.repeats)]
-    n = len(prompts)
+    prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 1)] for _ in range(args.repeats + 2)]
+    n = args.repeats
+    arrivals = [n, n + 1]  # stored by the prefill, first seen by the decoder in the ITL step
     rows: dict[str, list[float]] = {}
+    itl: list[dict] = []
     with ExitStack() as stack, tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = _model(tmp / "model", args.layers)
@@ -107,17 +114,21 @@ def run(args) -> int:
                                            "backends": [be]}))
             # prefill: recompute, then vLLM's own cache (the floor); stores into the backend
             pre = _run(tmp, f"prefill-{be['name']}", model, prompts,
-                       [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)], _kvtier("kv_producer", cfg))
+                       [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)] + [["itl", arrivals]],
+                       _kvtier("kv_producer", cfg))
             rows.setdefault("recompute", []).extend(r["ttft_s"] for r in pre[:n])
-            rows.setdefault("vllm-device-cache", []).extend(r["ttft_s"] for r in pre[n:])
+            rows.setdefault("vllm-device-cache", []).extend(r["ttft_s"] for r in pre[n:2 * n])
+            if not itl:
+                itl.append({"arrivals": "recompute", **pre[-1]})
             # decode: from the backend (empty memory), then from kvtier's host tier after a prefix-cache reset
             dec = _run(tmp, f"decode-{be['name']}", model, prompts,
-                       [["ttft", i] for i in range(n)] + [["reset"]] + [["ttft", i] for i in range(n)],
-                       _kvtier("kv_consumer", cfg))
+                       [["ttft", i] for i in range(n)] + [["reset"]] + [["ttft", i] for i in range(n)]
+                       + [["itl", arrivals]], _kvtier("kv_consumer", cfg))
             rows.setdefault(f"kvtier:{be['name']}", []).extend(r["ttft_s"] for r in dec[:n])
-            rows.setdefault("kvtier:host", []).extend(r["ttft_s"] for r in dec[n:])
-            if any(r["cached"] < args.tokens // 32 * 32 for r in dec):
-                print(f"WARNING {be['name']}: some loads were partial: {[r['cached'] for r in dec]}")
+            rows.setdefault("kvtier:host", []).extend(r["ttft_s"] for r in dec[n:2 * n])
+            itl.append({"arrivals": f"kvtier:{be['name']}", **dec[-1]})
+            if any(r["cached"] < args.tokens // 32 * 32 for r in dec[:2 * n]):
+                print(f"WARNING {be['name']}: some loads were partial: {[r['cached'] for r in dec[:2 * n]]}")
         if not args.no_example:
             ex = {"kv_connector": "ExampleConnector",
                   "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
@@ -130,5 +141,11 @@ def run(args) -> int:
     print(f"TTFT of a {args.tokens}-token prompt, {args.layers} layers x 8 kv heads x 128 head dim (bf16, "
           f"{args.tokens * args.layers * 2 * 8 * 128 * 2 / 2**20:.0f} MiB of KV), medians")
     print_table(table, ["source", "ttft_ms", "x_floor", "runs"])
-    write_json(args.json, {"rows": table})
+    print("\ndecode inter-token latency (ms) of a running request, alone vs while 2 prompts arrive")
+    itl_rows = [{"arrivals": r["arrivals"], **{k.removesuffix("_s") + "_ms": r[k] * 1e3 for k in r
+                                                  if k.endswith("_s")}, "tokens_during": r["decode_tokens_during"]}
+                for r in itl]
+    print_table(itl_rows, ["arrivals", "itl_base_p50_ms", "itl_base_p99_ms", "itl_during_p50_ms",
+                           "itl_during_p99_ms", "itl_during_max_ms", "arrivals_served_ms", "tokens_during"])
+    write_json(args.json, {"rows": table, "itl": itl_rows})
     return 0

@@ -33,11 +33,15 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--hash-algo", default="sha256_cbor")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pause-after", type=int, default=-1)
     ap.add_argument("--ready")
     ap.add_argument("--go")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if a.tp > 1:  # one NUMA node here: vLLM CPU cannot auto-bind several ranks, so one core per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                     for i in range(a.tp)))
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -51,7 +55,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=a.model, skip_tokenizer_init=True, enforce_eager=True, block_size=a.block_size,
               dtype="bfloat16", max_model_len=2048, enable_prefix_caching=True,
-              prefix_caching_hash_algo=a.hash_algo, seed=0, **kw)
+              prefix_caching_hash_algo=a.hash_algo, seed=0, tensor_parallel_size=a.tp, **kw)
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=2, detokenize=False)
     with open(a.prompts) as f:
