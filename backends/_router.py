@@ -42,6 +42,7 @@ class Router:
         self._last_failed: Addr | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.partial_failures = 0
+        self.on_lost: Callable[[int], None] | None = None  # told how many keys a partial failure lost
 
     # ------------------------------------------------------------------ connections
 
@@ -186,7 +187,10 @@ class Router:
             if len(lost) == len(rkeys):
                 raise errors[0]
             self.partial_failures += 1
-            log.warning("redis backend %r: %d node(s) failed in a batch (%s); their %d keys are misses",
+            if self.on_lost is not None:
+                self.on_lost(len(lost))
+            # The stack turns these into its 'unavailable' metric and a rate-limited warning.
+            log.debug("redis backend %r: %d node(s) failed in a batch (%s); their %d keys are misses",
                         self._name, len(errors), errors[0], len(lost))
         return [failed if i in lost else results[i] for i in range(len(rkeys))]
 

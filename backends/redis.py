@@ -117,6 +117,7 @@ class RedisBackend(StorageBackend):
         self._set_argc = 3 if ms is None else 5
         self._router = Router(self._connect, [seed] + [_parse_addr(a) for a in o.startup_nodes],
                               o.cluster, o.max_connections, o.timeout_s, self.name)
+        self._router.on_lost = self.note_unavailable  # a node down: its keys are outage, not misses
 
     def __repr__(self) -> str:
         return f"RedisBackend(name={self.name!r}, url={self.options.url!r}, cluster={self._router.cluster})"

@@ -16,6 +16,7 @@ from .backend import BackendError, StorageBackend
 from .metrics import StackMetrics
 
 log = logging.getLogger("kvtier.stack")
+WARN_EVERY_S = 10.0
 
 
 class BackendSet:
@@ -29,9 +30,33 @@ class BackendSet:
         self.metrics = metrics
         self.layout_id = layout_id
         self.block_nbytes = block_nbytes
+        self._seen_unavailable = [0] * len(self.backends)
+        self._unwarned = [0] * len(self.backends)
+        self._warned_at = [-WARN_EVERY_S] * len(self.backends)
 
     def __len__(self) -> int:
         return len(self.backends)
+
+    def _outage(self, i: int) -> None:
+        """Surface keys backend ``i`` left unanswered for unavailability since we last looked (a whole
+        outage or, in a Redis Cluster, one node down): the ``unavailable`` metric, and a warning at most
+        every ``WARN_EVERY_S`` per backend, so an outage never passes for ordinary misses."""
+        try:
+            now_count = int(self.backends[i].unavailable_count())
+        except Exception:  # noqa: BLE001 - a third-party backend predating the method
+            return
+        delta = now_count - self._seen_unavailable[i]
+        if delta <= 0:
+            return
+        self._seen_unavailable[i] = now_count
+        self.metrics.add(self.names[i], unavailable=delta)
+        self._unwarned[i] += delta
+        now = time.monotonic()
+        if now - self._warned_at[i] >= WARN_EVERY_S:
+            log.warning("backend %r: %d key(s) unanswered because it (or part of it) is unavailable "
+                        "(metric 'unavailable'); they are served as misses and recomputed",
+                        self.names[i], self._unwarned[i])
+            self._warned_at[i], self._unwarned[i] = now, 0
 
     def _fault(self, i: int, what: str, e: BaseException) -> None:
         name = self.names[i]
@@ -50,7 +75,9 @@ class BackendSet:
             n = int(self.backends[i].contains_prefix(keys))
         except Exception as e:  # noqa: BLE001 - a backend fault is a miss
             self._fault(i, "contains_prefix", e)
+            self._outage(i)
             return 0
+        self._outage(i)
         self.metrics.observe(self.names[i], "lookup", time.perf_counter() - t0)
         return max(0, min(n, len(keys)))
 
@@ -79,7 +106,9 @@ class BackendSet:
         except Exception as e:  # noqa: BLE001 - a backend fault is a skipped store
             self._fault(i, "put", e)
             self.metrics.add(name, stores_skipped=len(keys))
+            self._outage(i)
             return [False] * len(keys)
+        self._outage(i)
         self.metrics.observe(name, "write", time.perf_counter() - t0)
         n_ok = sum(ok)
         self.metrics.add(name, bytes_in=n_ok * self.block_nbytes, stores_skipped=len(ok) - n_ok)
@@ -99,7 +128,9 @@ class BackendSet:
         except Exception as e:  # noqa: BLE001 - a backend fault is a miss
             self._fault(i, "get_into", e)
             self.metrics.add(name, misses=len(keys))
+            self._outage(i)
             return [False] * len(keys)
+        self._outage(i)
         self.metrics.observe(name, "read", time.perf_counter() - t0)
         n_ok = sum(ok)
         self.metrics.hit(name, n_ok, n_ok * self.block_nbytes)

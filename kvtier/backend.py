@@ -102,6 +102,7 @@ class BackendStats:
     deletes: int = 0
     disk_full: int = 0  # errors: no space / quota (BackendDiskFull, or a key of a batch that failed so)
     permission_denied: int = 0  # errors: access refused (BackendPermissionDenied, or such a key)
+    unavailable: int = 0  # keys not answered: the backend (or the node holding them) was down or timed out
     put_seconds: float = 0.0
     get_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -458,7 +459,23 @@ class StorageBackend(ABC):
         except Exception as e:  # noqa: BLE001 - every fault is typed for the stack
             key = args[0][0] if args and isinstance(args[0], Sequence) and args[0] and \
                 isinstance(args[0][0], str) else (args[0] if args and isinstance(args[0], str) else None)
-            raise self._wrap(e, key) from e
+            err = self._wrap(e, key)
+            if isinstance(err, BackendUnavailable | BackendTimeout):
+                n = len(args[0]) if args and isinstance(args[0], Sequence) and not isinstance(args[0], str) else 1
+                self.note_unavailable(n)
+            raise err from e
+
+    def note_unavailable(self, n: int) -> None:
+        """Count ``n`` keys left unanswered because the backend or part of it was unavailable (a hook
+        that answers the rest of a batch, e.g. a Redis Cluster with a node down, calls this for its lost
+        keys), so the stack can tell an outage from ordinary misses."""
+        with self._lock:
+            self._stats.unavailable += n
+
+    def unavailable_count(self) -> int:
+        """Keys left unanswered so far for unavailability (cheap: no I/O, unlike ``stats()``)."""
+        with self._lock:
+            return self._stats.unavailable
 
     def _wrap(self, e: Exception, key: str | None) -> BackendError:
         """The typed error for a hook's exception ``e`` (counted when it is disk full / access denied)."""

@@ -54,6 +54,7 @@ class TierManager:
         self.config = config
         self.namespace: Namespace = config.namespace()
         self.block_size = self.namespace.block_size
+        self.digest_size = self.namespace.hasher().digest_size
         self._owned = backends is None
         if isinstance(backends, BackendSet):
             self.backends = backends
@@ -76,6 +77,26 @@ class TierManager:
         self._probe_threads = probe_threads
         self._pool: ThreadPoolExecutor | None = None  # started by the first asynchronous probe
         self._closed = False
+
+    # ------------------------------------------------------------------ input checks
+
+    def check_hashes(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """``hashes`` as a list, or ``TypeError`` / ``ValueError`` naming the first bad position: every
+        block hash is ``bytes`` of the configured algorithm's digest size (what ``hash_blocks`` returns).
+        Refused here, so nothing is "stored" that could never be written or found."""
+        out = list(hashes)
+        size = self.digest_size
+        for i, h in enumerate(out):
+            if type(h) is not bytes:
+                if isinstance(h, bytearray | memoryview):
+                    h = out[i] = bytes(h)
+                else:
+                    raise TypeError(f"hashes[{i}]: expected bytes (a block hash from hash_blocks), got "
+                                    f"{type(h).__name__}")
+            if len(h) != size:
+                raise ValueError(f"hashes[{i}]: expected {size} bytes for keys.algo "
+                                 f"{self.namespace.hash_algo}, got {len(h)}")
+        return out
 
     # ------------------------------------------------------------------ lookup (never blocks)
 

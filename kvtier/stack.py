@@ -179,7 +179,7 @@ class TierStack:
         so blocks another process stored are found.  A failing backend counts as 0 hits.  With
         ``record`` the result is counted as one request in the metrics (matched tokens per tier); pass
         False when a scheduler asks again about the same request."""
-        hashes = list(hashes)
+        hashes = self.manager.check_hashes(hashes)
         n = len(hashes)
         tiers = self.manager.resolve(hashes)
         res = LookupResult(tuple(tiers), self.block_size, n)
@@ -191,7 +191,7 @@ class TierStack:
         """Start copying the blocks of the longest available prefix that are only in backends into host
         memory, if they are at least ``policies.prefetch.threshold_tokens`` tokens; ``lookup`` reuses a
         result just computed for the same hashes.  ``handle.wait()`` applies the prefetch policy."""
-        return self._up.prefetch(list(hashes), lookup)
+        return self._up.prefetch(self.manager.check_hashes(hashes), lookup)
 
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
         """The engine freed or reused these device blocks: forget what the index says they hold."""
@@ -220,14 +220,20 @@ class TierStack:
         length).  Sources, best first: host memory; the same device block already holding it (no copy);
         the backends, fetched into host memory first (promoted; a temporary buffer when host memory has
         no room).  ``handle.wait()`` -> :class:`LoadResult`: ``ok`` per block (a prefix), ``recompute``."""
-        return self._up.load(list(hashes), self._check_ids(block_ids, len(hashes)), layerwise)
+        hashes = self.manager.check_hashes(hashes)
+        ids = self._check_ids(block_ids, len(hashes))
+        if len(np.unique(ids)) != ids.size:
+            dup = sorted({int(b) for b in ids if (ids == b).sum() > 1})
+            raise ValueError(f"block ids: a load needs distinct destination blocks, got duplicates {dup}")
+        return self._up.load(hashes, ids, layerwise)
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> StoreHandle:
         """Copy device blocks ``block_ids`` holding ``hashes`` into host memory (allocating slots; when
         full, evicting unpinned blocks as the eviction policy says, or skipping and counting); then the
         write policy decides which go down to the backends, and when (asynchronously).  The engine may
         reuse the device blocks once ``handle.wait()`` has returned."""
-        return self._down.store(list(hashes), self._check_ids(block_ids, len(hashes)))
+        hashes = self.manager.check_hashes(hashes)
+        return self._down.store(hashes, self._check_ids(block_ids, len(hashes)))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every store in flight and every pending backend write has finished; False if

@@ -244,6 +244,9 @@ def test_redis_cluster_node_stopped_under_pd(redis_cluster, figures):
         got = hits(down)
         want = [expected_hits(s.prompt) for s in down]
         partial = pd.dec.stack.stats()["backends"]["redis"]["extra"]["partial_failures"]
+        # The outage is visible in the stack's own metrics, not only in the backend's extras.
+        dec_unavailable = pd.dec.stack.metrics.snapshot()["tiers"]["redis"]["unavailable"]
+        pre_unavailable = pd.pre.stack.metrics.snapshot()["tiers"]["redis"]["unavailable"]
 
         cl.heal()  # the node restarts (empty) and the cluster is ok again
         healed = _steps(pd, prompts, 2)
@@ -260,6 +263,9 @@ def test_redis_cluster_node_stopped_under_pd(redis_cluster, figures):
         assert got == want, (got, want)
         assert 0 < sum(got) < sum(reusable(s.prompt) for s in down), "the dead node must cost some hits, not all"
         assert pre_d["stores_skipped"] > 0 and partial > 0, (pre_d, partial)
+        assert dec_unavailable > 0 and pre_unavailable > 0, (dec_unavailable, pre_unavailable)
+        figures("redis cluster, 1 of 3 nodes stopped: keys counted unavailable (decode / prefill)",
+                f"{dec_unavailable}/{pre_unavailable}")
         assert hits(healed) == [reusable(s.prompt) for s in healed]
     finally:
         pd.close()
