@@ -153,6 +153,20 @@ def test_every_host_layout_reads_every_other(tmp_path, v1):
             e.close()
 
 
+@pytest.mark.parametrize("layout", h.LAYOUTS)
+def test_hybrid_cache_controller(tmp_path, layout):
+    """SGLang's HybridCacheController (what its unified radix cache runs; here over a HostPoolGroup holding
+    the KV pool) stores and loads through kvtier the same pages the plain controller does."""
+    cfg = write_yaml(tmp_path, disk(tmp_path / "blocks"))
+    toks = tokens(6, 21)
+    assert store(cfg, toks, 21, layout=layout, hybrid=True) == 6 * P
+    pf, got = load(cfg, toks, layout=layout, hybrid=False)
+    assert pf.loaded_tokens == 6 * P and same(got, pages_for(toks, 21))
+    assert store(cfg, tokens(6, 22), 22, layout=layout) == 6 * P
+    pf, got = load(cfg, tokens(6, 22), layout=layout, hybrid=True)
+    assert type(pf) is h.Prefetch and pf.loaded_tokens == 6 * P and same(got, pages_for(tokens(6, 22), 22))
+
+
 @pytest.mark.parametrize("layout", h.MLA_LAYOUTS)
 def test_mla_pages_are_shared_by_every_tp_rank(tmp_path, layout):
     """MLA KV is the same on every TP rank: rank 0 stores (SGLang writes MLA from one rank), rank 1 of the

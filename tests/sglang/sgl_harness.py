@@ -2,8 +2,9 @@
 
 What is real: SGLang 0.5.23's ``MHATokenToKVPool`` / ``MLATokenToKVPool`` (device pools, on ``cpu``), its
 page allocator, ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` (``device="cpu"``, ``pin_memory=False``)
-in any host layout, and ``HiCacheController`` with its storage threads, which load kvtier through SGLang's
-own backend factory (``--hicache-storage-backend dynamic``).  What this module plays is the part of
+in any host layout, and ``HiCacheController`` (or ``HybridCacheController`` over a ``HostPoolGroup``, what
+SGLang's unified radix cache runs) with its storage threads, which load kvtier through SGLang's own backend
+factory (``--hicache-storage-backend dynamic``).  What this module plays is the part of
 SGLang's scheduler around the controller (the radix cache): it asks for backups (``write_storage``),
 starts prefetches (``prefetch``), allocates host slots for a storage hit and queues the transfer
 (``prefetch_buffer``), and collects the acknowledgements, exactly through the controller's queues.
@@ -104,7 +105,11 @@ install_torchvision_workaround()
 import torch  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
@@ -154,9 +159,10 @@ _LOCK = threading.Lock()  # get_parallel() is process-wide: one controller is at
 def make_engine(kvtier_yaml: str | None, *, layout: str = "layer_first", model: str | None = "tiny-llama",
                 tp_rank: int = 0, tp_size: int = 1, v1: bool = True, mla: bool = False, page_size: int = 4,
                 layers: int = 3, heads: int = 2, head_dim: int = 8, dtype: torch.dtype = torch.bfloat16,
-                tokens: int = 1024, extra: dict | None = None) -> Engine:
+                tokens: int = 1024, extra: dict | None = None, hybrid: bool = False) -> Engine:
     """A device pool, its allocator, a host pool in ``layout`` and SGLang's HiCacheController with kvtier
-    attached through SGLang's backend factory, exactly as ``--hicache-storage-backend dynamic`` does."""
+    attached through SGLang's backend factory, exactly as ``--hicache-storage-backend dynamic`` does.
+    ``hybrid``: SGLang's ``HybridCacheController`` over a one-entry ``HostPoolGroup`` (the KV pool as anchor)."""
     if mla:
         dev = MLATokenToKVPool(tokens, page_size, dtype, head_dim - 4, 4, layers, "cpu", False,
                                start_layer=0, end_layer=layers)
@@ -176,8 +182,12 @@ def make_engine(kvtier_yaml: str | None, *, layout: str = "layer_first", model: 
     with _LOCK:
         get_parallel().override_permanently(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
                                             attn_dcp_size=1, attn_dcp_rank=0)
-        ctrl = HiCacheController(alloc, host, page_size, None, threading.Event(), io_backend="direct",
-                                 storage_backend="dynamic", model_name=model, storage_backend_extra_config=cfg)
+        kind, pool = HiCacheController, host
+        if hybrid:
+            kind, pool = HybridCacheController, HostPoolGroup([PoolEntry(PoolName.KV, host, dev, lambda i: i,
+                                                                        is_primary_index_anchor=True)])
+        ctrl = kind(alloc, pool, page_size, None, threading.Event(), io_backend="direct",
+                    storage_backend="dynamic", model_name=model, storage_backend_extra_config=cfg)
     return Engine(ctrl, host, layout, page_size, mla, shape, dtype)
 
 
@@ -274,7 +284,7 @@ def prefetch(e: Engine, tokens: list[int]) -> Prefetch:
     c = e.ctrl
     rid = f"req-{len(e.rids)}"
     e.rids.append(rid)
-    op = c.prefetch(rid, tokens)
+    op = c.prefetch(CacheRequestHandle(rid, 0) if isinstance(c, HybridCacheController) else rid, tokens)
     got = _wait(c.prefetch_hit_queue, "storage hit query")
     assert got is op
     hit = op.storage_hit_count

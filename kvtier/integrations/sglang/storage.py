@@ -101,8 +101,8 @@ class KvtierStorage(HiCacheStorage):
     def _get_flat(self, keys: list[str], targets: list[Any]) -> list[torch.Tensor | None]:
         store = self._store()
         out: list[torch.Tensor | None] = [None] * len(keys)
-        for a, b in store._chunks(len(keys)):
-            rows = store._staging(b - a)
+        for a, b in store.chunks(len(keys)):
+            rows = store.staging(b - a)
             for j, ok in enumerate(store.get_rows(keys[a:b], rows)):
                 if not ok:
                     continue
@@ -127,8 +127,8 @@ class KvtierStorage(HiCacheStorage):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         store = self._store()
         ok = True
-        for a, b in store._chunks(len(keys)):
-            rows = store._staging(b - a)
+        for a, b in store.chunks(len(keys)):
+            rows = store.staging(b - a)
             for j in range(b - a):
                 store.codec.flat_to_row(values[a + j], rows[j])
             ok = all(store.put_rows(keys[a:b], rows)) and ok

@@ -107,7 +107,7 @@ class PageStore:
 
     # ------------------------------------------------------------------ bytes
 
-    def _staging(self, pages: int) -> torch.Tensor:
+    def staging(self, pages: int) -> torch.Tensor:
         """A per-thread ``[pages, page_nbytes]`` uint8 buffer (reused; grown on demand)."""
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.shape[0] < pages:
@@ -115,15 +115,16 @@ class PageStore:
             self._local.buf = buf
         return buf[:pages]
 
-    def _chunks(self, n: int) -> list[tuple[int, int]]:
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """``[a, b)`` ranges of ``n`` pages, each staged at once (at most ``STAGING_BYTES``)."""
         step = max(1, STAGING_BYTES // max(1, self.codec.page_nbytes))
         return [(a, min(n, a + step)) for a in range(0, n, step)]
 
     def put_pages(self, hexes: Sequence[str], page_ids: torch.Tensor) -> list[bool]:
         """Store host pages ``page_ids`` under ``hexes``; per page, whether a backend took it."""
         out: list[bool] = []
-        for a, b in self._chunks(len(hexes)):
-            rows = self._staging(b - a)
+        for a, b in self.chunks(len(hexes)):
+            rows = self.staging(b - a)
             self.codec.gather(page_ids[a:b], rows)
             out += self.put_rows(hexes[a:b], rows)
         return out
@@ -146,8 +147,8 @@ class PageStore:
         """Load pages ``hexes`` into host pages ``page_ids``; per page, whether it arrived verified.  Only
         verified pages are written into the host pool."""
         out: list[bool] = []
-        for a, b in self._chunks(len(hexes)):
-            rows = self._staging(b - a)
+        for a, b in self.chunks(len(hexes)):
+            rows = self.staging(b - a)
             ok = self.get_rows(hexes[a:b], rows)
             good = [j for j, g in enumerate(ok) if g]
             if good:
