@@ -5,7 +5,10 @@ Invariants:
   (loads, prefetches, stores, write-back) and no copy down in flight (``_writing``, host slot pinned);
 * with a write policy that wants it (write-back), an evicted block is first copied to the writable
   backends and its slot is freed only if a backend took it and nobody pinned it meanwhile; otherwise it
-  stays, and whatever needed the slot is skipped and counted.  Never a wait without a bound;
+  stays, and whatever needed the slot is skipped and counted.  At most ``max_unwritten`` blocks wait
+  in host memory on a write-back that failed (gauge ``host_unwritten_blocks``); beyond that the next
+  such victim is evicted unwritten (counter ``dropped``), so a backend that refuses every write cannot
+  fill host memory for good.  Never a wait without a bound;
 * a block is in at most one write-down at a time (``_writing``) and in at most one store (``_storing``);
 * backend I/O and copies run outside the stack's lock.
 """
@@ -56,7 +59,13 @@ class HostRoom:
                 if need == 0 or e is None or e.host is None or e.refs or key in s._writing:
                     continue  # only unpinned host blocks with no copy down in flight are evictable
                 targets = [i for i in s._backends.writable if i not in e.backends]
-                if targets and s.write_policy.on_evict(key):
+                if targets and key in s._unwritten and len(s._unwritten) > s.max_unwritten:
+                    # Its write-back already failed and too many blocks wait on failing writes: evict it
+                    # unwritten (a future miss) rather than let a refusing backend hold host memory.
+                    s._drop_host_locked(key)
+                    s.metrics.add("host", dropped=1)
+                    dropped += 1
+                elif targets and s.write_policy.on_evict(key):
                     if not s.host.pin([e.host], [key])[0]:
                         continue
                     s._pin_locked(key)
@@ -84,6 +93,10 @@ class HostRoom:
                 s._writing.discard(key)
                 s.index.unpin(key)
                 e = s.index.get(key)
+                if written.get(key):
+                    s._unwritten.pop(key, None)
+                elif e is not None and e.host == slot:
+                    s._unwritten[key] = None  # still dirty in host memory: counts against the bound
                 if written.get(key) and e is not None and e.refs == 0 and e.host == slot:
                     s._drop_host_locked(key)
                     freed += 1

@@ -12,6 +12,7 @@ Per tier (``device``, ``host``, and each backend by its instance name):
 ``failures``        operations that failed (a backend error, a failed transfer or device copy)
 ``evictions``       blocks evicted from this tier by the stack (host memory)
 ``unavailable``     keys a backend left unanswered because it, or the node holding them, was down
+``dropped``         host blocks evicted unwritten because their write-back kept failing (bounded)
 ==================  ==========================================================================
 
 plus a latency per operation (``read``, ``write``, ``lookup``): count, sum, a fixed histogram (for
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 COUNTERS = ("hits", "misses", "hit_tokens", "bytes_in", "bytes_out", "stores_skipped", "failures", "evictions",
-            "unavailable")
+            "unavailable", "dropped")
 OPS = ("read", "write", "lookup")
 # Seconds: from a host copy of a few blocks (~10 us) to a slow object store (~10 s).
 BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -257,6 +258,7 @@ class _Collector:
             "failures": "Failed operations on the tier (backend errors, failed transfers)",
             "evictions": "Blocks evicted from the tier by the stack",
             "unavailable": "Keys a backend left unanswered because it (or a node of it) was unavailable",
+            "dropped": "Blocks evicted from host memory unwritten: their write-back kept failing",
         }
         for c in COUNTERS:
             fam = CounterMetricFamily(f"kvtier_tier_{c}", helps[c], labels=["tier", "kind"])

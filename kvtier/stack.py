@@ -127,6 +127,9 @@ class TierStack:
         self._pending = PendingOps()
         self._storing: set[bytes] = set()  # device -> host copy (or direct backend write) in flight
         self._writing: set[bytes] = set()  # host -> backend write-down in flight
+        # Host blocks whose write-back failed (insertion order = oldest first), bounded: see _stack_down.
+        self._unwritten: dict[bytes, None] = {}
+        self.max_unwritten = max(1, (self.host.num_slots if self.host else 0) // 4)
         self._io = ThreadPoolExecutor(threads, "kvtier-write")  # backend writes (write-down, write-back)
         self._reads = ThreadPoolExecutor(threads, "kvtier-read")  # backend reads (load, prefetch)
         self._closed = False
@@ -269,7 +272,8 @@ class TierStack:
                                "pinned_blocks": self.index.pinned}
         if self.host:
             s = self.host.stats()
-            g.update(host_slots=s.num_slots, host_slots_used=s.num_slots - s.free)
+            g.update(host_slots=s.num_slots, host_slots_used=s.num_slots - s.free,
+                     host_unwritten_blocks=len(self._unwritten))
         return g
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -375,6 +379,7 @@ class TierStack:
     def _drop_host_locked(self, key: bytes) -> None:
         """Evict ``key`` from host memory (unpinned): its slot becomes free."""
         slot = self.index.clear_host(key)
+        self._unwritten.pop(key, None)
         if slot is not None:
             self.host.free([slot])
             self.eviction_policy.on_remove(Tier.HOST, [key])

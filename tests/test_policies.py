@@ -291,3 +291,24 @@ def test_stack_evicts_in_lru_order(tmp_path):
         assert where(st, a + b + c + d) == ["HD", "D", "HD", "HD"]
     finally:
         st.close()
+
+
+def test_write_back_to_a_backend_refusing_everything_is_bounded(tmp_path):
+    """A backend that refuses every write may hold at most ``max_unwritten`` host blocks hostage; past
+    that, victims are evicted unwritten (counted ``dropped``) and new blocks keep landing in host memory."""
+    st, fb = make_stack(tmp_path, write="write_back", host_slots=8)
+    try:
+        fb.fail("put")  # the disk refuses everything, from the start
+        bound = st.max_unwritten
+        assert bound == 2
+        statuses = []
+        for i in range(24):
+            fill(st, [i % 8], seed=i)
+            statuses += st.store(chain(st, 1, start=1000 * i), [i % 8]).wait(TIMEOUT).status
+        host = st.metrics.snapshot()["tiers"]["host"]
+        # Without the bound, the 8 slots fill with unwritable blocks and every store after them is skipped.
+        assert statuses[-8:].count("stored") >= 4, statuses
+        assert host["dropped"] > 0
+        assert st.metrics.snapshot()["gauges"]["host_unwritten_blocks"] <= bound + 1
+    finally:
+        st.close()
