@@ -140,7 +140,7 @@ class StorageBackend(ABC):
 
     def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
         if options is None or isinstance(options, dict):
-            options = strict_options(self.Options).model_validate(options or {})
+            options = strict_options(self.Options).model_validate(options or {})  # type: ignore[attr-defined]
         self.options = options
         self.name = name or type(self).__name__
         self._stats = BackendStats()
@@ -484,17 +484,17 @@ class StorageBackend(ABC):
         if isinstance(e, TimeoutError):  # socket.timeout is TimeoutError
             return BackendTimeout(self.name, key, f"timed out: {what}")
         kind = self._count_fault(e)
-        if kind is not None:
+        if kind is not None and isinstance(e, OSError):
             where = getattr(e, "filename", None) or self._location() or "the backend's storage"
             if kind == "disk_full":
-                return BackendDiskFull(self.name, key, f"{_DISK_FULL[e.errno]} at {where}: free space there, "
+                return BackendDiskFull(self.name, key, f"{_DISK_FULL[e.errno or 0]} at {where}: free space there, "
                                        "or lower this backend's capacity below what the filesystem holds "
                                        f"({what})")
             uid = f" (uid {os.getuid()})" if hasattr(os, "getuid") else ""
             todo = ("remount it read-write, or mark this backend `write: false`" if e.errno == errno.EROFS
                     else f"grant this process{uid} read and write access there, or point the backend at "
                          "storage it may use")
-            return BackendPermissionDenied(self.name, key, f"{_DENIED[e.errno]} on {where}: {todo} ({what})")
+            return BackendPermissionDenied(self.name, key, f"{_DENIED[e.errno or 0]} on {where}: {todo} ({what})")
         if isinstance(e, OSError):  # ConnectionError, ssl errors, a vanished disk (EIO, ENOENT, ...)
             return BackendUnavailable(self.name, key, f"unavailable: {what}")
         return BackendError(self.name, key, what)
@@ -505,7 +505,7 @@ class StorageBackend(ABC):
         # Only an OS errno says disk full / denied: ssl and resolver errors reuse the field for their own
         # codes (an SSL verify failure has errno 1, which is EPERM's number).
         os_error = isinstance(e, OSError) and not isinstance(e, (ssl.SSLError, socket.gaierror, socket.herror))
-        code = e.errno if os_error else None
+        code = e.errno if isinstance(e, OSError) and os_error else None
         kind = "disk_full" if code in _DISK_FULL else "permission_denied" if code in _DENIED else None
         if kind is not None:
             with self._lock:

@@ -105,6 +105,12 @@ class PrefixMatch:
         return [(int(self.tiers[a]), a, b) for a, b in zip(starts, stops)]
 
 
+def _add(seen: set[bytes], k: bytes) -> bool:
+    """``seen.add(k)`` as an expression (False), for a generator that finds the first repeat."""
+    seen.add(k)
+    return False
+
+
 def _hex(key: bytes) -> str:
     return key.hex() if isinstance(key, (bytes, bytearray)) else repr(key)
 
@@ -288,7 +294,7 @@ class BlockIndex:
                 raise TypeError(f"block key must be non-empty bytes, got {type(k).__name__}")
         if len(set(keys)) != n or not self._slots.keys().isdisjoint(keys):
             seen: set[bytes] = set()
-            dup = next(k for k in keys if k in self._slots or k in seen or seen.add(k))
+            dup = next(k for k in keys if k in self._slots or k in seen or _add(seen, k))
             raise ValueError(f"block {dup.hex()}: " + ("already in the index" if dup in self else "repeated"))
         a, b = self._top, self._top + n
         if b > self._cap:
@@ -403,7 +409,7 @@ class BlockIndex:
         owner = rev[ident] if ident < len(rev) else -1
         if owner >= 0 and owner != s:
             raise ValueError(f"block {key.hex()}: {what} {ident} already holds block "
-                             f"{_hex(self._keys[owner])}")
+                             f"{_hex(self._keys[owner] or b'')}")
 
     def _attach(self, t: int, s: int, ident: int) -> None:
         ident = int(ident)
@@ -500,9 +506,10 @@ class BlockIndex:
         The list is a copy, so the caller may evict while going through it.
         """
         if tier in (0, 1):
-            out, s, nxt, keys = [], self._head[tier], self._next[tier], self._keys
+            out: list[bytes] = []
+            s, nxt, keys = self._head[tier], self._next[tier], self._keys
             while s >= 0 and len(out) < n:
-                out.append(keys[s])
+                out.append(keys[s] or b"")  # a linked slot always holds a key
                 s = nxt[s]
             return out
         b = _tier_backend(tier)
@@ -527,9 +534,9 @@ class BlockIndex:
         while pos < total:
             part = list(map(get, keys[pos:pos + chunk]))
             if None in part:
-                slots += part[:part.index(None)]
+                slots += [x for x in part[:part.index(None)] if x is not None]
                 break
-            slots += part
+            slots += [x for x in part if x is not None]
             pos += chunk
             chunk *= 4
         idx = np.frombuffer(array.array("q", slots), dtype=np.int64)
@@ -557,7 +564,8 @@ class BlockIndex:
               for i in range(MAX_BACKENDS)),
         ]
         for t in (0, 1):
-            order, s, p = [], self._head[t], -1
+            order: list[int] = []
+            s, p = self._head[t], -1
             while s >= 0 and len(order) <= self._cap and self._prev[t][s] == p:
                 order.append(s)
                 p, s = s, self._next[t][s]

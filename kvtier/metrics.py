@@ -117,7 +117,7 @@ class StackMetrics:
         self._requests: deque[RequestSummary] = deque(maxlen=recent)
         self._req_totals = {"requests": 0, "num_tokens": 0, "device_tokens": 0, "host_tokens": 0,
                             "storage_tokens": 0}
-        self._registry = None
+        self._registry: Any = None  # a prometheus_client CollectorRegistry, made on first use
         self._server: Any = None
 
     @property
