@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 
 import torch
 
@@ -61,12 +62,14 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._lost: set[bytes] = set()
         self._refused: set[str] = set()  # loads that never started: finished at once, all blocks failed
+        self._started: dict[str, float] = {}
         self.stats = {"loads": 0, "loaded_blocks": 0, "failed_blocks": 0, "stored_blocks": 0,
                       "store_errors": 0}
 
     def start(self, plan: StepPlan) -> None:
         for lp in plan.loads:
             try:
+                self._started[lp.req_id] = time.perf_counter()
                 self._loads[lp.req_id] = (lp, self.stack.load(list(lp.hashes), list(lp.block_ids)))
             except Exception as e:  # noqa: BLE001 - a kvtier fault is a recompute, never a crash
                 log.error("kvtier: load for request %s refused: %s", lp.req_id, e)
@@ -94,6 +97,9 @@ class WorkerSide:
             done.add(req_id)
             res = handle.wait(0)
             self.stats["loaded_blocks"] += res.num_loaded
+            took = time.perf_counter() - self._started.pop(req_id, time.perf_counter())
+            log.debug("kvtier: request %s: %d blocks loaded (%s) in %.3f s", req_id, res.num_loaded,
+                      ",".join(sorted({t for t in res.tiers if t})), took)
             if res.recompute:
                 self.stats["failed_blocks"] += len(res.recompute)
                 self._errors.update(res.recompute)
