@@ -35,9 +35,13 @@ VLLM_FACTS = {"id": "meta-llama/Llama-3.1-8B-Instruct", "kv_dtype": "bfloat16", 
               "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
 
 
+ENGINES = {"vllm-": "vLLM", "sglang-": "SGLang"}  # examples whose model section the engine fills
+
+
 def load_example(path):
-    if path.name.startswith("vllm-"):
-        return load_engine_config(path, VLLM_FACTS, engine="vLLM", env={})
+    engine = next((e for prefix, e in ENGINES.items() if path.name.startswith(prefix)), None)
+    if engine is not None:
+        return load_engine_config(path, VLLM_FACTS, engine=engine, env={})
     return load_config(path, env={})
 
 
