@@ -19,8 +19,8 @@ layout                  MHA ``kv_buffer``           MLA ``kv_buffer``
 ======================  ==========================  ==========================
 
 Each becomes a strided view ``[n, l, c, t, h, d]`` of the buffer (no copy), so a batch of pages moves
-with one ``index_select`` (host -> payload rows) or one ``index_copy_`` (rows -> host), whatever the
-layout.  SGLang's flat pages (``get_data_page(flat=True)``, the non-``interface_v1`` API) are one page
+with one ``index_select`` (host -> payload rows) or one strided copy per page (rows -> host), whatever
+the layout (measured here, 8 MiB pages of a 32-layer model: 14-34 GB/s out, 22-32 GB/s in).  SGLang's flat pages (``get_data_page(flat=True)``, the non-``interface_v1`` API) are one page
 of the same buffer, ``n`` dropped, flattened: the same names give their order.  Elements move as
 same-width integers (a reinterpretation of the bytes, never a conversion), so every dtype, fp8 included,
 round-trips bit-exactly.
@@ -191,8 +191,11 @@ class PageCodec:
         torch.index_select(self.pages, 0, page_ids, out=self.rows_view(out))
 
     def scatter(self, rows: torch.Tensor, page_ids: torch.Tensor) -> None:
-        """Rows of ``rows`` (``[n, page_nbytes]`` uint8) into pages ``page_ids`` of the pool."""
-        self.pages.index_copy_(0, page_ids, self.rows_view(rows))
+        """Rows of ``rows`` (``[n, page_nbytes]`` uint8) into pages ``page_ids`` of the pool.  One strided
+        copy per page (2-4x faster than ``index_copy_`` into a permuted view on CPU)."""
+        src = self.rows_view(rows)
+        for j, p in enumerate(page_ids.tolist()):
+            self.pages[p].copy_(src[j])
 
     # ------------------------------------------------------------------ SGLang's flat pages (no interface_v1)
 
