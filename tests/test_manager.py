@@ -1,0 +1,100 @@
+"""The manager (scheduler half): torch-free by import, a lookup that never waits on a backend (hit / miss /
+pending), worker reports folded into the one index, plan objects that check their invariants and pickle."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.config import parse_config
+from kvtier.manager import TierManager
+from kvtier.plans import LoadPlan, Lookup, LookupState, StepPlan, StorePlan, WorkerReport
+from kvtier.testing.faults import FaultyBackend
+
+MODEL = {"id": "m", "kv_dtype": "float32", "num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "block_size": 4}
+
+
+def test_manager_imports_no_torch():
+    code = ("import sys, kvtier.manager, kvtier.plans, kvtier.backends.local_disk, kvtier.backends.redis, "
+            "kvtier.backends.s3; bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _manager(tmp_path, fb=None) -> tuple[TierManager, FaultyBackend]:
+    cfg = parse_config({"model": MODEL, "backends": [{"name": "disk", "type": "local_disk",
+                                                      "options": {"path": str(tmp_path / "d")}}]}, env={})
+    fb = fb or FaultyBackend(LocalDiskBackend({"path": str(tmp_path / "d")}, name="disk"))
+    return TierManager(cfg, backends=[fb]), fb
+
+
+def _eventually(fn, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got.state is not LookupState.PENDING or time.monotonic() > deadline:
+            return got
+        time.sleep(0.005)
+
+
+def test_lookup_is_pending_while_backends_are_asked_then_answers(tmp_path):
+    m, fb = _manager(tmp_path)
+    try:
+        h = m.namespace.hasher().hash_blocks(list(range(16)))  # 4 blocks
+        fb.put(m.namespace.keys(h[:3]), [bytes(16)] * 3, m.namespace.layout_id)
+        gate = fb.gate("contains", times=1)  # the backend answers only when we say so
+        t0 = time.monotonic()
+        first = m.lookup(h)
+        assert first == Lookup(LookupState.PENDING) and time.monotonic() - t0 < 0.5  # no wait here
+        assert m.lookup(h) == Lookup(LookupState.PENDING)  # asked again: the same probe, still running
+        gate.release()
+        got = _eventually(lambda: m.lookup(h))
+        assert got == Lookup(LookupState.HIT, 3, ("disk",) * 3)
+        # What the probe found is remembered: asked again, no backend call is needed for those blocks.
+        assert m.lookup(h[:3]) == Lookup(LookupState.HIT, 3, ("disk",) * 3)
+    finally:
+        m.close()
+
+
+def test_backend_fault_is_a_miss_and_worker_reports_are_the_truth(tmp_path):
+    m, fb = _manager(tmp_path)
+    try:
+        h = m.namespace.hasher().hash_blocks(list(range(16)))
+        fb.fail("contains")
+        assert _eventually(lambda: m.lookup(h)) == Lookup(LookupState.MISS)
+        fb.clear()
+        m.forget_probes()
+        m.apply(WorkerReport(in_host={h[0]: 5, h[1]: 6}))
+        assert m.index.lookup_prefix(h).in_memory == 2
+        got = _eventually(lambda: m.lookup(h))
+        assert got == Lookup(LookupState.HIT, 2, ("host", "host"))  # the backend has none of the rest
+        m.apply(WorkerReport(left_host={h[1]}))
+        assert m.index.lookup_prefix(h).in_memory == 1
+        m.apply(WorkerReport(lost={h[0]}))
+        assert h[0] not in m.index
+    finally:
+        m.close()
+
+
+def test_plans_check_invariants_and_pickle():
+    h = [bytes([i]) * 32 for i in range(3)]
+    with pytest.raises(ValueError, match="3 hashes but 2 block ids"):
+        LoadPlan("r", tuple(h), (1, 2))
+    with pytest.raises(ValueError, match=r"duplicate destination block ids \[4, 4, 7\]"):
+        LoadPlan("r", tuple(h), (4, 7, 4))
+    with pytest.raises(ValueError, match=r"negative block ids \[-1\]"):
+        StorePlan("r", tuple(h[:1]), (-1,))
+    with pytest.raises(ValueError, match="state hit with 0 blocks"):
+        Lookup(LookupState.HIT, 0)
+    step = StepPlan([LoadPlan("a", tuple(h), (1, 2, 3))], [StorePlan("b", tuple(h[:1]), (9,))])
+    assert pickle.loads(pickle.dumps(step)) == step
+    a = WorkerReport(in_host={h[0]: 1, h[1]: 2}, lost={h[2]})
+    b = WorkerReport(in_host={h[0]: 1})
+    merged = a.merge(b)  # TP ranks: in host only where every rank has it; lost anywhere is lost
+    assert merged.in_host == {h[0]: 1} and merged.left_host == {h[1]} and merged.lost == {h[2]}
