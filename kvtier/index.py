@@ -9,7 +9,7 @@ typed, 4-8 bytes a slot) indexed by slot; freed slots go on a free list and are 
 doubling.  At 1 M entries this costs ~200 B an entry (tracemalloc; ~225 B RSS) including the 32-byte key
 ``bytes`` themselves, where an object an entry with an OrderedDict per tier costs several times that.
 
-Tiers are plain int codes (:class:`Tier`): ``DEVICE`` = 0, ``HOST`` = 1, backend ``i`` = ``2 + i``.
+Tiers are codes of the int enum :class:`Tier`: ``DEVICE`` = 0, ``HOST`` = 1, backend ``i`` = ``2 + i``.
 
 Invariant of the LRU lists: DEVICE and HOST each keep an intrusive doubly-linked list (prev/next columns)
 that holds **exactly** the live entries present in that tier with ref count 0, least recently used at the
@@ -21,6 +21,7 @@ released block.  Touch, set_device and set_host also move it to the MRU end.
 from __future__ import annotations
 
 import array
+import enum
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,8 +33,10 @@ _ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
 _HITS_MAX = 2**32 - 1
 
 
-class Tier:
-    """Tier codes, plain ints so they pack into an ``int8`` array: lower is faster to serve from."""
+class Tier(enum.IntEnum):
+    """Where a block is: an int enum, so codes pack into an ``int8`` column; lower is faster to serve
+    from.  Backend ``i`` is the plain code ``Tier.backend(i)`` = ``2 + i`` (backends are configured, not
+    enumerable); ``Tier.label(code)`` names any code."""
 
     MISSING = -1
     DEVICE = 0
@@ -51,7 +54,8 @@ class Tier:
         return code - 2 if code >= 2 else None
 
     @staticmethod
-    def name(code: int) -> str:
+    def label(code: int) -> str:
+        """"missing", "device", "host" or "backend[i]"."""
         code = int(code)
         return {-1: "missing", 0: "device", 1: "host"}.get(code) or f"backend[{code - 2}]"
 
@@ -570,7 +574,7 @@ class BlockIndex:
                 order.append(s)
                 p, s = s, self._next[t][s]
             present = [x for x in live if self._loc[t][x] >= 0]
-            name = Tier.name(t)
+            name = Tier.label(t)
             checks += [
                 (s < 0 and p == self._tail[t] and len(order) == self._lru_len[t], f"{name} LRU links"),
                 (set(order) == {x for x in present if self._refs[x] == 0},

@@ -217,7 +217,7 @@ class TierManager:
 
     def _tier_name(self, code: int) -> str:
         i = Tier.backend_index(code)
-        return Tier.name(code) if i is None else self.backends.names[i]
+        return Tier.label(code) if i is None else self.backends.names[i]
 
     def _remember_backend(self, hashes: Sequence[bytes], who: int) -> None:
         new = [h for h in hashes if h not in self.index]

@@ -58,7 +58,7 @@ def test_prefix_interleaved_and_entry_present_nowhere():
     m = ix.lookup_prefix(ks)
     assert m.tiers.tolist() == [HOST, DEV, B(31), DEV]
     assert m.runs() == [(HOST, 0, 1), (DEV, 1, 2), (B(31), 2, 3), (DEV, 3, 4)]
-    assert Tier.name(B(31)) == "backend[31]" and Tier.name(DEV) == "device"
+    assert Tier.label(B(31)) == "backend[31]" and Tier.label(DEV) == "device"
 
 
 def test_prefix_empty_and_first_miss_and_long_chain():

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     m = ix.lookup_prefix(chain)
     assert m.length == chain_len, f"chain found {m.length} of {chain_len} blocks"
-    runs = ", ".join(f"{Tier.name(t)} {b - a}" for t, a, b in m.runs())
+    runs = ", ".join(f"{Tier.label(t)} {b - a}" for t, a, b in m.runs())
 
     lookup_s = median_time(lambda: ix.lookup_prefix(chain), repeats=args.repeats, warmup=2)
     get = ix._slots.get  # the ceiling: the same probes into the same dict, nothing else
