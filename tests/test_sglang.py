@@ -180,6 +180,27 @@ def test_mla_pages_are_shared_by_every_tp_rank(tmp_path, layout):
     assert load(cfg, toks, layout=layout)[0].hit_tokens == 0
 
 
+def test_fp8_cache_raw_bytes(tmp_path):
+    """SGLang holds an fp8 KV cache as raw bytes (uint8 pools) and does not tell a storage backend which fp8:
+    the YAML's model.kv_dtype names it (required), every byte pattern round-trips, and e4m3 / e5m2 caches
+    never share pages."""
+    e4 = write_yaml(tmp_path, disk(tmp_path / "blocks"), "e4.yaml", model={"kv_dtype": "float8_e4m3fn"})
+    e5 = write_yaml(tmp_path, disk(tmp_path / "blocks"), "e5.yaml", model={"kv_dtype": "float8_e5m2"})
+    toks = tokens(5, 23)
+    e = h.make_engine(e4, dtype=torch.float8_e4m3fn, layout="page_head")
+    try:
+        assert e.kvtier.store.namespace.kv_dtype == "float8_e4m3fn"
+        pages = h.random_pages(e, 5, 23)
+        assert h.backup(e, toks, pages)[0] == 5 * P
+    finally:
+        e.close()
+    pf, got = load(e4, toks, dtype=torch.float8_e4m3fn, layout="layer_first")
+    assert pf.loaded_tokens == 5 * P and same(got, pages)
+    assert load(e5, toks, dtype=torch.float8_e5m2)[0].hit_tokens == 0
+    with pytest.raises(ValueError, match="model.kv_dtype: SGLang holds this KV cache as raw bytes"):
+        h.make_engine(write_yaml(tmp_path, disk(tmp_path / "blocks")), dtype=torch.float8_e4m3fn)
+
+
 def test_batches_longer_than_sglang_storage_batch(tmp_path):
     """150 pages: SGLang splits every call at 128 pages; the chain is found and loaded across the cut."""
     cfg = write_yaml(tmp_path, disk(tmp_path / "blocks"))

@@ -188,7 +188,8 @@ def make_engine(kvtier_yaml: str | None, *, layout: str = "layer_first", model: 
                                                                         is_primary_index_anchor=True)])
         ctrl = kind(alloc, pool, page_size, None, threading.Event(), io_backend="direct",
                     storage_backend="dynamic", model_name=model, storage_backend_extra_config=cfg)
-    return Engine(ctrl, host, layout, page_size, mla, shape, dtype)
+    # An fp8 cache is raw bytes in SGLang's pools (uint8): pages are moved and compared as such.
+    return Engine(ctrl, host, layout, page_size, mla, shape, host.dtype)
 
 
 # ---------------------------------------------------------------------- the oracle: SGLang's host layouts

@@ -6,12 +6,17 @@ heads, head dim, page size, MHA / MLA, TP / PP rank and size, and the key algori
 
 MLA KV is the same on every TP rank (SGLang writes it from one rank and every rank reads it), so an MLA
 model's namespace is rank 0's on every rank.
+
+An fp8 KV cache is held by SGLang as raw bytes (``uint8`` host pools); which fp8 it is comes from SGLang's
+``--kv-cache-dtype`` (its server args), else from ``model.kv_dtype`` in the YAML, and is required.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import torch
 
 from ...config import ConfigError, KvtierConfig, load_engine_config
 from ...keys import SGLANG_SHA256
@@ -36,11 +41,25 @@ def refuse_unsupported(storage_config: Any) -> None:
                                   "not supported yet")
 
 
+_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def sglang_fp8_dtype() -> str | None:
+    """kvtier's name for SGLang's ``--kv-cache-dtype`` when it is an fp8 kind; None when SGLang has published
+    no server args (tests, tools) or the KV cache is not fp8."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return _FP8.get(str(get_server_args().kv_cache_dtype))
+    except Exception:  # noqa: BLE001 - no server args in this process
+        return None
+
+
 def model_facts(storage_config: Any, geo: PageGeometry) -> dict[str, Any]:
-    """The ``model`` section SGLang implies (``id`` only when SGLang names the model)."""
+    """The ``model`` section SGLang implies (``id`` only when SGLang names the model; ``kv_dtype`` not when the
+    host pool holds raw bytes and SGLang's server args do not say which fp8)."""
     mla = bool(storage_config.is_mla_model)
     facts: dict[str, Any] = {
-        "kv_dtype": dtype_name(geo.dtype),
         "num_layers": geo.num_layers,
         "num_kv_heads": geo.num_kv_heads,
         "head_dim": geo.head_dim,
@@ -51,6 +70,12 @@ def model_facts(storage_config: Any, geo: PageGeometry) -> dict[str, Any]:
         "pp_rank": int(storage_config.pp_rank),
         "pp_size": int(storage_config.pp_size),
     }
+    if geo.dtype == torch.uint8:
+        fp8 = sglang_fp8_dtype()
+        if fp8 is not None:
+            facts["kv_dtype"] = fp8
+    else:
+        facts["kv_dtype"] = dtype_name(geo.dtype)
     if storage_config.model_name:
         facts["id"] = str(storage_config.model_name)
     return facts
@@ -61,7 +86,12 @@ def kvtier_config(storage_config: Any, geo: PageGeometry) -> KvtierConfig:
     default's backends when absent), its ``model`` section filled from SGLang, keys ``sglang_sha256``."""
     extra = storage_config.extra_config or {}
     path = extra.get("kvtier_config")
-    cfg = load_engine_config(path, model_facts(storage_config, geo), engine="SGLang")
+    facts = model_facts(storage_config, geo)
+    cfg = load_engine_config(path, facts, engine="SGLang")
+    if "kv_dtype" not in facts and "kv_dtype" not in cfg.model.model_fields_set:
+        raise ConfigError(["model.kv_dtype: SGLang holds this KV cache as raw bytes (an fp8 cache) and does not "
+                           "say which fp8; set model.kv_dtype: float8_e4m3fn or float8_e5m2 (SGLang's "
+                           "--kv-cache-dtype fp8_e4m3 / fp8_e5m2)"], str(path or "<default>"))
     if "algo" in cfg.keys.model_fields_set and cfg.keys.algo != SGLANG_SHA256:
         raise ConfigError([f"keys.algo: the YAML says {cfg.keys.algo!r} but SGLang names its pages itself "
                            f"({SGLANG_SHA256}); remove the key, or set it to {SGLANG_SHA256} (also on a vLLM "
