@@ -424,6 +424,20 @@ def _omp_set_num_threads():
     return None
 
 
+def int_array(values: Any, what: str) -> np.ndarray:
+    """Block ids / slots (list, range, numpy array or tensor) as a 1-D int64 numpy array; anything else
+    (floats, bools, nested lists) is a ``ValueError`` naming ``what``.  The one normaliser of ids on the
+    host side (``as_index`` is its tensor twin)."""
+    if isinstance(values, torch.Tensor):
+        values = values.cpu().numpy()
+    arr = np.asarray(list(values) if isinstance(values, range) else values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{what}: expected a 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
+    return arr.astype(np.int64)
+
+
 def as_index(ids: Any, device: torch.device | str) -> torch.Tensor:
     """Block ids / slots (list, range, numpy array or tensor) as a 1-D int64 tensor on ``device``."""
     if isinstance(ids, torch.Tensor):

@@ -58,6 +58,7 @@ from ._stack_results import (
 from ._stack_up import Upward
 from .backend import StorageBackend
 from .config import KvtierConfig, load_config
+from .device import int_array
 from .host import HostTier
 from .index import BlockIndex, Tier
 from .keys import Namespace
@@ -199,7 +200,7 @@ class TierStack:
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
         """The engine freed or reused these device blocks: forget what the index says they hold."""
         with self._lock:
-            for b in _ints(block_ids):
+            for b in int_array(block_ids, "block ids"):
                 key = self.index.key_at_device(int(b))
                 if key is not None:
                     self.index.clear_device(key)
@@ -302,7 +303,7 @@ class TierStack:
     # ------------------------------------------------------------------ index bookkeeping (hold _lock)
 
     def _check_ids(self, block_ids: Sequence[int], n: int) -> np.ndarray:
-        ids = _ints(block_ids)
+        ids = int_array(block_ids, "block ids")
         if ids.size != n:
             raise ValueError(f"{n} hashes but {ids.size} block ids")
         bad = ~self.device.valid_block_ids(ids)
@@ -403,17 +404,6 @@ def _logged(fn: Any, *args: Any) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001 - a worker's fault is logged; its handles are finished by fn
         log.exception("kvtier worker task %s failed", getattr(fn, "__name__", fn))
-
-
-def _ints(values: Any) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
-        values = values.cpu().numpy()
-    arr = np.asarray(list(values) if isinstance(values, range) else values)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ValueError(f"block ids: expected a 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
-    return arr.astype(np.int64)
 
 
 __all__ = ["LoadHandle", "LoadResult", "LookupResult", "PrefetchHandle", "StoreHandle", "StoreResult",

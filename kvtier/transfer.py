@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .device import DeviceTier
+from .device import DeviceTier, int_array
 from .host import READY, WRITING, HostTier
 
 log = logging.getLogger("kvtier.transfer")
@@ -269,8 +269,8 @@ class TransferEngine:
                 keys: Sequence[Hashable] | None) -> TransferHandle:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")
-        ids = _ints(block_ids, "block_ids")
-        sl = _ints(slots, "slots")
+        ids = int_array(block_ids, "block_ids")
+        sl = int_array(slots, "slots")
         if ids.size != sl.size:
             raise ValueError(f"{direction}: {ids.size} block ids but {sl.size} slots")
         h = TransferHandle(direction, ids.tolist(), sl.tolist(), self.device.layout.num_layers,
@@ -435,17 +435,6 @@ class TransferEngine:
             s["bytes_loaded" if h.direction == "load" else "bytes_stored"] += nbytes
         h._finish(TransferResult(h.direction, h.block_ids, h.slots, tuple(bool(x) for x in ok),
                                  tuple(errors), time.perf_counter() - t0, nbytes))
-
-
-def _ints(values: Any, what: str) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
-        values = values.cpu().numpy()
-    arr = np.asarray(values if not isinstance(values, range) else list(values))
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ValueError(f"{what}: expected a 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
-    return arr.astype(np.int64)
 
 
 def _wait_event(event: Any, deadline: float | None, what: str) -> None:
