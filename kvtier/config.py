@@ -153,6 +153,8 @@ class HostSection(_Section):
     capacity: ByteSize = Field(1024**3, description='Slab size (default "1GiB"); "0" disables the host tier.')
     pinned: Annotated[Literal["auto"] | bool, BeforeValidator(_pinned)] = Field(
         "auto", description="Page-locked memory: auto = when CUDA is available.")
+    prefault: bool = Field(True, description="Touch the whole slab at start-up (~0.2 s a GiB) so loads never "
+                                             "pay first-touch page faults.")
 
 
 class BackendConfig(_Section):

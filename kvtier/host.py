@@ -83,7 +83,7 @@ class HostTier:
     one piece), per-slot state, key, pin count, and the LRU among unpinned READY slots."""
 
     def __init__(self, block_nbytes: int, *, capacity_bytes: int | None = None, num_slots: int | None = None,
-                 pinned: bool | str = "auto"):
+                 pinned: bool | str = "auto", prefault: bool = True):
         if block_nbytes < 1:
             raise ValueError(f"block_nbytes: expected >= 1, got {block_nbytes}")
         if (capacity_bytes is None) == (num_slots is None):
@@ -99,6 +99,12 @@ class HostTier:
         self.num_slots = num_slots
         self.pin_memory = resolve_pin_memory(pinned)
         self.slab = _alloc_slab(num_slots, block_nbytes, self.pin_memory)
+        if prefault and not self.pin_memory:
+            # Touch every page now: the kernel's first-touch faults and zeroing cost ~0.2 s a GiB here,
+            # which would otherwise land on the first loads into each slot (measured: a 512 MiB load
+            # from local_disk took 225 ms into fresh slots, 50 ms into touched memory).  Page-locked
+            # memory is already resident.
+            self.slab.zero_()
         self._np = self.slab.numpy()  # numpy view of the same memory: slot_view builds on it
         self._finalizer = weakref.finalize(self, _release_slab, self.slab, self.pin_memory)
         self._lock = threading.Lock()
@@ -113,7 +119,8 @@ class HostTier:
     @classmethod
     def from_config(cls, host: Any, block_nbytes: int) -> HostTier:
         """From a config ``host`` section (``capacity`` in bytes, ``pinned``: "auto" / true / false)."""
-        return cls(block_nbytes, capacity_bytes=int(host.capacity), pinned=host.pinned)
+        return cls(block_nbytes, capacity_bytes=int(host.capacity), pinned=host.pinned,
+                   prefault=getattr(host, "prefault", True))
 
     @property
     def capacity_bytes(self) -> int:
