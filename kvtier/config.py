@@ -132,8 +132,9 @@ class ModelSection(_Section):
 class KeysSection(_Section):
     """How block keys are computed (kvtier.keys)."""
 
-    algo: Literal["sha256_cbor", "xxh3_128"] = Field(
-        "sha256_cbor", description="sha256_cbor: identical to vLLM's prefix-cache hash; xxh3_128: faster.")
+    algo: Literal["sha256_cbor", "xxh3_128", "sglang_sha256"] = Field(
+        "sha256_cbor", description="sha256_cbor: identical to vLLM's prefix-cache hash; xxh3_128: faster; "
+                                   "sglang_sha256: SGLang's page keys (one store for vLLM and SGLang).")
     seed: Annotated[str | int | None, BeforeValidator(_seed)] = Field(
         None, description="Hash seed; null = PYTHONHASHSEED if set, else vLLM's default.")
 

@@ -11,18 +11,25 @@ CONSTRAINT=$(mktemp)
 trap 'rm -f "$CONSTRAINT"' EXIT
 echo "torch==2.13.0" > "$CONSTRAINT"
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -c "$CONSTRAINT" -e '.[test,vllm]'
+"${PIP[@]}" -c "$CONSTRAINT" -e '.[test,vllm,sglang]'
 # The plugin package depends on kvtier, which is only resolvable once installed (not in the same pip call).
 "${PIP[@]}" -c "$CONSTRAINT" ./tests/thirdparty_pkg
+# SGLang's wheel without its GPU dependency tree (its storage classes, host pool and cache-controller threads
+# run on CPU; what they import came with the sglang extra above).
+"${PIP[@]}" --no-deps sglang==0.5.23
 # vLLM's CPU wheel pulls torchvision / torchaudio / torchcodec built for another torch: they fail to import
 # ("operator torchvision::nms does not exist") and then transformers cannot import Llama.  kvtier and vLLM's
 # text models need none of them, so they go.
 if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-if ! command -v redis-server >/dev/null 2>&1; then
+# redis-server for the Redis tests; g++ and libssl-dev for SGLang's page-hash extension (built at first use).
+NEED=()
+command -v redis-server >/dev/null 2>&1 || NEED+=(redis-server)
+dpkg -s g++ libssl-dev >/dev/null 2>&1 || NEED+=(g++ libssl-dev)
+if [ ${#NEED[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${NEED[@]}"
 fi
 "$PY" -m mypy
 exec "$PY" -m pytest "$@"

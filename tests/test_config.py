@@ -243,7 +243,7 @@ def test_unknown_key_did_you_mean(fake_plugins):
      'model.kv_dtype: expected one of "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", '
      'got "bf16"; did you mean "bfloat16"?'),
     ({"keys": {"algo": "xxh3"}}, None,
-     'keys.algo: expected one of "sha256_cbor", "xxh3_128", got "xxh3"; did you mean "xxh3_128"?'),
+     'keys.algo: expected one of "sha256_cbor", "xxh3_128", "sglang_sha256", got "xxh3"; did you mean "xxh3_128"?'),
 ])
 def test_wrong_values(fake_plugins, section, value, expected):
     assert problems({"model": dict(MODEL), **section}) == [expected]
