@@ -7,16 +7,20 @@ buffer over the slab (no copy).
 
 Slot life cycle::
 
-    FREE --allocate--> WRITING --commit--> READY --evict_lru--> EVICTING --free--> FREE
-                          |                  |  ^                   |
-                          +------free--------+  +-----restore-------+
-    READY: pin / unpin (ref counted), touch
+    FREE --allocate--> WRITING --commit--> READY --free--> FREE
+                          |                                  ^
+                          +---------------free---------------+
+    READY: pin / unpin (ref counted)
+
+The slab keeps slots and their states only.  Which block to evict, and when, is decided by whoever owns
+the recency of blocks (the stack's :class:`~kvtier.index.BlockIndex` and its eviction policy): there is
+no second LRU here.  Pins stay: they are the copy engine's own guarantee that a slot it reads or writes
+is not freed under it, whoever drives it.
 
 Invariants:
 * nothing here waits: ``allocate`` returns what it can at once (``skipped`` counts the rest);
-* a pinned slot (pin count > 0) is never handed out by ``evict_lru`` nor freed: pin a slot for as long
-  as a transfer or a backend read uses its bytes;
-* the LRU order holds exactly the READY slots with pin count 0, least recently used first;
+* a pinned slot (pin count > 0) is never freed: pin a slot for as long as a transfer or a backend read
+  uses its bytes;
 * only READY slots hold a valid block; WRITING slots are being filled and are never readable.
 
 "Pinned" has two meanings, kept apart: ``pin_memory`` is about page-locked memory; ``pin()`` /
@@ -29,25 +33,22 @@ import contextlib
 import heapq
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-FREE, WRITING, READY, EVICTING = "free", "writing", "ready", "evicting"
+FREE, WRITING, READY = "free", "writing", "ready"
 
 
 @dataclass
 class Allocation:
-    """Result of :meth:`HostTier.allocate`: the slots obtained (in WRITING state), how many of the
-    requested were not (``skipped``: count them as skipped stores), and, with ``evict=True``, the
-    (slot, key) pairs whose blocks were evicted to make room (the caller updates its index)."""
+    """Result of :meth:`HostTier.allocate`: the slots obtained (in WRITING state) and how many of the
+    requested were not (``skipped``: count them as skipped stores, or make room and ask again)."""
 
     slots: list[int]
     skipped: int = 0
-    evicted: list[tuple[int, Hashable | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -57,11 +58,9 @@ class HostTierStats:
     free: int
     writing: int
     ready: int
-    evicting: int
     pinned_slots: int
     allocated: int  # slots handed out since start
     skipped: int  # slots asked for but not available
-    evicted: int  # slots taken by evict_lru
 
 
 def resolve_pin_memory(pinned: bool | str) -> bool:
@@ -80,7 +79,7 @@ def resolve_pin_memory(pinned: bool | str) -> bool:
 
 class HostTier:
     """The slab, a free list (lowest slot first, so fresh allocations are contiguous runs that copy in
-    one piece), per-slot state, key, pin count, and the LRU among unpinned READY slots."""
+    one piece), per-slot state, key and pin count.  No recency: see the module docstring."""
 
     def __init__(self, block_nbytes: int, *, capacity_bytes: int | None = None, num_slots: int | None = None,
                  pinned: bool | str = "auto", prefault: bool = True):
@@ -112,9 +111,8 @@ class HostTier:
         self._key: list[Hashable | None] = [None] * num_slots
         self._pins = [0] * num_slots
         self._free = list(range(num_slots))  # a heap (sorted list is one)
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._n_writing = self._n_evicting = self._n_pinned = 0
-        self._allocated = self._skipped = self._evicted = 0
+        self._n_writing = self._n_ready = self._n_pinned = 0
+        self._allocated = self._skipped = 0
 
     @classmethod
     def from_config(cls, host: Any, block_nbytes: int) -> HostTier:
@@ -141,30 +139,23 @@ class HostTier:
 
     # ------------------------------------------------------------------ state changes
 
-    def allocate(self, n: int, *, evict: bool = False) -> Allocation:
-        """Up to ``n`` slots in WRITING state, lowest free slots first.  With ``evict=True``, unpinned
-        READY slots are evicted (LRU first) and reused when free ones run out.  Never waits."""
+    def allocate(self, n: int) -> Allocation:
+        """Up to ``n`` FREE slots, now WRITING, lowest first.  Never waits and never evicts: making room
+        is the caller's decision (it knows which blocks are least recently used)."""
         if n < 0:
             raise ValueError(f"allocate: n must be >= 0, got {n}")
         with self._lock:
             slots = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
-            evicted: list[tuple[int, Hashable | None]] = []
-            while evict and len(slots) < n and self._lru:
-                s, _ = self._lru.popitem(last=False)
-                evicted.append((s, self._key[s]))
-                self._key[s] = None
-                slots.append(s)
             for s in slots:
                 self._state[s] = WRITING
             self._n_writing += len(slots)
             self._allocated += len(slots)
-            self._evicted += len(evicted)
             self._skipped += n - len(slots)
-            return Allocation(slots, n - len(slots), evicted)
+            return Allocation(slots, n - len(slots))
 
     def commit(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> None:
-        """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``), most
-        recently used, unpinned.  Commit only slots whose bytes fully arrived."""
+        """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``), unpinned.
+        Commit only slots whose bytes fully arrived."""
         if keys is not None and len(keys) != len(slots):
             raise ValueError(f"commit: {len(slots)} slots but {len(keys)} keys")
         with self._lock:
@@ -172,14 +163,14 @@ class HostTier:
             for i, s in enumerate(slots):
                 self._state[s] = READY
                 self._key[s] = None if keys is None else keys[i]
-                self._lru[s] = None
             self._n_writing -= len(slots)
+            self._n_ready += len(slots)
 
     def free(self, slots: Sequence[int]) -> None:
         """Back to FREE (a failed or abandoned write, an evicted block, a dropped one).  Raises for a
         pinned slot or one already free; all or nothing."""
         with self._lock:
-            self._expect(slots, (WRITING, READY, EVICTING), "free")
+            self._expect(slots, (WRITING, READY), "free")
             for s in slots:
                 if self._pins[s]:
                     raise ValueError(f"free: slot {s} is pinned ({self._pins[s]} pins)")
@@ -187,17 +178,15 @@ class HostTier:
                 st = self._state[s]
                 if st == WRITING:
                     self._n_writing -= 1
-                elif st == EVICTING:
-                    self._n_evicting -= 1
                 else:
-                    del self._lru[s]
+                    self._n_ready -= 1
                 self._state[s] = FREE
                 self._key[s] = None
                 heapq.heappush(self._free, s)
 
     def pin(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
-        """Take a reference on each READY slot so it is neither evicted nor freed; per slot, whether it
-        was pinned (False: it was evicted or freed meanwhile - treat as a miss).  With ``keys``, a slot
+        """Take a reference on each READY slot so it is not freed; per slot, whether it was pinned
+        (False: it was freed meanwhile - treat as a miss).  With ``keys``, a slot
         is pinned only if it still holds that key (it may have been evicted and refilled since the
         caller looked it up)."""
         if keys is not None and len(keys) != len(slots):
@@ -208,14 +197,13 @@ class HostTier:
                 ok = self._state[self._check(s)] == READY and (keys is None or self._key[s] == keys[i])
                 if ok:
                     if self._pins[s] == 0:
-                        del self._lru[s]
                         self._n_pinned += 1
                     self._pins[s] += 1
                 out.append(ok)
             return out
 
     def unpin(self, slots: Sequence[int]) -> None:
-        """Drop a reference; at 0 the slot rejoins the LRU as most recently used."""
+        """Drop a reference."""
         with self._lock:
             for s in slots:
                 if self._pins[self._check(s)] <= 0:
@@ -223,37 +211,7 @@ class HostTier:
             for s in slots:
                 self._pins[s] -= 1
                 if self._pins[s] == 0:
-                    self._lru[s] = None
                     self._n_pinned -= 1
-
-    def touch(self, slots: Sequence[int]) -> None:
-        """Mark READY unpinned slots most recently used (a hit)."""
-        with self._lock:
-            for s in slots:
-                if s in self._lru:
-                    self._lru.move_to_end(s)
-
-    def evict_lru(self, n: int) -> list[tuple[int, Hashable | None]]:
-        """Up to ``n`` least recently used unpinned READY slots, moved to EVICTING (their bytes stay
-        intact until :meth:`free`, so a write-back can still copy them down; :meth:`restore` undoes)."""
-        with self._lock:
-            out = []
-            while len(out) < n and self._lru:
-                s, _ = self._lru.popitem(last=False)
-                self._state[s] = EVICTING
-                out.append((s, self._key[s]))
-            self._n_evicting += len(out)
-            self._evicted += len(out)
-            return out
-
-    def restore(self, slots: Sequence[int]) -> None:
-        """EVICTING -> READY (most recently used), e.g. when a write-back could not complete."""
-        with self._lock:
-            self._expect(slots, (EVICTING,), "restore")
-            for s in slots:
-                self._state[s] = READY
-                self._lru[s] = None
-            self._n_evicting -= len(slots)
 
     # ------------------------------------------------------------------ queries
 
@@ -270,21 +228,10 @@ class HostTier:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_evictable(self) -> int:
-        return len(self._lru)
-
-    def lru_order(self) -> list[int]:
-        """Evictable slots, least recently used first (tests, debugging)."""
-        with self._lock:
-            return list(self._lru)
-
     def stats(self) -> HostTierStats:
         with self._lock:
-            ready = len(self._lru) + self._n_pinned
-            return HostTierStats(self.num_slots, self.block_nbytes, len(self._free), self._n_writing, ready,
-                                 self._n_evicting, self._n_pinned, self._allocated, self._skipped,
-                                 self._evicted)
+            return HostTierStats(self.num_slots, self.block_nbytes, len(self._free), self._n_writing,
+                                 self._n_ready, self._n_pinned, self._allocated, self._skipped)
 
     def close(self) -> None:
         """Release the slab (unregistering page-locked memory).  The tier is unusable afterwards."""

@@ -13,10 +13,8 @@ import torch
 
 from kvtier.layout import KVLayout, LayoutError
 from kvtier.tiers import (
-    EVICTING,
     FREE,
     READY,
-    WRITING,
     BlockPool,
     DeviceTier,
     HostTier,
@@ -161,7 +159,7 @@ def test_host_full_allocate_returns_fewer_and_never_blocks():
     assert a.slots == [0, 1, 2] and a.skipped == 0
     t0 = time.monotonic()
     b = h.allocate(3)
-    assert b.slots == [3] and b.skipped == 2 and b.evicted == []
+    assert b.slots == [3] and b.skipped == 2
     c = h.allocate(5)
     assert c.slots == [] and c.skipped == 5
     assert time.monotonic() - t0 < 0.5
@@ -169,40 +167,28 @@ def test_host_full_allocate_returns_fewer_and_never_blocks():
     assert (st.free, st.writing, st.allocated, st.skipped) == (0, 4, 4, 7)
 
 
-def test_host_lru_eviction_respects_pins():
+def test_host_pins_guard_frees_and_there_is_no_second_lru():
+    """The slab keeps states and pins only: eviction order is the index's (one owner of recency)."""
     h = HostTier(8, num_slots=4, pinned=False)
     slots = h.allocate(4).slots
     h.commit(slots, ["a", "b", "c", "d"])
-    assert h.lru_order() == [0, 1, 2, 3]
-    h.touch([0])
-    assert h.lru_order() == [1, 2, 3, 0]
+    assert not any(hasattr(h, name) for name in ("evict_lru", "touch", "lru_order", "restore"))
+    assert h.allocate(1) == type(h.allocate(0))([], 1)  # full: nothing is evicted behind the caller's back
     assert h.pin([1, 2]) == [True, True]
     assert h.pin([1]) == [True]  # ref counted
-    got = h.evict_lru(10)
-    assert got == [(3, "d"), (0, "a")]  # pinned 1 and 2 are never candidates
-    assert h.state(3) == EVICTING and h.evict_lru(1) == []
-    h.restore([0])
-    assert h.state(0) == READY and h.lru_order() == [0]
+    assert h.pin([0], ["x"]) == [False]  # slot 0 holds "a", not "x"
     h.free([3])
     assert h.state(3) == FREE and h.key(3) is None
     with pytest.raises(ValueError, match=r"free: slot 1 is pinned \(2 pins\)"):
         h.free([1])
     h.unpin([1])
-    assert h.pins(1) == 1 and 1 not in h.lru_order()
+    assert h.pins(1) == 1
     h.unpin([1])
-    assert h.lru_order() == [0, 1]  # back as most recently used
+    h.free([1])
     with pytest.raises(ValueError, match="unpin: slot 1 is not pinned"):
         h.unpin([1])
-
-
-def test_host_allocate_with_evict_reports_victims_and_skips_pinned():
-    h = HostTier(8, num_slots=3, pinned=False)
-    h.commit(h.allocate(3).slots, ["a", "b", "c"])
-    h.pin([0])
-    a = h.allocate(3, evict=True)
-    assert a.slots == [1, 2] and a.skipped == 1 and a.evicted == [(1, "b"), (2, "c")]
-    assert all(h.state(s) == WRITING for s in a.slots) and h.state(0) == READY
-    assert h.stats().evicted == 2
+    st = h.stats()
+    assert (st.free, st.ready, st.pinned_slots) == (2, 2, 1)
 
 
 def test_host_state_errors():
@@ -236,17 +222,16 @@ def test_host_slot_view_is_a_writable_window_on_the_slab():
 def test_host_thread_safety_smoke():
     h = HostTier(8, num_slots=64, pinned=False)
     writing: set[int] = set()  # slots some thread is filling: allocate must never hand them out again
-    pins: Counter[int] = Counter()  # pins the test holds: evict_lru must never return them
+    pins: Counter[int] = Counter()  # pins the test holds: free must refuse them
     lock = threading.Lock()
     errors: list[str] = []
 
     def worker(tid: int) -> None:
         rng = random.Random(tid)
         for _ in range(300):
-            a = h.allocate(rng.randint(1, 6), evict=rng.random() < 0.3)
+            a = h.allocate(rng.randint(1, 6))
             with lock:
                 errors.extend(f"slot {s} allocated twice" for s in a.slots if s in writing)
-                errors.extend(f"evicted slot {s} was pinned" for s, _ in a.evicted if pins[s])
                 writing.update(a.slots)
             with lock:
                 writing.difference_update(a.slots)
@@ -256,12 +241,16 @@ def test_host_thread_safety_smoke():
             held = [s for s, g in zip(cand, got) if g]
             with lock:
                 pins.update(held)
-            victims = h.evict_lru(rng.randint(0, 3))
+            # Free some of this thread's own unpinned blocks, as the stack frees what its index evicts.
+            mine = [s for s in a.slots if not pins[s]][:rng.randint(0, 3)]
+            try:
+                h.free(mine)
+            except ValueError as e:  # another thread pinned one meanwhile: refused, all or nothing
+                if "is pinned" not in str(e):
+                    errors.append(str(e))
             with lock:
-                errors.extend(f"evicted slot {s} was pinned" for s, _ in victims if pins[s])
                 pins.subtract(held)
             h.unpin(held)
-            h.free([s for s, _ in victims])
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
@@ -271,9 +260,9 @@ def test_host_thread_safety_smoke():
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors[:5]
     st = h.stats()
-    assert st.free + st.writing + st.ready + st.evicting == 64
-    assert st.writing == 0 and st.evicting == 0 and st.pinned_slots == 0
-    assert sorted(h.lru_order() + [s for s in range(64) if h.state(s) == FREE]) == list(range(64))
+    assert st.free + st.writing + st.ready == 64
+    assert st.writing == 0 and st.pinned_slots == 0
+    assert st.ready == sum(h.state(s) == READY for s in range(64))
 
 
 # ---------------------------------------------------------------------- DeviceTier
@@ -347,9 +336,9 @@ def test_staged_copy_path_matches_direct(kind, inner):
 
 def test_host_pin_by_key_refuses_a_refilled_slot():
     h = HostTier(8, num_slots=1, pinned=False)
-    h.commit(h.allocate(1).slots, ["old"])
-    (s, key), = h.evict_lru(1)
-    h.free([s])
+    (s,) = h.allocate(1).slots
+    h.commit([s], ["old"])
+    h.free([s])  # the owner of recency evicted it
     h.commit(h.allocate(1).slots, ["new"])  # same slot, another block
     assert h.pin([s], ["old"]) == [False]
     assert h.pin([s], ["new"]) == [True]

@@ -96,7 +96,8 @@ def test_load_reports_exactly_the_blocks_to_recompute(tiers):
     dev, host = tiers
     slots, eng = stored(host, dev, [1, 2, 3])
     want = dev.read_blocks([1, 2, 3])
-    evicted = host.evict_lru(1)[0][0]  # slot of block 1 is being evicted: not readable any more
+    evicted = slots[0]
+    host.free([evicted])  # block 1's slot was evicted (freed): not readable any more
     wip = host.allocate(1).slots[0]  # a slot still being written
     h = eng.load([slots[1], evicted, 999, wip, slots[2], slots[2]], [4, 5, 6, 7, 8, 4])
     r = h.wait(10)
