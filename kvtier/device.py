@@ -414,6 +414,10 @@ def _omp_set_num_threads():
                             if ("libgomp" in line or "libiomp" in line or "libomp" in line) and "/" in line})
     except OSError:
         return None
+    # torch's own runtime first: other packages (vLLM's CPU wheel, SGLang's extensions) may load OpenMP
+    # copies of their own, and setting another runtime's thread count would leave torch's untouched.
+    torch_dir = os.path.dirname(torch.__file__)
+    paths.sort(key=lambda p: not p.startswith(torch_dir))
     for path in paths:
         try:
             fn = ctypes.CDLL(path).omp_set_num_threads
