@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ._stack_backends import BackendSet
@@ -100,24 +100,34 @@ class TierManager:
 
     # ------------------------------------------------------------------ lookup (never blocks)
 
-    def lookup(self, hashes: Sequence[bytes]) -> Lookup:
+    def lookup(self, hashes: Sequence[bytes], *, wait_s: float = 0.0) -> Lookup:
         """How many leading blocks of ``hashes`` are available, without waiting: memory and known
         backend blocks from the index; for the rest, a backend probe started now (PENDING) or finished
-        earlier (its answer, kept ``probe_ttl_s``)."""
+        earlier (its answer, kept ``probe_ttl_s``).  ``wait_s`` > 0 is for callers on a thread of their
+        own that may block (SGLang's prefetch thread): wait up to that long for the probe instead of
+        answering PENDING at once (PENDING if it is still running then)."""
+        found, probe = self._lookup(hashes)
+        if probe is not None and wait_s > 0:
+            wait([probe], timeout=wait_s)
+            found, _ = self._lookup(hashes)
+        return found
+
+    def _lookup(self, hashes: Sequence[bytes]) -> tuple[Lookup, Future | None]:
+        """The answer, and the probe still running when it is PENDING."""
         n = len(hashes)
         with self._lock:
             m = self.index.lookup_prefix(hashes)
             p, tiers = m.length, [self._tier_name(int(t)) for t in m.tiers]
         if p == n or not len(self.backends):
-            return _answer(p, tiers)
+            return _answer(p, tiers), None
         got = self._probe_result(hashes[p:])
-        if got is None:
-            return Lookup(LookupState.PENDING, 0)
+        if isinstance(got, Future):
+            return Lookup(LookupState.PENDING, 0), got
         found, who = got
         if found:
             with self._lock:
                 self._remember_backend(hashes[p:p + found], who)
-        return _answer(p + found, tiers + [self.backends.names[who]] * found)
+        return _answer(p + found, tiers + [self.backends.names[who]] * found), None
 
     def resolve(self, hashes: Sequence[bytes]) -> tuple[str, ...]:
         """The in-process lookup (it may wait on I/O): where each block of the longest available prefix
@@ -145,7 +155,8 @@ class TierManager:
             p += best
         return tuple(out)
 
-    def _probe_result(self, hashes: Sequence[bytes]) -> tuple[int, int] | None:
+    def _probe_result(self, hashes: Sequence[bytes]) -> tuple[int, int] | Future:
+        """The finished probe's (blocks found, backend), or the running probe's future."""
         key = (hashes[0], len(hashes))
         now = time.monotonic()
         with self._lock:
@@ -158,10 +169,10 @@ class TierManager:
                     self._pool = ThreadPoolExecutor(self._probe_threads, "kvtier-probe")
                 fut = self._pool.submit(self._probe, list(hashes))
                 self._probes[key] = (fut, 0.0)
-                return None
+                return fut
             fut, _ = entry
             if not fut.done():
-                return None
+                return fut
             if entry[1] == 0.0:
                 self._probes[key] = (fut, now)
         try:

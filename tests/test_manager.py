@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -58,6 +59,24 @@ def test_lookup_is_pending_while_backends_are_asked_then_answers(tmp_path):
         assert got == Lookup(LookupState.HIT, 3, ("disk",) * 3)
         # What the probe found is remembered: asked again, no backend call is needed for those blocks.
         assert m.lookup(h[:3]) == Lookup(LookupState.HIT, 3, ("disk",) * 3)
+    finally:
+        m.close()
+
+
+def test_lookup_may_wait_for_its_probe_when_the_caller_can_block(tmp_path):
+    m, fb = _manager(tmp_path)
+    try:
+        h = m.namespace.hasher().hash_blocks(list(range(16)))
+        fb.put(m.namespace.keys(h[:2]), [bytes(16)] * 2, m.namespace.layout_id)
+        gate = fb.gate("contains", times=1)
+        threading.Timer(0.2, gate.release).start()
+        t0 = time.monotonic()
+        assert m.lookup(h, wait_s=10) == Lookup(LookupState.HIT, 2, ("disk",) * 2)  # no polling
+        assert 0.15 < time.monotonic() - t0 < 5
+        gate = fb.gate("contains", times=1)  # a probe that outlives the wait: still PENDING
+        m.forget_probes()
+        assert m.lookup(h[::-1], wait_s=0.05) == Lookup(LookupState.PENDING)
+        gate.release()
     finally:
         m.close()
 

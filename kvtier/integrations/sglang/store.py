@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,18 +91,13 @@ class PageStore:
         if not hexes or not len(self.backends):
             return 0
         hashes, _ = self.keys(hexes)
-        deadline = time.monotonic() + PROBE_DEADLINE_S
-        delay = 0.0002
-        while True:
-            found = self.manager.lookup(hashes)
-            if found.state is not LookupState.PENDING:
-                return found.num_blocks
-            if time.monotonic() > deadline:
-                self.warn("probe", f"an existence probe of {len(hashes)} pages took over {PROBE_DEADLINE_S} s; "
-                                   "counted as a miss")
-                return 0
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+        # SGLang's prefetch thread may block: wait on the manager's probe instead of polling it.
+        found = self.manager.lookup(hashes, wait_s=PROBE_DEADLINE_S)
+        if found.state is not LookupState.PENDING:
+            return found.num_blocks
+        self.warn("probe", f"an existence probe of {len(hashes)} pages took over {PROBE_DEADLINE_S} s; "
+                           "counted as a miss")
+        return 0
 
     # ------------------------------------------------------------------ bytes
 
