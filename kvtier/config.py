@@ -473,21 +473,25 @@ def _blame(line: str, sources: dict[str, str]) -> str:
     return line
 
 
+def _config_text(path: str | os.PathLike | None) -> tuple[str, str]:
+    """(source name, text) of a config file, or of the embedded default for None."""
+    if path is None:
+        source = f"kvtier.configs/{DEFAULT_CONFIG}"
+        return source, resources.files("kvtier.configs").joinpath(DEFAULT_CONFIG).read_text(encoding="utf-8")
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            return source, f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError([f"{source}: cannot read the file: {why}"], source) from None
+
+
 def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
                 resolve_plugins: bool = True) -> KvtierConfig:
     """Read, override from ``env`` (default ``os.environ``; ``{}`` for none) and validate a config file.
     ``None`` reads the embedded default, ``configs/local.yaml``."""
-    if path is None:
-        source = f"kvtier.configs/{DEFAULT_CONFIG}"
-        text = resources.files("kvtier.configs").joinpath(DEFAULT_CONFIG).read_text(encoding="utf-8")
-    else:
-        source = os.fspath(path)
-        try:
-            with open(source, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ConfigError([f"{source}: cannot read the file: {why}"], source) from None
+    source, text = _config_text(path)
     return parse_config(_read_yaml(text, source), source=source,
                         env=os.environ if env is None else env, resolve_plugins=resolve_plugins)
 
@@ -501,19 +505,11 @@ def load_engine_config(path: str | os.PathLike | None, facts: Mapping[str, Any],
     engine.  ``model.id`` from the YAML wins over the engine's name (paths differ between hosts that
     share blocks); ``device`` fields (the layout the engine's tensors have) are set the same way.
     ``path`` None: the embedded default config's tiers and policies, with the engine's model."""
-    if path is None:
-        source = f"kvtier.configs/{DEFAULT_CONFIG}"
-        data = _read_yaml(resources.files("kvtier.configs").joinpath(DEFAULT_CONFIG).read_text("utf-8"), source)
+    source, text = _config_text(path)
+    data = _read_yaml(text, source)
+    if path is None and isinstance(data, dict):  # the embedded default's tiers, the engine's model
         data.pop("model", None)
         data.pop("device", None)
-    else:
-        source = os.fspath(path)
-        try:
-            with open(source, encoding="utf-8") as f:
-                data = _read_yaml(f.read(), source)
-        except (OSError, UnicodeDecodeError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ConfigError([f"{source}: cannot read the file: {why}"], source) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -312,14 +312,19 @@ class _Codec:
     # copy transposes (one strided torch / numpy copy per layer-component and run of rows, no loop per
     # block).  Payload rows are viewed as [n, L, C, B, H, D].
 
+    def _head_major_parts(self, ids: torch.Tensor, rows: Rows) -> list[tuple[np.ndarray, Any]]:
+        """(block ids, payload rows: a slice or an index array) per run of rows, ids range-checked."""
+        ids_np = ids.numpy()
+        _check_range(ids_np, self.layout.num_blocks, "block id")
+        if isinstance(rows, list):
+            return [(ids_np[p:p + k], slice(first, first + k)) for p, first, k in rows]
+        return [(ids_np, rows.numpy())]
+
     def _gather_head_major(self, ids: torch.Tensor, dst: torch.Tensor, rows: Rows,
                            layers: Sequence[int] | None) -> None:
         lay = self.layout
         shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        ids_np = ids.numpy()
-        _check_range(ids_np, lay.num_blocks, "block id")
-        parts = ([(ids_np[p:p + k], slice(first, first + k)) for p, first, k in rows] if isinstance(rows, list)
-                 else [(ids_np, rows.numpy())])
+        parts = self._head_major_parts(ids, rows)
         dst_np = dst.numpy()
 
         def run(chunk: list[tuple[int, int]]) -> None:
@@ -338,10 +343,7 @@ class _Codec:
                             layers: Sequence[int] | None) -> None:
         lay = self.layout
         shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        ids_np = ids.numpy()
-        _check_range(ids_np, lay.num_blocks, "block id")
-        parts = ([(ids_np[p:p + k], slice(first, first + k)) for p, first, k in rows] if isinstance(rows, list)
-                 else [(ids_np, rows.numpy())])
+        parts = self._head_major_parts(ids, rows)
         src_np = src.numpy()
 
         def run(chunk: list[tuple[int, int]]) -> None:

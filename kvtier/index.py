@@ -524,6 +524,17 @@ class BlockIndex:
         order = sel[np.argsort(last[sel], kind="stable")[:n]]
         return [self._keys[s] for s in order.tolist()]
 
+    def discard_if_unused(self, key: bytes) -> bool:
+        """Remove ``key`` if it is in no tier and unreferenced (keeps an index of hints bounded)."""
+        s = self._slots.get(key)
+        if s is None:
+            return False
+        e = self._snapshot(key, s)
+        if e.refs or e.device is not None or e.host is not None or e.backends:
+            return False
+        self.remove(key)
+        return True
+
     # -- prefix lookup
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
         """Longest run of leading ``keys`` present in some tier, with the best tier of each block.

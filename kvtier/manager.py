@@ -202,12 +202,12 @@ class TierManager:
             for h in report.left_host:
                 if h in self.index:
                     self.index.clear_host(h)
-                    self._gc_locked(h)
+                    self.index.discard_if_unused(h)
             for h, slot in report.in_host.items():
                 other = self.index.key_at_host(slot)
                 if other is not None and other != h:
                     self.index.clear_host(other)
-                    self._gc_locked(other)
+                    self.index.discard_if_unused(other)
                 if h not in self.index:
                     self.index.insert(h)
                 self.index.set_host(h, slot)
@@ -242,11 +242,6 @@ class TierManager:
                 e = self.index.get(key)
                 if e is not None and e.host is None and e.refs == 0:
                     self.index.remove(key)
-
-    def _gc_locked(self, key: bytes) -> None:
-        e = self.index.get(key)
-        if e is not None and e.refs == 0 and e.device is None and e.host is None and not e.backends:
-            self.index.remove(key)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 class LookupState(enum.Enum):
@@ -35,38 +36,38 @@ class Lookup:
             raise ValueError(f"lookup: state {self.state.value} with {self.num_blocks} blocks")
 
 
-def _check_pairs(what: str, hashes: tuple[bytes, ...], block_ids: tuple[int, ...]) -> None:
-    if len(hashes) != len(block_ids):
-        raise ValueError(f"{what}: {len(hashes)} hashes but {len(block_ids)} block ids")
-    if len(set(block_ids)) != len(block_ids):
-        raise ValueError(f"{what}: duplicate destination block ids {sorted(block_ids)}")
-    bad = [b for b in block_ids if b < 0]
-    if bad:
-        raise ValueError(f"{what}: negative block ids {bad}")
+@dataclass(frozen=True)
+class _BlockPlan:
+    """Blocks ``hashes`` of request ``req_id`` and the device blocks ``block_ids`` they go to / come from."""
+
+    KIND: ClassVar[str] = "block"
+    req_id: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        what, ids = f"{self.KIND} plan for {self.req_id!r}", self.block_ids
+        if len(self.hashes) != len(ids):
+            raise ValueError(f"{what}: {len(self.hashes)} hashes but {len(ids)} block ids")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what}: duplicate destination block ids {sorted(ids)}")
+        bad = [b for b in ids if b < 0]
+        if bad:
+            raise ValueError(f"{what}: negative block ids {bad}")
 
 
 @dataclass(frozen=True)
-class LoadPlan:
+class LoadPlan(_BlockPlan):
     """Load ``hashes`` (a chain prefix) into device blocks ``block_ids`` for request ``req_id``."""
 
-    req_id: str
-    hashes: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        _check_pairs(f"load plan for {self.req_id!r}", self.hashes, self.block_ids)
+    KIND: ClassVar[str] = "load"
 
 
 @dataclass(frozen=True)
-class StorePlan:
+class StorePlan(_BlockPlan):
     """Store device blocks ``block_ids`` (holding ``hashes``, already computed this step) for ``req_id``."""
 
-    req_id: str
-    hashes: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        _check_pairs(f"store plan for {self.req_id!r}", self.hashes, self.block_ids)
+    KIND: ClassVar[str] = "store"
 
 
 @dataclass

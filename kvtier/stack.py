@@ -322,9 +322,7 @@ class TierStack:
 
     def _gc_locked(self, key: bytes) -> None:
         """Drop an entry that is nowhere and unreferenced, so the index stays bounded."""
-        e = self.index.get(key)
-        if e is not None and e.refs == 0 and e.device is None and e.host is None and not e.backends:
-            self.index.remove(key)
+        self.index.discard_if_unused(key)
 
     def _trim_index_locked(self) -> None:
         """Forget the least recently used backend-only entries once the index is over its bound."""

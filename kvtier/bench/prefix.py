@@ -30,9 +30,12 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="PATH")
 
 
-def _backend_section(name: str, stack: ExitStack, tmp: str) -> dict:
+def backend_section(name: str, stack: ExitStack, tmp: str, *, capacity: str = "4GiB",
+                    bucket_prefix: str = "prefix") -> dict:
+    """A backend's config section, starting its server (redis-server, moto in a child process) on
+    ``stack``: the benchmarks that drive a whole engine share it."""
     if name == "disk":
-        return {"name": "disk", "type": "local_disk", "options": {"path": f"{tmp}/kv", "capacity": "4GiB"}}
+        return {"name": "disk", "type": "local_disk", "options": {"path": f"{tmp}/kv", "capacity": capacity}}
     if name == "redis":
         from ..testing.redis_server import start_redis
 
@@ -48,7 +51,7 @@ def _backend_section(name: str, stack: ExitStack, tmp: str) -> dict:
         # moto in a child process, so the server does not compete with the model for this process's GIL.
         stack.enter_context(dummy_credentials())
         endpoint = stack.enter_context(_ChildMoto())
-        return {"name": "s3", "type": "s3", "options": {"bucket": f"prefix-{uuid.uuid4().hex[:8]}",
+        return {"name": "s3", "type": "s3", "options": {"bucket": f"{bucket_prefix}-{uuid.uuid4().hex[:8]}",
                                                         "create_bucket": True, "endpoint_url": endpoint,
                                                         "region": "us-east-1", "max_workers": 8}}
     raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
@@ -107,7 +110,7 @@ def run(args) -> int:
     for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
         with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
             try:
-                backend = _backend_section(name, stack, tmp)
+                backend = backend_section(name, stack, tmp)
             except Exception as e:  # noqa: BLE001 - a missing server is a SKIP, not a crash
                 print(f"SKIP {name}: {e}")
                 continue

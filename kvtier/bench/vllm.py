@@ -30,6 +30,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from ._util import print_table, write_json
+from .prefix import backend_section
 
 HELP = "TTFT inside a real vLLM: recompute, vLLM's own cache, kvtier host / disk / Redis / S3, ExampleConnector"
 
@@ -72,29 +73,6 @@ def _kvtier(role: str, cfg_path: Path) -> dict:
             "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path)}}
 
 
-def _backend(name: str, stack: ExitStack, tmp: Path) -> dict:
-    if name == "disk":
-        return {"name": "disk", "type": "local_disk", "options": {"path": str(tmp / "kv"), "capacity": "64GiB"}}
-    if name == "redis":
-        from ..testing.redis_server import start_redis
-
-        srv = start_redis()
-        stack.callback(srv.stop)
-        return {"name": "redis", "type": "redis", "options": {"url": srv.url}}
-    if name == "s3":
-        import uuid
-
-        from ..testing.moto_server import dummy_credentials
-        from .backend_s3 import _ChildMoto
-
-        stack.enter_context(dummy_credentials())
-        endpoint = stack.enter_context(_ChildMoto())
-        return {"name": "s3", "type": "s3", "options": {"bucket": f"vllm-{uuid.uuid4().hex[:8]}",
-                                                        "create_bucket": True, "endpoint_url": endpoint,
-                                                        "region": "us-east-1", "max_workers": 8}}
-    raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
-
-
 def run(args) -> int:
     import yaml
 
@@ -107,7 +85,8 @@ def run(args) -> int:
     with ExitStack() as stack, tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = _model(tmp / "model", args.layers)
-        backends = [_backend(b.strip(), stack, tmp) for b in args.backends.split(",") if b.strip()]
+        backends = [backend_section(b.strip(), stack, str(tmp), capacity="64GiB", bucket_prefix="vllm")
+                    for b in args.backends.split(",") if b.strip()]
         for be in backends:
             cfg = tmp / f"{be['name']}.yaml"
             cfg.write_text(yaml.safe_dump({"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "2GiB"},

@@ -10,23 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import KvtierConfig, load_engine_config
-
-# vLLM's cache_dtype names -> kvtier's kv_dtype names (fp8 caches keep raw bytes, never converted).
-_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
-                 "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
-                 "float": "float32"}
+from ...layout import dtype_name, parse_dtype
 
 
 def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank: int = 0) -> dict[str, Any]:
     """The ``model`` section vLLM implies (``num_layers``: attention layers whose KV this rank holds)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    if cc.cache_dtype == "auto":
-        kv_dtype = str(mc.dtype).removeprefix("torch.")
-    elif cc.cache_dtype in _CACHE_DTYPES:
-        kv_dtype = _CACHE_DTYPES[cc.cache_dtype]
-    else:
-        raise ValueError(f"kvtier: vLLM's cache dtype {cc.cache_dtype!r} is not supported "
-                         f"(supported: auto, {', '.join(sorted(_CACHE_DTYPES))})")
+    # vLLM's names (auto, fp8, fp8_e5m2, bfloat16, ...) are kvtier's dtype aliases; fp8 stays raw bytes.
+    kv_dtype = dtype_name(mc.dtype if cc.cache_dtype == "auto" else parse_dtype(cc.cache_dtype))
     name = mc.served_model_name
     name = name[0] if isinstance(name, list | tuple) else name
     mla = bool(getattr(mc, "use_mla", False))
