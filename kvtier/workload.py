@@ -7,12 +7,16 @@ chat deployment sees.  Requests go round-robin over users (turn 1 of every user,
 
 Trace file: JSONL or Parquet, one request per row, with either ``tokens`` (a list of ids) or ``length``
 (an int: random ids of that length), and optionally ``prefix_id`` + ``prefix_length`` (rows with the same
-``prefix_id`` share their first ``prefix_length`` tokens), ``max_new_tokens``, ``cache_salt``.
+``prefix_id`` share their first ``prefix_length`` tokens), ``t`` (arrival in seconds), ``max_new_tokens``,
+``cache_salt``, ``mm`` and ``lora`` (as ``kvtier keys`` takes them).  ``kvtier simulate`` also reads rows
+with ``hashes`` (block hashes as hex) instead of tokens.  ``kvtier run --record-trace`` writes the
+requests it served in this format (tokens include the generated answers of earlier turns).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,10 @@ class Request:
     turn: int = 0
     cache_salt: str | None = None
     mm: list[Any] = field(default_factory=list)
+    t: float | None = None              # arrival, seconds from the trace's start (traces only)
+    lora: Any = None
+    hashes: list[bytes] | None = None   # given instead of tokens (simulation of a hashed trace)
+    num_tokens: int | None = None       # prompt length of a hashed row
 
 
 @dataclass(frozen=True)
@@ -66,42 +74,86 @@ class ChatWorkload:
                 history[user] = req.tokens + list(answer)
 
 
+TRACE_FIELDS = ("t", "tokens", "hashes", "num_tokens", "length", "prefix_id", "prefix_length",
+                "max_new_tokens", "cache_salt", "mm", "lora")
+
+
+class TraceRecorder:
+    """Writes served requests as JSONL trace rows (``t``, ``tokens``, ``max_new_tokens`` and the extra
+    keys), one line each as it is served, so a long run never holds its trace in memory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def write(self, req: Request, t: float) -> None:
+        row: dict[str, Any] = {"t": round(t, 6), "tokens": req.tokens, "max_new_tokens": req.max_new_tokens}
+        for name in ("cache_salt", "lora"):
+            if getattr(req, name) is not None:
+                row[name] = getattr(req, name)
+        if req.mm:
+            row["mm"] = req.mm
+        self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
 def load_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_tokens: int = 32,
                seed: int = 0) -> list[Request]:
-    """Requests of a JSONL or Parquet trace; ValueError naming the row and field otherwise."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"trace {path}: no such file")
+    """Every request of a JSONL or Parquet trace (:func:`iter_trace` reads one row at a time)."""
+    return list(iter_trace(path, vocab_size=vocab_size, default_max_new_tokens=default_max_new_tokens,
+                           seed=seed))
+
+
+def _rows(path: Path) -> Iterator[dict]:
+    """The rows of a trace, one at a time (JSONL line by line, Parquet a row group batch at a time)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    else:
-        rows = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+        return
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    yield json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"trace {path}, line {i}: invalid JSON: {e.msg}") from None
+
+
+def iter_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_tokens: int = 32,
+               seed: int = 0) -> Iterator[Request]:
+    """Requests of a JSONL or Parquet trace, read lazily (a trace of millions of requests never has all
+    its token lists in memory); ValueError naming the row and field otherwise.
+
+    A row has ``tokens`` (ids), or ``length`` (random ids, ``prefix_id`` + ``prefix_length`` share a
+    prefix), or ``hashes`` (block hashes as hex, for ``kvtier simulate`` only; ``num_tokens`` the
+    prompt length, default every block full); optional ``t`` (seconds), ``max_new_tokens``,
+    ``cache_salt``, ``mm`` and ``lora`` (as in ``kvtier keys``)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"trace {path}: no such file")
     rng = np.random.default_rng(seed)
     prefixes: dict[Any, list[int]] = {}
-    out = []
-    for i, row in enumerate(rows, 1):
+    for i, row in enumerate(_rows(path), 1):
         where = f"trace {path}, row {i}"
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected an object, got {type(row).__name__}")
-        unknown = set(row) - {"tokens", "length", "prefix_id", "prefix_length", "max_new_tokens", "cache_salt"}
+        row = {k: v for k, v in row.items() if v is not None}  # Parquet fills absent fields with null
+        unknown = set(row) - set(TRACE_FIELDS)
         if unknown:
-            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
-        if row.get("tokens") is not None:
+            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {', '.join(TRACE_FIELDS)}")
+        hashes = None
+        if "tokens" in row:
             tokens = row["tokens"]
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab_size
-                                                       for t in tokens):
+            if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
                 raise ValueError(f"{where}: tokens must be a list of ints in [0, {vocab_size})")
-        elif row.get("length") is not None:
+        elif "length" in row:
             n = row["length"]
-            if not isinstance(n, int) or n < 1:
+            if type(n) is not int or n < 1:
                 raise ValueError(f"{where}: length must be a positive int, got {n!r}")
             tokens = rng.integers(0, vocab_size, n).tolist()
             pid = row.get("prefix_id")
@@ -109,10 +161,32 @@ def load_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_toke
                 plen = min(int(row.get("prefix_length") or 0), n)
                 shared = prefixes.setdefault(pid, rng.integers(0, vocab_size, plen).tolist())
                 tokens[: len(shared[:plen])] = shared[:plen]
+        elif "hashes" in row:
+            hashes = _hashes(row["hashes"], where)
+            tokens = []
         else:
-            raise ValueError(f"{where}: needs 'tokens' or 'length'")
-        if len(tokens) < 1:
+            raise ValueError(f"{where}: needs 'tokens', 'length' or 'hashes'")
+        if hashes is None and len(tokens) < 1:
             raise ValueError(f"{where}: empty prompt")
+        t = row.get("t")
+        if t is not None and (not isinstance(t, int | float) or isinstance(t, bool) or t < 0):
+            raise ValueError(f"{where}: t must be a number of seconds >= 0, got {t!r}")
+        nt = row.get("num_tokens")
+        if nt is not None and (type(nt) is not int or nt < 1):
+            raise ValueError(f"{where}: num_tokens must be a positive int, got {nt!r}")
         mnt = row.get("max_new_tokens") or default_max_new_tokens
-        out.append(Request(list(tokens), int(mnt), user=i - 1, cache_salt=row.get("cache_salt")))
+        yield Request(list(tokens), int(mnt), user=i - 1, cache_salt=row.get("cache_salt"),
+                      mm=list(row.get("mm") or []), t=None if t is None else float(t), lora=row.get("lora"),
+                      hashes=hashes, num_tokens=nt)
+
+
+def _hashes(value: Any, where: str) -> list[bytes]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: hashes must be a non-empty list of hex strings")
+    out = []
+    for j, h in enumerate(value):
+        try:
+            out.append(bytes.fromhex(h))
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: hashes[{j}]: expected a hex string, got {h!r}") from None
     return out

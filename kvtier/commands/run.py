@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                    help="device block pool size (default: device.num_blocks from the config); smaller "
                         "than the working set to make the host and storage tiers work")
     p.add_argument("--out", default="kvtier-run", help="output directory (default ./kvtier-run)")
+    p.add_argument("--record-trace", metavar="FILE",
+                   help="also write the requests served as a JSONL trace (prompts as sent, with the answers "
+                        "of earlier turns; arrival times t) that `kvtier simulate --trace` replays")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -40,16 +43,23 @@ def run(args) -> int:
 
     from ..config import load_config
     from ..integrations.engine import CachedEngine
-    from ..workload import ChatWorkload, load_trace
+    from ..workload import ChatWorkload, TraceRecorder, load_trace
 
     cfg = load_config(args.config)
     engine = CachedEngine.from_config(cfg, num_blocks=args.device_blocks, seed=args.seed)
     vocab = engine.model.spec.vocab_size
     results: list[dict] = []
     t_start = time.perf_counter()
+    recorder = TraceRecorder(args.record_trace) if args.record_trace else None
 
     def serve(req) -> list[int]:
-        r = engine.run_request(req.tokens, max_new_tokens=req.max_new_tokens, cache_salt=req.cache_salt)
+        if req.hashes is not None:
+            raise UserError(f"trace row {req.user + 1}: 'hashes' rows can only be simulated (kvtier simulate); "
+                            "kvtier run needs token ids")
+        if recorder is not None:
+            recorder.write(req, time.perf_counter() - t_start)
+        r = engine.run_request(req.tokens, max_new_tokens=req.max_new_tokens, cache_salt=req.cache_salt,
+                               mm=req.mm, lora=req.lora)
         results.append(_row(len(results), req, r, engine.block_size))
         bar.update(1)
         return r.tokens
@@ -67,6 +77,8 @@ def run(args) -> int:
             wl.replay(serve)
         bar.close()
         engine.flush()
+        if recorder is not None:
+            recorder.close()
         wall = time.perf_counter() - t_start
         stats = engine.stack.stats()
     finally:
@@ -76,7 +88,8 @@ def run(args) -> int:
     print(summarize(results, stats, wall, engine.stack))
     _write_parquet(results, out / "requests.parquet")
     _plot(results, out / "hit_rate.png")
-    print(f"wrote {out / 'requests.parquet'} and {out / 'hit_rate.png'}")
+    print(f"wrote {out / 'requests.parquet'} and {out / 'hit_rate.png'}"
+          + (f"; trace {args.record_trace}" if args.record_trace else ""))
     return 0
 
 

@@ -91,11 +91,18 @@ class CachedEngine:
 
     def run_request(self, prompt: Sequence[int], *, mm: Sequence[Any] = (), cache_salt: str | None = None,
                     lora: Any = None, max_new_tokens: int = 32, store: bool = True,
-                    keep_logits: bool = False, use_cache: bool = True) -> RequestResult:
+                    keep_logits: bool = False, use_cache: bool = True,
+                    hashes: Sequence[bytes] | None = None) -> RequestResult:
+        """Serve one request.  ``hashes``: the prompt's block hashes when the caller has them already
+        (a simulation of a hashed trace); otherwise they are computed from ``prompt``."""
         B = self.block_size
         prompt = list(prompt)
         t0 = time.perf_counter()
-        hashes = self.hasher.hash_blocks(prompt, mm=mm, cache_salt=cache_salt, lora=lora)
+        if hashes is None:
+            hashes = self.hasher.hash_blocks(prompt, mm=mm, cache_salt=cache_salt, lora=lora)
+        elif len(hashes := list(hashes)) > len(prompt) // B:
+            raise ValueError(f"{len(hashes)} block hashes for a prompt of {len(prompt)} tokens "
+                             f"(at most {len(prompt) // B} full blocks of {B})")
         res = RequestResult(len(prompt), len(hashes))
         # At least the last prompt token is computed: its logits start the generation.
         reusable = hashes[: (len(prompt) - 1) // B] if use_cache else []

@@ -1,0 +1,154 @@
+"""One simulation: a workload replayed through the engine and the byte-free stack of one config.
+
+The engine is :class:`~kvtier.integrations.engine.CachedEngine`, the same object ``kvtier run`` drives
+(device block pool reuse, what to look up, load and store), with a model that computes nothing; the
+stack is :class:`~kvtier.simulate.stack.SimulatedStack`.  So a simulated request takes the path a real
+one takes, minus the bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..blockpool import BlockPool
+from ..config import KvtierConfig
+from ..integrations.engine import CachedEngine
+from ..workload import ChatWorkload, Request
+from .stack import SimulatedStack
+
+
+def block_nbytes(config: KvtierConfig) -> int:
+    """Bytes of one block's KV payload in this deployment (what host memory and backends hold)."""
+    from ..layout import KVLayout
+
+    ns, layout = config.namespace(), config.device.layout
+    inner = ("mla" if ns.attention == "mla" else "flash_attn") if layout == "stacked" else None
+    return KVLayout.from_namespace(ns, 1, layout, inner=inner).block_nbytes
+
+
+class NullModel:
+    """Computes nothing: ``generate`` returns seeded random token ids (a chat's next turn extends them)."""
+
+    def __init__(self, block_size: int, vocab_size: int = 2048, seed: int = 0):
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self._rng = np.random.default_rng(seed)
+
+    def generate(self, prompt: list[int], table: list[int], cached_tokens: int,
+                 max_new_tokens: int) -> tuple[list[int], list[Any]]:
+        return self._rng.integers(0, self.vocab_size, max_new_tokens).tolist(), []
+
+
+@dataclass
+class SimResult:
+    """What one configuration did with the workload."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    prompt_blocks: int = 0
+    saved_tokens: int = 0
+    hit_blocks: dict[str, int] = field(default_factory=dict)   # tier -> prompt blocks served from it
+    block_nbytes: int = 0
+    value_nbytes: int = 0                                       # a stored value: header + payload
+    tiers: list[str] = field(default_factory=list)             # device, host?, backends in config order
+    written: dict[str, int] = field(default_factory=dict)      # tier -> blocks written into it
+    read: dict[str, int] = field(default_factory=dict)         # tier -> blocks read out of it
+    evicted: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)      # stores refused for lack of room
+    writes_per_s: dict[str, list[int]] = field(default_factory=dict)  # backend -> values / s, per second
+    duration_s: float = 0.0                                     # trace time covered
+    block_ops: int = 0                                          # blocks looked up + loaded + stored
+    sim_s: float = 0.0                                          # wall time of the replay, hashing excluded
+    hash_s: float = 0.0
+
+    def hit_rate(self, tier: str) -> float:
+        return self.hit_blocks.get(tier, 0) / max(self.prompt_blocks, 1)
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.block_ops / max(self.sim_s, 1e-9)
+
+
+def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *,
+             device_blocks: int | None = None, rate: float = 10.0, seed: int = 0,
+             on_request: Callable[[int], None] | None = None) -> SimResult:
+    """Replay ``requests`` (a trace, read lazily) or a synthetic chat through ``config``'s tiers.
+    ``rate``: arrivals per second for requests without a timestamp ``t``."""
+    nbytes = block_nbytes(config)
+    stack = SimulatedStack(config, nbytes)
+    B = stack.block_size
+    pool = BlockPool(device_blocks or config.device.num_blocks,
+                     on_evict=lambda key, block_id: stack.on_device_freed([block_id]))
+    vocab = requests.vocab_size if isinstance(requests, ChatWorkload) else 2048
+    engine = CachedEngine(stack, NullModel(B, vocab, seed), pool)  # type: ignore[arg-type]
+    hasher = stack.namespace.hasher()
+    res = SimResult(block_nbytes=nbytes, value_nbytes=stack.ledgers[0].value_nbytes if stack.ledgers else nbytes,
+                    tiers=["device", *(["host"] if stack.host_slots else []), *(b.name for b in config.backends)])
+    clock = time.perf_counter
+    t_first: float | None = None
+
+    def serve(req: Request) -> list[int]:
+        nonlocal t_first
+        i = res.requests
+        t = req.t if req.t is not None else i / rate
+        t_first = t if t_first is None else t_first
+        stack.now = t - t_first
+        h0 = clock()
+        if req.hashes is not None:
+            hashes = req.hashes
+            if len(hashes[0]) != hasher.digest_size:
+                raise ValueError(f"request {i}: hashes are {len(hashes[0])} bytes, keys.algo "
+                                 f"{stack.namespace.hash_algo} makes {hasher.digest_size}")
+            prompt = [0] * (req.num_tokens or len(hashes) * B)
+        else:
+            prompt = req.tokens
+            hashes = hasher.hash_blocks(prompt, mm=req.mm, cache_salt=req.cache_salt, lora=req.lora)
+        h1 = clock()
+        r = engine.run_request(prompt, max_new_tokens=req.max_new_tokens, hashes=hashes)
+        res.sim_s += clock() - h1
+        res.hash_s += h1 - h0
+        res.requests += 1
+        res.prompt_tokens += r.num_prompt_tokens
+        res.prompt_blocks += r.num_prompt_blocks
+        res.saved_tokens += r.saved_tokens
+        res.block_ops += r.num_prompt_blocks + sum(r.loaded_blocks.values()) + r.stored_blocks
+        hb = res.hit_blocks
+        hb["device"] = hb.get("device", 0) + r.device_blocks
+        for tier, n in r.loaded_blocks.items():
+            hb[tier] = hb.get(tier, 0) + n
+        res.duration_s = max(res.duration_s, stack.now)
+        if on_request is not None:
+            on_request(res.requests)
+        return r.tokens
+
+    try:
+        if isinstance(requests, ChatWorkload):
+            requests.replay(serve)
+        else:
+            for req in requests:
+                serve(req)
+    finally:
+        stack.close()
+    for name, c in stack.counters.items():
+        res.written[name], res.read[name] = c.written, c.read
+        res.evicted[name], res.skipped[name] = c.evicted, c.skipped
+        if name != "host":
+            res.writes_per_s[name] = _per_second(c.writes_per_s, res.duration_s)
+    return res
+
+
+def _per_second(buckets: dict[int, int], duration_s: float) -> list[int]:
+    n = int(duration_s) + 1
+    out = [0] * n
+    for sec, v in buckets.items():
+        if 0 <= sec < n:
+            out[sec] += v
+    return out
+
+
+__all__ = ["NullModel", "SimResult", "block_nbytes", "simulate"]

@@ -1,0 +1,382 @@
+"""The byte-free twin of :class:`~kvtier.stack.TierStack`: the same decisions, no bytes, no threads.
+
+A simulation must decide every hit, store and eviction exactly as a deployment would, and do it at
+millions of blocks a second.  So this class keeps the stack's *state* in the stack's own structures and
+moves nothing:
+
+* **the same index** (:class:`~kvtier.index.BlockIndex`: refs, per-tier LRU, hit counts), changed by the
+  same calls in the same order as the stack's store / load / eviction paths (``_stack_down``,
+  ``_stack_up``), so recency and the policies' inputs are identical;
+* **the same lookup**: :meth:`lookup` is the manager's (:meth:`~kvtier.manager.TierManager.resolve`),
+  probing the backends through the same ``BackendSet``; the backends are
+  :class:`~kvtier.simulate.ledger.LedgerBackend` ledgers of keys and sizes;
+* **the same policies**: the configured write, eviction and prefetch plugins are called at the same points;
+* host memory is a count of slots (``host.capacity // bytes per block``), as the real slab has.
+
+What the real stack does and this one does not: copy bytes, run I/O in threads (every operation here
+completes before it returns, as ``.wait()`` on the real handles makes it for ``kvtier run``), and fail
+(a ledger never faults).  ``tests/test_simulate.py`` holds the two together: on two workloads the
+hit rates per tier of a real ``kvtier run`` and of a simulation agree within 1 percentage point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .._stack_backends import BackendSet
+from .._stack_results import LoadResult, LookupResult, StoreResult
+from ..config import KvtierConfig
+from ..index import BlockIndex, Tier
+from ..manager import TierManager
+from ..metrics import StackMetrics
+from .ledger import LedgerBackend
+
+_PRESENT, _STORED, _SKIPPED = "present", "stored", "skipped"
+
+
+@dataclass
+class TierCounters:
+    """Traffic of one tier over a simulation, in blocks (bytes = blocks x bytes per block)."""
+
+    written: int = 0
+    read: int = 0
+    evicted: int = 0
+    skipped: int = 0
+    # (trace time in whole seconds) -> blocks written in that second: the store traffic a backend sees.
+    writes_per_s: dict[int, int] = field(default_factory=dict)
+
+
+class _Done:
+    """A finished handle: what ``.wait()`` returns."""
+
+    def __init__(self, result: object):
+        self.result = result
+
+    def wait(self, timeout: float | None = None) -> object:
+        return self.result
+
+
+class SimulatedStack:
+    """Byte-free, synchronous :class:`~kvtier.stack.TierStack` for ``kvtier simulate``.  The engine
+    (:class:`~kvtier.integrations.engine.CachedEngine`) drives it through the same methods."""
+
+    def __init__(self, config: KvtierConfig, block_nbytes: int):
+        self.config = config
+        self.namespace = config.namespace()
+        self.block_size = self.namespace.block_size
+        self.block_nbytes = block_nbytes
+        cap = int(config.host.capacity)
+        self.host_slots = cap // block_nbytes if cap else 0
+        if cap and not self.host_slots:
+            raise ValueError(f"host.capacity: {cap} B holds no block of {block_nbytes} B")
+        self.ledgers = [LedgerBackend.for_config(b, block_nbytes) for b in config.backends]
+        names = [b.name for b in config.backends]
+        self.metrics = StackMetrics(["device", *(["host"] if self.host_slots else []), *names], self.block_size)
+        self._backends = BackendSet(self.ledgers, [b.write for b in config.backends], self.metrics,
+                                    self.namespace.layout_id, block_nbytes)
+        self.writable = list(self._backends.writable)
+        pol = config.policies
+        self.write_policy = pol.write.plugin()(pol.write.options)
+        self.eviction_policy = pol.eviction.plugin()(pol.eviction.options)
+        self.index = BlockIndex(capacity=max(1024, config.device.num_blocks + self.host_slots))
+        self.manager = TierManager(config, backends=self._backends, index=self.index)
+        self._free_slots = list(range(self.host_slots - 1, -1, -1))  # pop() gives the lowest first
+        self.counters = {n: TierCounters() for n in ["host", *names]}
+        self.now = 0.0  # trace time of the request being served (store traffic per second)
+        self._keys = self.namespace.keys
+
+    # ------------------------------------------------------------------ what the engine calls
+
+    def lookup(self, hashes: Sequence[bytes]) -> LookupResult:
+        return LookupResult(self.manager.resolve(hashes), self.block_size, len(hashes))
+
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> _Done:
+        """``_stack_up.Upward.load`` without the copies: plan (host, same device block, fetch), pin the
+        plan, fetch what is only in backends into host slots, then record the device copies."""
+        idx, ids = self.index, [int(b) for b in block_ids]
+        plan: list[str] = []
+        for key, b in zip(hashes, ids):
+            e = idx.get(key)
+            if e is not None and e.host is not None and self.host_slots:
+                plan.append("host")
+            elif e is not None and e.device == b:
+                plan.append("same")
+            elif len(self.ledgers):
+                plan.append("fetch")
+            else:
+                break
+            self._pin(key)
+        for kind, b in zip(plan, ids):
+            other = idx.key_at_device(b)
+            if kind != "same" and other is not None:
+                idx.clear_device(other)
+                idx.discard_if_unused(other)
+        cut = len(plan)
+        pos = [i for i, k in enumerate(plan) if k == "fetch"]
+        if pos:
+            got = self._fetch([hashes[i] for i in pos])
+            for i, ok in zip(pos, got):
+                if not ok:
+                    cut = min(cut, i)
+        down = []
+        for i in range(cut):
+            key = hashes[i]
+            self._set_device(key, ids[i])
+            if self.write_policy.on_hit(key, self._hit(key)):
+                down.append(key)
+        for key in hashes[:len(plan)]:
+            self._unpin(key)
+        if down:
+            self._write_down(down)
+        ok = tuple(i < cut for i in range(len(hashes)))
+        return _Done(LoadResult(tuple(ids), ok, ok, (), (), self.block_size))
+
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> _Done:
+        """``_stack_down.Downward.store`` without the copies."""
+        idx, n = self.index, len(hashes)
+        status = [_SKIPPED] * n
+        new: list[int] = []
+        hits: list[bytes] = []
+        seen: set[bytes] = set()
+        for i, (key, b) in enumerate(zip(hashes, block_ids)):
+            self._set_device(key, int(b))
+            e = idx.entry(key)
+            held = e.host is not None if self.host_slots else bool(self.writable) and all(
+                j in e.backends for j in self.writable)
+            if key in seen or held:
+                status[i] = _PRESENT
+                if key not in seen and held and self.write_policy.on_hit(key, self._hit(key)):
+                    hits.append(key)
+                seen.add(key)
+                continue
+            seen.add(key)
+            new.append(i)
+            self._pin(key)
+        if hits:
+            self._write_down(hits)
+        if not new:
+            return _Done(StoreResult(tuple(status)))
+        keys = [hashes[i] for i in new]
+        if not self.host_slots:
+            took = [False] * len(new)
+            for b in self.writable:
+                for j, good in enumerate(self._put(b, keys)):
+                    if good:
+                        took[j] = True
+                        idx.add_backend(keys[j], b)
+            for j, i in enumerate(new):
+                status[i] = _STORED if took[j] else _SKIPPED
+            for key in keys:
+                self._unpin(key)
+            return _Done(StoreResult(tuple(status)))
+        slots = self._take(len(new))
+        taken = len(slots)
+        if taken < len(new):
+            self.counters["host"].skipped += len(new) - taken
+        down = []
+        for j, i in enumerate(new):
+            key = hashes[i]
+            if j < taken:
+                self._commit_host(key, slots[j])
+                self.counters["host"].written += 1
+                status[i] = _STORED
+                if self.write_policy.on_store(key):
+                    down.append(key)
+            self._unpin(key)
+        if down:
+            self._write_down(down)
+        return _Done(StoreResult(tuple(status)))
+
+    def on_device_freed(self, block_ids: Sequence[int]) -> None:
+        idx = self.index
+        for b in block_ids:
+            key = idx.key_at_device(int(b))
+            if key is not None:
+                idx.clear_device(key)
+                idx.discard_if_unused(key)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.manager.close()
+        self.metrics.close()
+
+    # ------------------------------------------------------------------ the way up: backends -> host
+
+    def _fetch(self, keys: list[bytes]) -> list[bool]:
+        """Bring ``keys`` up from the backends (``Upward.fetch`` + ``locate``); per key whether it arrived
+        (into a host slot when there is room, else into a temporary buffer, as a load does)."""
+        idx = self.index
+        strs = self._keys(keys)
+        where: list[int] = []
+        while len(where) < len(keys):
+            best, who = self._backends.longest_prefix(strs[len(where):])
+            if best == 0:
+                break
+            where += [who] * best
+        out = [False] * len(keys)
+        todo = []
+        for j in range(len(where)):
+            e = idx.get(keys[j])
+            if e is not None and e.host is not None:
+                out[j] = True
+            else:
+                todo.append(j)
+        if not todo:
+            return out
+        slots = self._take(len(todo)) if self.host_slots else []
+        for r, j in enumerate(todo):
+            key = keys[j]
+            b = where[j]
+            got = self.ledgers[b].record_get([strs[j]])[0]
+            if not got:  # evicted meanwhile (a write-back's put made room): the others, in order
+                b = next((i for i in range(len(self.ledgers)) if i != where[j] and
+                          self.ledgers[i].record_get([strs[j]])[0]), -1)
+                got = b >= 0
+                if key in idx and where[j] in idx.entry(key).backends:
+                    idx.remove_backend(key, where[j])
+            if got:
+                self.counters[self.ledgers[b].name].read += 1
+                if key in idx:
+                    idx.add_backend(key, b)
+            if r < len(slots):
+                if got:
+                    self._commit_host(key, slots[r])
+                    self.counters["host"].written += 1
+                else:
+                    self._free_slots.append(slots[r])
+            out[j] = got
+        return out
+
+    # ------------------------------------------------------------------ the way down
+
+    def _take(self, n: int) -> list[int]:
+        """``HostRoom.take_locked`` + ``write_back``: free slots first, then the eviction policy's
+        victims (unpinned host blocks); a victim the write policy wants written first goes down, and
+        its slot is reused only if a backend took it."""
+        idx, free = self.index, self._free_slots
+        slots = [free.pop() for _ in range(min(n, len(free)))]
+        need = n - len(slots)
+        seen: set[bytes] = set()
+        wb: list[tuple[bytes, list[int]]] = []
+        dropped = 0
+        while need > 0:
+            fresh = [k for k in self.eviction_policy.victims(idx, Tier.HOST, need + len(seen)) if k not in seen]
+            if not fresh:
+                break
+            for key in fresh:
+                seen.add(key)
+                e = idx.get(key)
+                if need == 0 or e is None or e.host is None or e.refs:
+                    continue
+                targets = [i for i in self.writable if i not in e.backends]
+                if targets and self.write_policy.on_evict(key):
+                    self._pin(key)
+                    wb.append((key, targets))
+                else:
+                    self._drop_host(key)
+                    dropped += 1
+                need -= 1
+        slots += [free.pop() for _ in range(dropped)]
+        if wb:
+            written = self._copy_down(wb)
+            for key, _ in wb:
+                self.index.unpin(key)
+                e = idx.get(key)
+                if written[key] and e is not None and e.refs == 0 and e.host is not None:
+                    self._drop_host(key)
+                    slots.append(free.pop())
+                else:
+                    idx.discard_if_unused(key)
+        return slots
+
+    def _write_down(self, keys: Sequence[bytes]) -> None:
+        """``Downward.write_down``: host blocks to every writable backend lacking them."""
+        todo = []
+        for key in dict.fromkeys(keys):
+            e = self.index.get(key)
+            if e is None or e.host is None:
+                continue
+            targets = [i for i in self.writable if i not in e.backends]
+            if targets:
+                todo.append((key, targets))
+        if todo:
+            self._copy_down(todo)
+
+    def _copy_down(self, todo: list[tuple[bytes, list[int]]]) -> dict[bytes, bool]:
+        taken = {key: False for key, _ in todo}
+        for b in self.writable:
+            part = [key for key, targets in todo if b in targets]
+            if not part:
+                continue
+            for key, good in zip(part, self._put(b, part)):
+                if good:
+                    taken[key] = True
+                    if key in self.index:
+                        self.index.add_backend(key, b)
+            self.counters["host"].read += len(part)
+        return taken
+
+    def _put(self, b: int, keys: list[bytes]) -> list[bool]:
+        led = self.ledgers[b]
+        before = led.evictions
+        ok = led.record_put(self._keys(keys))
+        c = self.counters[led.name]
+        n = sum(ok)
+        c.written += n
+        c.skipped += len(ok) - n
+        c.evicted += led.evictions - before
+        sec = int(self.now)
+        c.writes_per_s[sec] = c.writes_per_s.get(sec, 0) + n
+        return ok
+
+    # ------------------------------------------------------------------ index bookkeeping (as TierStack)
+
+    def _pin(self, key: bytes) -> None:
+        if key not in self.index:
+            self.index.insert(key)
+        self.index.pin(key)
+
+    def _unpin(self, key: bytes) -> None:
+        self.index.unpin(key)
+        self.index.discard_if_unused(key)
+
+    def _set_device(self, key: bytes, block_id: int) -> None:
+        idx = self.index
+        other = idx.key_at_device(block_id)
+        if other is not None and other != key:
+            idx.clear_device(other)
+            idx.discard_if_unused(other)
+        if key not in idx:
+            idx.insert(key)
+        idx.set_device(key, block_id)
+
+    def _hit(self, key: bytes) -> int:
+        self.index.touch(key)
+        e = self.index.entry(key)
+        if e.host is not None:
+            self.eviction_policy.on_access(Tier.HOST, [key])
+        return e.hits
+
+    def _commit_host(self, key: bytes, slot: int) -> None:
+        e = self.index.get(key)
+        if e is not None and e.host is not None and e.host != slot:
+            self._free_slots.append(slot)
+            return
+        if key not in self.index:
+            self.index.insert(key)
+        self.index.set_host(key, slot)
+        self.eviction_policy.on_insert(Tier.HOST, [key])
+
+    def _drop_host(self, key: bytes) -> None:
+        slot = self.index.clear_host(key)
+        if slot is not None:
+            self._free_slots.append(slot)
+            self.eviction_policy.on_remove(Tier.HOST, [key])
+            self.counters["host"].evicted += 1
+        self.index.discard_if_unused(key)
+
+
+__all__ = ["SimulatedStack", "TierCounters"]
