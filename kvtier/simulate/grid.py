@@ -90,6 +90,8 @@ def grid_points(config_path: str | os.PathLike | None, axes: Sequence[GridAxis],
 def _as_grid(line: str, names: Mapping[str, str]) -> str:
     """Say ``--grid PATH`` where the config loader names the environment variable it set."""
     for var, path in names.items():
+        if line.startswith(var + ": "):
+            line = f"--grid {path}: " + line[len(var) + 2:]
         line = line.replace(f"environment variable {var}", f"--grid {path}")
     return line
 

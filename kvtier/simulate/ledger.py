@@ -38,7 +38,7 @@ class LedgerBackend(StorageBackend):
     def for_config(cls, backend: Any, payload_nbytes: int) -> LedgerBackend:
         """The ledger of a config ``backends[i]`` entry (its ``options.capacity`` if the plugin has one)."""
         cap = getattr(backend.options, "capacity", None)
-        return cls(name=backend.name, value_nbytes=HEADER_SIZE + payload_nbytes,
+        return cls(name=backend.name or backend.type, value_nbytes=HEADER_SIZE + payload_nbytes,
                    capacity=None if cap is None else int(cap))
 
     @property

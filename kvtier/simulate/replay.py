@@ -88,7 +88,7 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
     engine = CachedEngine(stack, NullModel(B, vocab, seed), pool)  # type: ignore[arg-type]
     hasher = stack.namespace.hasher()
     res = SimResult(block_nbytes=nbytes, value_nbytes=stack.ledgers[0].value_nbytes if stack.ledgers else nbytes,
-                    tiers=["device", *(["host"] if stack.host_slots else []), *(b.name for b in config.backends)])
+                    tiers=["device", *(["host"] if stack.host_slots else []), *(led.name for led in stack.ledgers)])
     clock = time.perf_counter
     t_first: float | None = None
 

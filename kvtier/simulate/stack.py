@@ -71,7 +71,7 @@ class SimulatedStack:
         if cap and not self.host_slots:
             raise ValueError(f"host.capacity: {cap} B holds no block of {block_nbytes} B")
         self.ledgers = [LedgerBackend.for_config(b, block_nbytes) for b in config.backends]
-        names = [b.name for b in config.backends]
+        names = [led.name for led in self.ledgers]
         self.metrics = StackMetrics(["device", *(["host"] if self.host_slots else []), *names], self.block_size)
         self._backends = BackendSet(self.ledgers, [b.write for b in config.backends], self.metrics,
                                     self.namespace.layout_id, block_nbytes)
@@ -129,8 +129,8 @@ class SimulatedStack:
             self._unpin(key)
         if down:
             self._write_down(down)
-        ok = tuple(i < cut for i in range(len(hashes)))
-        return _Done(LoadResult(tuple(ids), ok, ok, (), (), self.block_size))
+        loaded = tuple(i < cut for i in range(len(hashes)))
+        return _Done(LoadResult(tuple(ids), loaded, loaded, (), (), self.block_size))
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> _Done:
         """``_stack_down.Downward.store`` without the copies."""

@@ -1,0 +1,186 @@
+"""``kvtier simulate``: its hit rates against real ``kvtier run`` runs, the grid, traces, outputs."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from kvtier.cli import main
+from kvtier.config import ConfigError, load_config
+from kvtier.simulate import LedgerBackend, simulate
+from kvtier.simulate.grid import grid_points, parse_axes
+from kvtier.workload import ChatWorkload, iter_trace
+
+
+def _config(tmp_path, *, host: str, disk: str, write: str) -> str:
+    d = yaml.safe_load(resources.files("kvtier.configs").joinpath("local.yaml").read_text())
+    d["device"]["kind"] = "cpu"
+    d["host"]["capacity"] = host
+    d["backends"][0]["options"] = {"path": str(tmp_path / "disk"), "capacity": disk}
+    d["policies"]["write"]["name"] = write
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return str(path)
+
+
+def _real_hit_rates(out) -> dict[str, float]:
+    """Per-tier hit rates (% of prompt blocks) from a ``kvtier run``'s requests.parquet."""
+    t = pq.read_table(out / "requests.parquet").to_pydict()
+    blocks = sum(t["prompt_blocks"])
+    rates = {"device": 100 * sum(t["device_blocks"]) / blocks}
+    for col in t:
+        if col.endswith("_blocks") and col not in ("prompt_blocks", "failed_blocks", "stored_blocks",
+                                                    "device_blocks"):
+            rates[col[:-7]] = 100 * sum(t[col]) / blocks
+    return rates
+
+
+def _sim_rates(res) -> dict[str, float]:
+    return {t: 100 * res.hit_rate(t) for t in res.tiers}
+
+
+def _assert_close(real: dict[str, float], sim: dict[str, float]) -> None:
+    for tier in set(real) | set(sim):
+        assert abs(real.get(tier, 0.0) - sim.get(tier, 0.0)) <= 1.0, (tier, real, sim)
+
+
+CHAT = dict(users=12, turns=4)
+
+
+def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path):
+    # Small tiers, so that every tier serves hits and both the host and the disk evict.
+    cfg = _config(tmp_path, host="6MiB", disk="12MiB", write="write_through")
+    out = tmp_path / "run"
+    assert main(["run", "--config", cfg, "--no-progress", "--device-blocks", "96", "--users", "12",
+                 "--turns", "4", "--out", str(out), "--record-trace", str(out / "trace.jsonl")]) == 0
+    real = _real_hit_rates(out)
+    assert real["device"] > 0 and real["host"] > 0 and real["local_disk"] > 0
+    config = load_config(cfg, env={})
+    sim = simulate(config, ChatWorkload(**CHAT), device_blocks=96)
+    assert sim.evicted["host"] > 0 and sim.evicted["local_disk"] > 0
+    _assert_close(real, _sim_rates(sim))
+    # The recorded trace (the model's own answers in the prompts) replays to the same figures.
+    rec = simulate(config, iter_trace(out / "trace.jsonl"), device_blocks=96)
+    _assert_close(real, _sim_rates(rec))
+    assert rec.requests == sim.requests == 48
+    assert rec.prompt_blocks == sim.prompt_blocks
+
+
+def test_simulated_hit_rates_match_a_real_run_of_another_trace(tmp_path):
+    # A different shape: independent prompts sharing one of four prefixes, under write-back.
+    rng = np.random.default_rng(1)
+    rows = [{"t": i * 0.5, "length": int(rng.integers(200, 700)), "prefix_id": int(rng.integers(0, 4)),
+             "prefix_length": int(rng.choice([160, 320, 480]))} for i in range(40)]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _config(tmp_path, host="6MiB", disk="12MiB", write="write_back")
+    out = tmp_path / "run"
+    assert main(["run", "--config", cfg, "--no-progress", "--device-blocks", "96", "--trace", str(trace),
+                 "--out", str(out)]) == 0
+    real = _real_hit_rates(out)
+    assert real["device"] > 0 and real.get("local_disk", 0) > 0
+    sim = simulate(load_config(cfg, env={}), iter_trace(trace), device_blocks=96)
+    _assert_close(real, _sim_rates(sim))
+    # write-back: what reaches the disk is what host memory evicted, never more than the host took in
+    assert 0 < sim.written["local_disk"] <= sim.written["host"]
+
+
+def test_hashed_trace_simulates_like_its_token_trace(tmp_path):
+    config = load_config(_config(tmp_path, host="4MiB", disk="8MiB", write="write_through"), env={})
+    hasher = config.namespace().hasher()
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 2048, 300).tolist()
+    toks = [shared[: int(rng.integers(100, 300))] + rng.integers(0, 2048, int(rng.integers(20, 200))).tolist()
+            for _ in range(30)]
+    a, b = tmp_path / "tokens.jsonl", tmp_path / "hashes.jsonl"
+    a.write_text("".join(json.dumps({"t": i, "tokens": t}) + "\n" for i, t in enumerate(toks)))
+    b.write_text("".join(json.dumps({"t": i, "num_tokens": len(t), "hashes": [h.hex() for h in
+                                                                             hasher.hash_blocks(t)]}) + "\n"
+                         for i, t in enumerate(toks)))
+    ra, rb = simulate(config, iter_trace(a)), simulate(config, iter_trace(b))
+    assert ra.hit_blocks == rb.hit_blocks and ra.prompt_blocks == rb.prompt_blocks
+    assert sum(ra.hit_blocks.values()) > 0
+
+
+
+def test_kvtier_run_refuses_hashed_rows(tmp_path, capsys):
+    b = tmp_path / "hashes.jsonl"
+    b.write_text(json.dumps({"hashes": ["00" * 32]}) + "\n")
+    assert main(["run", "--trace", str(b), "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert "trace row 1: 'hashes' rows can only be simulated" in capsys.readouterr().err
+
+
+def test_grid_points_and_errors_name_the_grid_argument(tmp_path):
+    axes = parse_axes(["host.capacity=1MiB,4MiB", "policies.write.name=write_through,write_back"])
+    points = grid_points(None, axes, env={})
+    assert [p.values for p in points][:2] == [
+        {"host.capacity": "1MiB", "policies.write.name": "write_through"},
+        {"host.capacity": "1MiB", "policies.write.name": "write_back"}]
+    assert [int(p.config.host.capacity) for p in points] == [2**20] * 2 + [4 * 2**20] * 2
+    assert points[1].config.policies.write.name == "write_back"
+    with pytest.raises(ConfigError, match=r'--grid host.capacty: host has no key "capacty"; did you mean "capacity"'):
+        grid_points(None, parse_axes(["host.capacty=1GiB"]), env={})
+    with pytest.raises(ConfigError, match=r"backends\[0\].options.capacity.*--grid backends\[0\].options.capacity"):
+        grid_points(None, parse_axes(["backends[0].options.capacity=lots"]), env={})
+    with pytest.raises(ConfigError, match=r"policies.write.name.*no_such_policy"):
+        grid_points(None, parse_axes(["policies.write.name=no_such_policy"]), env={})
+    for bad in ("host.capacity", "host.capacity=", "=1GiB", "host..capacity=1GiB", "host.capacity=1GiB,"):
+        with pytest.raises(ValueError, match="--grid"):
+            parse_axes([bad])
+    with pytest.raises(ValueError, match="given twice"):
+        parse_axes(["host.capacity=1GiB", "host.capacity=2GiB"])
+
+
+def test_cli_writes_table_parquet_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVTIER_BACKENDS__0__OPTIONS__PATH", str(tmp_path / "unused"))
+    out = tmp_path / "sim"
+    assert main(["simulate", "--grid", "host.capacity=1MiB,8MiB,64MiB", "--grid",
+                 "policies.write.name=write_through,write_back", "--users", "16", "--turns", "4",
+                 "--jobs", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "6 grid point(s) x 64 requests" in text and "hit% host" in text
+    t = pq.read_table(out / "simulate.parquet").to_pydict()
+    assert len(t["host.capacity"]) == 6
+    # More host memory never serves fewer blocks from host memory (same policy), and serves more here.
+    for pol in ("write_through", "write_back"):
+        host = [h for h, p in zip(t["hit_pct_host"], t["policies.write.name"]) if p == pol]
+        assert host == sorted(host) and host[-1] > host[0]
+    assert (out / "hit_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "unused").exists()  # a simulation writes nothing to the backends
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2, 3]}\n{"tokens": [1, "x"]}\n')
+    assert main(["simulate", "--trace", str(bad), "--out", str(tmp_path / "o"), "--jobs", "1"]) == 2
+    assert "row 2: tokens must be a list of ints" in capsys.readouterr().err
+    assert main(["simulate", "--grid", "host.capacity:1GiB"]) == 2
+    assert "expected PATH=V1,V2" in capsys.readouterr().err
+
+
+def test_trace_is_read_lazily(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"tokens": [1, 2, 3], "t": 0.5}\n' + "not json\n")
+    it = iter_trace(p)
+    first = next(it)  # the bad second line is not read yet
+    assert first.tokens == [1, 2, 3] and first.t == 0.5
+    with pytest.raises(ValueError, match="line 2: invalid JSON"):
+        next(it)
+
+
+def test_ledger_evicts_least_recently_used_and_refuses_oversized():
+    led = LedgerBackend(name="disk", value_nbytes=100, capacity=300)
+    assert led.record_put(["a", "b", "c"]) == [True] * 3
+    assert led.record_get(["a", "zz"]) == [True, False]  # a is now the most recent
+    led.record_put(["d"])
+    assert led.contains_prefix(["a"]) == 1 and led.contains_prefix(["b"]) == 0 and led.evictions == 1
+    assert led.contains_prefix(["c", "d", "a"]) == 3
+    tiny = LedgerBackend(name="tiny", value_nbytes=100, capacity=50)
+    assert tiny.record_put(["x"]) == [False] and tiny.refused == 1
