@@ -76,15 +76,19 @@ def stored_checksum(header) -> int:
 
 
 def check_block(header, payload, namespace_digest: bytes, block_hash: bytes, layout_id: int) -> str | None:
-    """Why (header, payload) is not the expected block, or None if every field and the checksum hold."""
-    mv = memoryview(payload).cast("B")
+    """Why (header, payload) is not the expected block, or None if every field and the checksum hold.
+
+    One pass over the payload (its xxh3-64, computed once, also on the failure path); the header is
+    compared as one 88-byte string against the exact header this block must have."""
+    mv = payload if isinstance(payload, memoryview) and payload.format == "B" else memoryview(payload).cast("B")
+    checksum = xxhash.xxh3_64_intdigest(mv)
     # Fast path (the common, intact case): the exact header this block must have, compared as bytes.
     # Only a mismatch pays for check_header's field-by-field walk, which names the reason.
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, mv.nbytes, namespace_digest, len(block_hash),
-                        block_hash, layout_id, payload_checksum(mv))
-    if header[: _HEADER.size] == head and header[_HEADER.size :] == _HCHECK.pack(xxhash.xxh3_64_intdigest(head)):
+                        block_hash, layout_id, checksum)
+    if bytes(header) == head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head)):
         return None
     why = check_header(header, namespace_digest, block_hash, layout_id, mv.nbytes)
-    if why is None and stored_checksum(header) != payload_checksum(mv):
+    if why is None and stored_checksum(header) != checksum:
         why = "payload checksum mismatch"
     return why
