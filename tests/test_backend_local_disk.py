@@ -323,8 +323,11 @@ def test_bench_backends_disk_smoke(tmp_path, monkeypatch, capsys):
     assert "SKIP nosuch" in text and "disk" in text
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert {(r["op"], r["block_bytes"]) for r in rows} == {("put", 262144), ("get", 262144)}
+    assert {(r["op"], r["block_bytes"]) for r in rows} == {(op, 262144) for op in
+                                                           ("put", "get", "put fsync", "get cold")}
     assert all(r["ratio"] > 0 and r["gib_s"] > 0 and r["ceiling_gib_s"] > 0 for r in rows)
+    # get rows: beside raw readv and raw readv + xxh3, each with its ratio
+    assert all(r["ceiling_xxh3_gib_s"] > 0 and r["ratio_vs_ceiling_xxh3"] > 0 for r in rows)
     assert res["summary"]["disk_get_median_ratio"] > 0 and "startup_2k_blocks_s" in rows[-1]
 
 

@@ -1,22 +1,34 @@
 """``local_disk`` put / get throughput beside the raw file ceiling, on the same payloads, same filesystem.
 
-Three contenders move the same blocks with the same number of threads as the backend:
+Two modes per block size: ``page cache`` (ops ``put`` / ``get``) and ``fsync + cold`` (ops ``put fsync`` /
+``get cold``: every put fsyncs its files and directories, and before each get batch its files are
+dropped from the page cache with ``posix_fadvise(DONTNEED)``, untimed, so every read comes from the disk).
+Contenders move the same blocks, in the same batches, with the same number of threads as the backend:
 
-* ``raw`` (the ceiling): each thread writes its share of a batch as one file per block (``open`` /
-  ``write`` / ``close``) and reads them back with ``readinto`` into the same preallocated buffers;
-* ``xxh3``: the same, plus xxh3-64 of each payload in the same thread: the floor for any store that
-  checksums what it writes and verifies what it reads, as the block format requires;
+* ``raw`` (the ceiling): the least work that moves the bytes: per block ``open`` / ``write`` [``fsync``] /
+  ``close`` into the same sharded directory layout as the backend (256 shard directories: one flat
+  directory serialises file creation), and ``open`` / ``readv`` into the same preallocated, page-aligned
+  buffers / ``close`` (no file object, no ``fstat``).  For cold gets it is the best of two strategies,
+  buffered reads and ``O_DIRECT`` (which reads a cold 2 MiB file about twice as fast here); per batch the
+  faster one counts, so a peer that reads with ``O_DIRECT`` cannot beat the ceiling;
+* ``raw+xxh3``: the same, plus xxh3-64 of each payload in the same thread right after its read (before
+  its write): the floor for any store that checksums what it writes and verifies what it reads, as the
+  block format requires;
 * the backend: framing, checksum, temp file + rename, verification of every header field and the
   checksum, LRU index.
 
-Page cache only (the backend offers no O_DIRECT mode).  Before every put round all files are deleted
-(untimed), so every contender creates fresh files.  Contenders take turns batch by batch in a rotating
-order, so writeback, neighbours' load and drift hit all of them alike.  ``KVTIER_BENCH_DIR`` picks the
-filesystem (default: the system temp directory).
+Rows carry ``gib_s`` (the backend), ``ceiling_gib_s`` / ``ratio`` (raw; backend / raw) and
+``ceiling_xxh3_gib_s`` / ``ratio_vs_ceiling_xxh3`` (raw+xxh3; backend / raw+xxh3).  Before every put round
+all files are deleted (untimed), so every contender creates fresh files.  Contenders take turns batch by
+batch in a rotating order, so writeback, neighbours' load and drift hit all of them alike; a contender's
+time is the sum over batches of its median per batch.  ``KVTIER_BENCH_DIR`` picks the filesystem
+(default: the system temp directory).
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import shutil
 import statistics
@@ -30,6 +42,9 @@ import xxhash
 STARTUP_BLOCKS = 100_000  # start-up (index rebuild) is measured with this many blocks on disk
 BATCH_BYTES = 64 << 20  # bytes per put/get_into call (32 x 2 MiB, 256 x 256 KiB): a long prompt's worth
 THREADS = 4  # = LocalDiskBackend.Options().threads, the default a deployment gets
+MODES = (False, True)  # cold: put with fsync, get from the disk (page cache dropped before each batch)
+_WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def random_payloads(total: int, block: int, seed: int = 0) -> tuple[np.ndarray, list[memoryview]]:
@@ -46,31 +61,93 @@ def random_payloads(total: int, block: int, seed: int = 0) -> tuple[np.ndarray, 
     return raw, [mv[i * block : (i + 1) * block] for i in range(n)]
 
 
-def _ceiling_put(pool: ThreadPoolExecutor, paths: list[str], payloads: list[memoryview],
-                 checksum: bool = False) -> None:
-    def work(j: int) -> None:
-        for i in range(j, len(paths), THREADS):
+class RawFiles:
+    """The raw file ceiling over ``paths`` (one file per block, parent directories created here), moved by
+    ``pool`` (``threads`` workers, each a strided share of a batch, as the backend splits one)."""
+
+    def __init__(self, paths: list[str], pool: ThreadPoolExecutor, threads: int, *, fsync: bool = False):
+        self.paths, self.pool, self.threads, self.fsync = paths, pool, threads, fsync
+        self.dirs = sorted({os.path.dirname(p) for p in paths})
+        for d in self.dirs:
+            os.makedirs(d, exist_ok=True)
+
+    def _each(self, sl: slice, fn) -> None:
+        idx = range(len(self.paths))[sl]
+        list(self.pool.map(lambda j: [fn(i) for i in idx[j :: self.threads]], range(self.threads)))
+
+    def put(self, sl: slice, payloads: list[memoryview], checksum: bool = False) -> None:
+        paths, fsync = self.paths, self.fsync
+
+        def one(i: int) -> None:
             if checksum:
                 xxhash.xxh3_64_intdigest(payloads[i])
-            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(paths[i], _WFLAGS, 0o644)
             try:
                 os.write(fd, payloads[i])
+                if fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
 
-    list(pool.map(work, range(THREADS)))
+        self._each(sl, one)
+        if fsync:  # the new names are durable too (the backend fsyncs its shard directories)
+            for d in {os.path.dirname(p) for p in paths[sl]}:
+                fd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
+    def get(self, sl: slice, bufs: list[memoryview], checksum: bool = False, direct: bool = False) -> None:
+        paths, flags = self.paths, os.O_RDONLY | (_O_DIRECT if direct else 0)
 
-def _ceiling_get(pool: ThreadPoolExecutor, paths: list[str], bufs: list[memoryview],
-                 checksum: bool = False) -> None:
-    def work(j: int) -> None:
-        for i in range(j, len(paths), THREADS):
-            with open(paths[i], "rb", buffering=0) as f:
-                f.readinto(bufs[i])
+        def one(i: int) -> None:
+            fd = os.open(paths[i], flags)
+            try:
+                os.readv(fd, [bufs[i]])
+            finally:
+                os.close(fd)
             if checksum:
                 xxhash.xxh3_64_intdigest(bufs[i])
 
-    list(pool.map(work, range(THREADS)))
+        self._each(sl, one)
+
+    def delete(self) -> None:
+        for p in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+
+def drop_cached(paths: list[str]) -> None:
+    """Drop ``paths`` from the page cache (written back first, so every page can go)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def direct_io_works(path: str, block: int) -> bool:
+    """Whether ``O_DIRECT`` reads of ``block``-byte files work here (the filesystem supports it, the size is
+    whole pages)."""
+    if not _O_DIRECT or block % 4096:
+        return False
+    buf = mmap.mmap(-1, block)
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+        try:
+            return os.readv(fd, [buf]) == block
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
 
 
 def _timed(fn) -> float:
@@ -82,7 +159,8 @@ def _timed(fn) -> float:
 def run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict]:
     root = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=os.environ.get("KVTIER_BENCH_DIR"))
     try:
-        rows = [row for block in block_sizes for row in _case(root, block, total_bytes, repeats)]
+        rows = [row for block in block_sizes for cold in MODES
+                for row in _case(root, block, total_bytes, repeats, cold)]
         if rows and STARTUP_BLOCKS:
             rows[-1][f"startup_{STARTUP_BLOCKS // 1000}k_blocks_s"] = startup_seconds(root, STARTUP_BLOCKS)
         return rows
@@ -116,73 +194,96 @@ def startup_seconds(root: str, blocks: int) -> float:
     return statistics.median(times)
 
 
-def _case(root: str, block: int, total_bytes: int, repeats: int) -> list[dict]:
+def _best(times: dict[str, list[list[float]]], *names: str) -> float:
+    """A contender's time: the sum over batches of, per batch, the fastest of its strategies' medians."""
+    batches = len(times[names[0]])
+    return sum(min(statistics.median(times[c][j]) for c in names if c in times) for j in range(batches))
+
+
+def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = False) -> list[dict]:
     from kvtier.backends.local_disk import LocalDiskBackend
     from kvtier.keys import Namespace
 
     ns = Namespace("bench/disk", "bfloat16", 32, 8, 128, 16)
     n = max(1, total_bytes // block)
     _, payloads = random_payloads(n * block, block)
-    bufs = [memoryview(bytearray(block)) for _ in range(n)]
+    arena = mmap.mmap(-1, n * block)  # page-aligned read buffers (O_DIRECT needs them), shared by all
+    bufs = [memoryview(arena)[i * block : (i + 1) * block] for i in range(n)]
     gib = n * block / 2**30
     keys = ns.keys([os.urandom(16) for _ in range(n)])
-    backend = LocalDiskBackend({"path": os.path.join(root, f"backend-{block}"),
+    mode = "cold" if cold else "warm"
+    backend = LocalDiskBackend({"path": os.path.join(root, f"backend-{block}-{mode}"), "fsync": cold,
                                 "capacity": 2 * n * (block + 4096), "threads": THREADS})
-    dirs = {c: os.path.join(root, f"{c}-{block}") for c in ("raw", "xxh3")}
-    paths = {c: [os.path.join(d, f"{i:08d}") for i in range(n)] for c, d in dirs.items()}
-    for d in dirs.values():
-        os.makedirs(d)
+    backend_paths = [backend._where(k, checked=True)[1] for k in keys]
     per = max(1, BATCH_BYTES // block)
     batches = [slice(i, i + per) for i in range(0, n, per)]
     lid = ns.layout_id
-
-    def contenders(op: str, pool: ThreadPoolExecutor, sl: slice) -> dict:
-        if op == "put":
-            def b() -> None:
-                if not all(backend.put(keys[sl], payloads[sl], lid)):
-                    raise RuntimeError("local_disk refused a put")
-            return {"backend": b,
-                    "raw": lambda: _ceiling_put(pool, paths["raw"][sl], payloads[sl]),
-                    "xxh3": lambda: _ceiling_put(pool, paths["xxh3"][sl], payloads[sl], True)}
-
-        def g() -> None:
-            if not all(backend.get_into(keys[sl], bufs[sl], lid)):
-                raise RuntimeError("local_disk missed a block it stored")
-        return {"backend": g,
-                "raw": lambda: _ceiling_get(pool, paths["raw"][sl], bufs[sl]),
-                "xxh3": lambda: _ceiling_get(pool, paths["xxh3"][sl], bufs[sl], True)}
-
-    # times[op][contender][batch] = one time per repeat.  Contenders take turns batch by batch, in a
-    # rotating order, so writeback stalls, neighbours' load and drift fall on all of them alike; a
-    # contender's time is the sum over batches of its median per batch, robust to a stall in one round.
-    times = {op: {c: [[] for _ in batches] for c in ("backend", "raw", "xxh3")} for op in ("put", "get")}
     with ThreadPoolExecutor(THREADS) as pool:
+        # The backend's own layout, <namespace>/<hash[:2]>/<hash>, for the raw files of both contenders.
+        raw = {c: RawFiles([os.path.join(root, f"{c}-{block}-{mode}", k[:32], k[33:35], k[33:]) for k in keys],
+                           pool, THREADS, fsync=cold) for c in ("raw", "xxh3")}
+        direct = False
+        if cold:
+            raw["raw"].put(slice(0, 1), payloads)
+            direct = direct_io_works(raw["raw"].paths[0], block)
+
+        def contenders(op: str, sl: slice) -> dict:
+            if op == "put":
+                def b() -> None:
+                    if not all(backend.put(keys[sl], payloads[sl], lid)):
+                        raise RuntimeError("local_disk refused a put")
+                return {"backend": b, "raw": lambda: raw["raw"].put(sl, payloads),
+                        "xxh3": lambda: raw["xxh3"].put(sl, payloads, True)}
+
+            def g() -> None:
+                if not all(backend.get_into(keys[sl], bufs[sl], lid)):
+                    raise RuntimeError("local_disk missed a block it stored")
+            fns = {"backend": g, "raw": lambda: raw["raw"].get(sl, bufs),
+                   "xxh3": lambda: raw["xxh3"].get(sl, bufs, True)}
+            if direct:
+                fns["raw O_DIRECT"] = lambda: raw["raw"].get(sl, bufs, direct=True)
+                fns["xxh3 O_DIRECT"] = lambda: raw["xxh3"].get(sl, bufs, True, direct=True)
+            return fns
+
+        def files(name: str, sl: slice) -> list[str]:
+            return backend_paths[sl] if name == "backend" else raw[name.split()[0]].paths[sl]
+
+        # times[op][contender][batch] = one time per repeat.  Contenders take turns batch by batch, in a
+        # rotating order, so writeback stalls, neighbours' load and drift fall on all of them alike; a
+        # contender's time is the sum over batches of its median per batch, robust to a stall in one round.
+        times: dict[str, dict[str, list[list[float]]]] = {"put": {}, "get": {}}
         for rep in range(repeats + 1):  # round 0 warms up and is dropped
-            for ps in paths.values():
-                for p in ps:
-                    if os.path.exists(p):
-                        os.unlink(p)
+            for r in raw.values():
+                r.delete()
             backend.delete(keys)
             for op in ("put", "get"):
                 for j, sl in enumerate(batches):
-                    fns = list(contenders(op, pool, sl).items())
+                    fns = list(contenders(op, sl).items())
                     r = (j + rep) % len(fns)
                     for name, fn in fns[r:] + fns[:r]:
+                        if cold and op == "get":
+                            drop_cached(files(name, sl))
                         t = _timed(fn)
                         if rep:
-                            times[op][name][j].append(t)
-    for i in range(0, n, max(1, n // 16)):  # the bytes read back are the bytes written
-        backend.get_into([keys[i]], [bufs[i]], lid)
-        if bufs[i] != payloads[i]:
-            raise RuntimeError(f"local_disk returned wrong bytes for block {i}")
+                            times[op].setdefault(name, [[] for _ in batches])[j].append(t)
+            for i in range(0, n, max(1, n // 16)):  # the bytes read back are the bytes written
+                if not backend.get_into([keys[i]], [bufs[i]], lid) or bufs[i] != payloads[i]:
+                    raise RuntimeError(f"local_disk returned wrong bytes for block {i}")
     backend.close()
-    for d in (*dirs.values(), backend.root):
+    for d in (*(os.path.join(root, f"{c}-{block}-{mode}") for c in raw), backend.root):
         shutil.rmtree(d, ignore_errors=True)
-    note = f"{THREADS} threads, {per}-block batches, page cache"
     rows = []
     for op, t in times.items():
-        med = {c: sum(statistics.median(b) for b in per_batch) for c, per_batch in t.items()}
-        rows.append({"backend": "disk", "op": op, "block_bytes": block, "gib_s": gib / med["backend"],
+        med = {"backend": _best(t, "backend"), "raw": _best(t, "raw", "raw O_DIRECT"),
+               "xxh3": _best(t, "xxh3", "xxh3 O_DIRECT")}
+        how = "open/readv/close" if op == "get" else "open/write/close"
+        if op == "get" and direct:
+            how += ", best of buffered and O_DIRECT per batch"
+        note = (f"{THREADS} threads, {per}-block batches, "
+                + ("fsync; cold: page cache dropped before each get batch" if cold else "page cache")
+                + f"; raw: {how}")
+        rows.append({"backend": "disk", "op": op if not cold else ("put fsync" if op == "put" else "get cold"),
+                     "block_bytes": block, "gib_s": gib / med["backend"],
                      "ceiling_gib_s": gib / med["raw"], "ratio": med["raw"] / med["backend"],
                      "ceiling_xxh3_gib_s": gib / med["xxh3"], "ratio_vs_ceiling_xxh3":
                      med["xxh3"] / med["backend"], "note": note})
