@@ -101,14 +101,17 @@ def plot(axes: Sequence[GridAxis], recs: Sequence[dict[str, Any]], results: Sequ
     others = [a for i, a in enumerate(axes) if i != xi]
     curves: dict[str, list[tuple[float, dict[str, Any]]]] = {}
     for n, rec in enumerate(recs):
-        name = ", ".join(f"{a.path.split('.')[-1]}={rec[a.path]}" for a in others) or "as configured"
+        name = ", ".join(f"{a.path}={rec[a.path]}" for a in others) or "as configured"
         x = parse_size(rec[axes[xi].path]) / 2**30 if xi is not None else float(n)
         curves.setdefault(name, []).append((x, rec))
     columns = [(f"hit_pct_{t}", t) for t in tiers] + [("saved_pct", "all tiers (tokens saved)")]
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]  # curves that coincide stay visible
     for ax, (col, title) in zip(panels, columns):
-        for name, pts in curves.items():
+        for k, (name, pts) in enumerate(curves.items()):
             pts.sort(key=lambda p: p[0])
-            ax.plot([p[0] for p in pts], [p[1][col] for p in pts], marker="o", label=name)
+            marker, line = styles[k % len(styles)]
+            ax.plot([p[0] for p in pts], [p[1][col] for p in pts], marker=marker, linestyle=line, label=name,
+                    markersize=7 - 1.5 * (k % 3), alpha=0.85)
         ax.set_title(title)
         ax.set_xlabel(f"{axes[xi].path} (GiB)" if xi is not None else "grid point")
         xs = {p[0] for pts in curves.values() for p in pts}
