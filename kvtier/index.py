@@ -319,6 +319,10 @@ class BlockIndex:
         if self._refs[s] > 0:
             raise ValueError(f"block {key.hex()}: cannot remove, pinned (ref count {self._refs[s]})")
         snap = self._snapshot(key, s)
+        self._drop_slot(key, s)
+        return snap
+
+    def _drop_slot(self, key: bytes, s: int) -> None:
         for t in (0, 1):
             self._detach(t, s)
         for i in _bits(self._mask[s]):
@@ -329,7 +333,6 @@ class BlockIndex:
         self._keys[s] = None
         del self._slots[key]
         self._free.append(s)
-        return snap
 
     # -- reading
     def _snapshot(self, key: bytes, s: int) -> BlockEntry:
@@ -343,6 +346,29 @@ class BlockIndex:
 
     def entry(self, key: bytes) -> BlockEntry:
         return self._snapshot(key, self._slot(key))
+
+    # Single-field reads for hot paths (a snapshot builds an object and a backend tuple).
+    def host_slot(self, key: bytes) -> int | None:
+        """The host slot holding ``key``, or None (also when ``key`` is not in the index)."""
+        s = self._slots.get(key)
+        h = -1 if s is None else self._host[s]
+        return h if h >= 0 else None
+
+    def in_backends(self, key: bytes, backends: Iterable[int]) -> bool:
+        """Whether ``key`` is marked in every one of ``backends`` (False when not in the index)."""
+        s = self._slots.get(key)
+        if s is None:
+            return False
+        m = self._mask[s]
+        return all((m >> i) & 1 for i in backends)
+
+    def refs(self, key: bytes) -> int:
+        """Ref count of ``key``; KeyError if absent."""
+        return self._refs[self._slot(key)]
+
+    def hits(self, key: bytes) -> int:
+        """Hit count of ``key``; KeyError if absent."""
+        return self._hits[self._slot(key)]
 
     def key_at_device(self, block_id: int) -> bytes | None:
         return self._key_at(0, block_id)
@@ -527,12 +553,9 @@ class BlockIndex:
     def discard_if_unused(self, key: bytes) -> bool:
         """Remove ``key`` if it is in no tier and unreferenced (keeps an index of hints bounded)."""
         s = self._slots.get(key)
-        if s is None:
+        if s is None or self._refs[s] or self._dev[s] >= 0 or self._host[s] >= 0 or self._mask[s]:
             return False
-        e = self._snapshot(key, s)
-        if e.refs or e.device is not None or e.host is not None or e.backends:
-            return False
-        self.remove(key)
+        self._drop_slot(key, s)
         return True
 
     # -- prefix lookup

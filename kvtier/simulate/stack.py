@@ -97,10 +97,9 @@ class SimulatedStack:
         idx, ids = self.index, [int(b) for b in block_ids]
         plan: list[str] = []
         for key, b in zip(hashes, ids):
-            e = idx.get(key)
-            if e is not None and e.host is not None and self.host_slots:
+            if self.host_slots and idx.host_slot(key) is not None:
                 plan.append("host")
-            elif e is not None and e.device == b:
+            elif idx.key_at_device(b) == key:
                 plan.append("same")
             elif len(self.ledgers):
                 plan.append("fetch")
@@ -139,11 +138,10 @@ class SimulatedStack:
         new: list[int] = []
         hits: list[bytes] = []
         seen: set[bytes] = set()
+        host_slot, hosted, writable = idx.host_slot, bool(self.host_slots), self.writable
         for i, (key, b) in enumerate(zip(hashes, block_ids)):
             self._set_device(key, int(b))
-            e = idx.entry(key)
-            held = e.host is not None if self.host_slots else bool(self.writable) and all(
-                j in e.backends for j in self.writable)
+            held = host_slot(key) is not None if hosted else bool(writable) and idx.in_backends(key, writable)
             if key in seen or held:
                 status[i] = _PRESENT
                 if key not in seen and held and self.write_policy.on_hit(key, self._hit(key)):
@@ -219,8 +217,7 @@ class SimulatedStack:
         out = [False] * len(keys)
         todo = []
         for j in range(len(where)):
-            e = idx.get(keys[j])
-            if e is not None and e.host is not None:
+            if idx.host_slot(keys[j]) is not None:
                 out[j] = True
             else:
                 todo.append(j)
@@ -235,7 +232,7 @@ class SimulatedStack:
                 b = next((i for i in range(len(self.ledgers)) if i != where[j] and
                           self.ledgers[i].record_get([strs[j]])[0]), -1)
                 got = b >= 0
-                if key in idx and where[j] in idx.entry(key).backends:
+                if key in idx:
                     idx.remove_backend(key, where[j])
             if got:
                 self.counters[self.ledgers[b].name].read += 1
@@ -268,10 +265,9 @@ class SimulatedStack:
                 break
             for key in fresh:
                 seen.add(key)
-                e = idx.get(key)
-                if need == 0 or e is None or e.host is None or e.refs:
+                if need == 0 or idx.host_slot(key) is None or idx.refs(key):
                     continue
-                targets = [i for i in self.writable if i not in e.backends]
+                targets = [i for i in self.writable if not idx.in_backends(key, (i,))]
                 if targets and self.write_policy.on_evict(key):
                     self._pin(key)
                     wb.append((key, targets))
@@ -283,9 +279,8 @@ class SimulatedStack:
         if wb:
             written = self._copy_down(wb)
             for key, _ in wb:
-                self.index.unpin(key)
-                e = idx.get(key)
-                if written[key] and e is not None and e.refs == 0 and e.host is not None:
+                idx.unpin(key)
+                if written[key] and idx.refs(key) == 0 and idx.host_slot(key) is not None:
                     self._drop_host(key)
                     slots.append(free.pop())
                 else:
@@ -295,11 +290,11 @@ class SimulatedStack:
     def _write_down(self, keys: Sequence[bytes]) -> None:
         """``Downward.write_down``: host blocks to every writable backend lacking them."""
         todo = []
+        idx = self.index
         for key in dict.fromkeys(keys):
-            e = self.index.get(key)
-            if e is None or e.host is None:
+            if idx.host_slot(key) is None:
                 continue
-            targets = [i for i in self.writable if i not in e.backends]
+            targets = [i for i in self.writable if not idx.in_backends(key, (i,))]
             if targets:
                 todo.append((key, targets))
         if todo:
@@ -354,15 +349,15 @@ class SimulatedStack:
         idx.set_device(key, block_id)
 
     def _hit(self, key: bytes) -> int:
-        self.index.touch(key)
-        e = self.index.entry(key)
-        if e.host is not None:
+        idx = self.index
+        idx.touch(key, self.now)
+        if idx.host_slot(key) is not None:
             self.eviction_policy.on_access(Tier.HOST, [key])
-        return e.hits
+        return idx.hits(key)
 
     def _commit_host(self, key: bytes, slot: int) -> None:
-        e = self.index.get(key)
-        if e is not None and e.host is not None and e.host != slot:
+        held = self.index.host_slot(key)
+        if held is not None and held != slot:
             self._free_slots.append(slot)
             return
         if key not in self.index:
