@@ -52,17 +52,19 @@ def _assert_close(real: dict[str, float], sim: dict[str, float]) -> None:
 CHAT = dict(users=12, turns=4)
 
 
-def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path):
-    # Small tiers, so that every tier serves hits and both the host and the disk evict.
-    cfg = _config(tmp_path, host="6MiB", disk="12MiB", write="write_through")
+@pytest.mark.parametrize("host,write", [("6MiB", "write_through"), ("0", "write_through_selective")])
+def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write):
+    # Small tiers, so that every tier serves hits and both the host and the disk evict; and no host tier
+    # at all (stores go straight to the disk).
+    cfg = _config(tmp_path, host=host, disk="12MiB", write=write)
     out = tmp_path / "run"
     assert main(["run", "--config", cfg, "--no-progress", "--device-blocks", "96", "--users", "12",
                  "--turns", "4", "--out", str(out), "--record-trace", str(out / "trace.jsonl")]) == 0
     real = _real_hit_rates(out)
-    assert real["device"] > 0 and real["host"] > 0 and real["local_disk"] > 0
+    assert real["device"] > 0 and real["local_disk"] > 0 and (real["host"] > 0 if host != "0" else "host" not in real)
     config = load_config(cfg, env={})
     sim = simulate(config, ChatWorkload(**CHAT), device_blocks=96)
-    assert sim.evicted["host"] > 0 and sim.evicted["local_disk"] > 0
+    assert sim.evicted["local_disk"] > 0 and (sim.evicted["host"] > 0 if host != "0" else "host" not in sim.tiers)
     _assert_close(real, _sim_rates(sim))
     # The recorded trace (the model's own answers in the prompts) replays to the same figures.
     rec = simulate(config, iter_trace(out / "trace.jsonl"), device_blocks=96)
