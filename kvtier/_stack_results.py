@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .stack import TierStack
-    from .transfer import TransferHandle
+    from .transfer import TransferGroup, TransferHandle
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class LoadHandle(_Handle):
         self.num_layers = num_layers
         self.layerwise = layerwise
         self._staged = threading.Event()  # backend fetches done; the host -> device copy is submitted
-        self._xfer: TransferHandle | None = None
+        self._xfer: TransferHandle | TransferGroup | None = None
 
     def wait(self, timeout: float | None = None) -> LoadResult:
         return super().wait(timeout)
@@ -191,7 +191,7 @@ class LoadHandle(_Handle):
             return res.num_loaded > 0 or not res.block_ids
         return self._xfer.wait_layer(layer, _left(deadline), sync=sync)
 
-    def _stage(self, xfer: TransferHandle | None) -> None:
+    def _stage(self, xfer: TransferHandle | TransferGroup | None) -> None:
         self._xfer = xfer
         self._staged.set()
 

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from ._stack_results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
+from .transfer import TransferGroup
 
 if TYPE_CHECKING:
     from .stack import TierStack
-    from .transfer import TransferResult
+    from .transfer import TransferHandle, TransferResult
 
 log = logging.getLogger("kvtier.stack")
 
@@ -134,32 +135,80 @@ class Upward:
         return handle
 
     def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]]) -> None:
+        """Fetch the backend blocks a chunk at a time and start each chunk's host -> device copy as soon
+        as the chunk is in host memory, so copies (transfer workers) overlap the reads (this thread);
+        blocks already in host memory start copying before the first read."""
+        s = self.s
         errors: list[str] = []
+        copies: list[TransferHandle] = []
+        order: list[int] = []  # plan positions, in the order their copies were submitted
         cut = len(plan)
+        done = [0]  # plan positions below this are copied (or failed)
+
+        def advance() -> None:
+            # Copy what is settled: the blocks before the first one still to fetch or failed, so no block
+            # after the end of the usable prefix is ever written to the device.
+            stop = next((i for i, p in enumerate(plan) if p[0] in (FETCH, None)), len(plan))
+            part = range(done[0], stop)
+            self._write_tmp([i for i in part if plan[i][0] == TMP], ids, plan, errors)
+            self._copy([i for i in part if plan[i][0] == HOST], handle, hashes, ids, plan, copies, order, errors)
+            done[0] = max(done[0], stop)
+
         try:
+            advance()
             pos = [i for i, p in enumerate(plan) if p[0] == FETCH]
             keys = [hashes[i] for i in pos]
-            got = self.fetch(keys, self.locate(keys), allow_tmp=True)
-            for i, g in zip(pos, got):
-                plan[i] = list(g) if g is not None else [None, None, None]
+            where = self.locate(keys)
+            step = max(1, s.load_chunk_bytes // max(1, s.layout.block_nbytes))
+            for a in range(0, len(pos), step):
+                got = self.fetch(keys[a:a + step], where[a:a + step], allow_tmp=True)
+                for i, g in zip(pos[a:a + step], got):
+                    plan[i] = list(g) if g is not None else [None, None, None]
+                advance()
+                if any(g is None for g in got):
+                    break  # the chain is broken here: later blocks are of no use
+            for i in pos:
+                if plan[i][0] == FETCH:
+                    plan[i] = [None, None, None]  # never read (an earlier chunk ended the chain)
             cut = next((i for i, p in enumerate(plan) if p[0] is None), len(plan))
-            tmp = [i for i in range(cut) if plan[i][0] == TMP]
-            if tmp:
-                try:
-                    self.s.device.write_blocks(torch.stack([plan[i][1] for i in tmp]), ids[tmp])
-                    self.s.metrics.add("device", bytes_in=len(tmp) * self.s.layout.block_nbytes)
-                except Exception as e:  # noqa: BLE001 - those blocks fail, the rest goes on
-                    errors.append(f"device write: {type(e).__name__}: {e}")
-                    self.s.metrics.add("device", failures=1)
-                    for i in tmp:
-                        plan[i][0] = None
-                    cut = min(cut, tmp[0])
         except Exception as e:  # noqa: BLE001 - a fault fails the blocks, never the engine
             log.exception("load: fetch failed")
             errors.append(f"fetch: {type(e).__name__}: {e}")
-            self._finish_load(handle, hashes, ids, plan, 0, None, [], errors)
+            cut = 0
+        if not copies:
+            handle._stage(None)
+            self._finish_load(handle, hashes, ids, plan, cut, None, [], errors)
             return
-        self._scatter(handle, hashes, ids, plan, cut, errors)
+        xh = copies[0] if len(copies) == 1 else TransferGroup(copies)
+        handle._stage(xh)
+        xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
+
+    def _copy(self, part: list[int], handle: LoadHandle, hashes: list[bytes], ids: np.ndarray,
+              plan: list[list[Any]], copies: list[TransferHandle], order: list[int], errors: list[str]) -> None:
+        """Submit the host -> device copy of the plan positions ``part`` (blocks in host slots)."""
+        if not part:
+            return
+        try:
+            copies.append(self.s._xfer.load([plan[i][1] for i in part], ids[part], layerwise=handle.layerwise,
+                                            keys=[hashes[i] for i in part]))
+            order += part
+        except Exception as e:  # noqa: BLE001 - those blocks are not loaded; the engine recomputes them
+            errors.append(f"transfer: {type(e).__name__}: {e}")
+            for i in part:
+                plan[i][0] = None
+
+    def _write_tmp(self, part: list[int], ids: np.ndarray, plan: list[list[Any]], errors: list[str]) -> None:
+        """Blocks that found no host room were read into temporary rows: write them to the device now."""
+        if not part:
+            return
+        try:
+            self.s.device.write_blocks(torch.stack([plan[i][1] for i in part]), ids[part])
+            self.s.metrics.add("device", bytes_in=len(part) * self.s.layout.block_nbytes)
+        except Exception as e:  # noqa: BLE001 - those blocks fail, the rest goes on
+            errors.append(f"device write: {type(e).__name__}: {e}")
+            self.s.metrics.add("device", failures=1)
+            for i in part:
+                plan[i][0] = None
 
     def _scatter(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]],
                  cut: int, errors: list[str]) -> None:

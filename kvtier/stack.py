@@ -118,6 +118,9 @@ class TierStack:
         self.eviction_policy: EvictionPolicy = pol.eviction.plugin()(pol.eviction.options)
         self.prefetch_threshold_tokens = pol.prefetch.threshold_tokens
         self.prefetch_chunk_blocks = 16  # blocks read per backend call by a prefetch (cancel granularity)
+        # A load reads its backend blocks in chunks of about this many bytes, copying each chunk to the
+        # device while the next is read (too small: more backend calls; too large: less overlap).
+        self.load_chunk_bytes = 32 * 2**20
 
         slots = self.host.num_slots if self.host else 0
         self.index = BlockIndex(capacity=max(1024, self.device.num_blocks + slots))

@@ -192,6 +192,71 @@ class TransferHandle:
             _call(fn, result)
 
 
+class TransferGroup:
+    """Several transfer handles of one direction seen as one (a pipelined load submits a copy per chunk
+    it has read).  The merged result lists the handles' blocks in submission order; a layer has landed
+    when it has in every handle."""
+
+    def __init__(self, handles: Sequence[TransferHandle]):
+        if not handles:
+            raise ValueError("TransferGroup: no handles")
+        self.handles = list(handles)
+        self._lock = threading.Lock()
+        self._left = len(self.handles)
+        self._result: TransferResult | None = None
+        self._callbacks: list[Callable[[TransferResult], None]] = []
+        self._done = threading.Event()
+        for h in self.handles:
+            h.add_done_callback(self._one_done)
+
+    def _one_done(self, _: TransferResult) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+            rs = [h.result() for h in self.handles]
+            self._result = TransferResult(
+                rs[0].direction if rs[0] else "load",
+                tuple(b for r in rs if r for b in r.block_ids), tuple(x for r in rs if r for x in r.slots),
+                tuple(k for r in rs if r for k in r.ok), tuple(e for r in rs if r for e in r.errors),
+                max((r.seconds for r in rs if r), default=0.0), sum(r.nbytes for r in rs if r))
+            callbacks, self._callbacks = self._callbacks, []
+        self._done.set()
+        for fn in callbacks:
+            _call(fn, self._result)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> TransferResult | None:
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{len(self.handles)} transfers not done after {timeout} s")
+        assert self._result is not None
+        return self._result
+
+    def wait_layer(self, layer: int, timeout: float | None = None, *, sync: bool = False) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        landed = True
+        for h in self.handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            landed = h.wait_layer(layer, left, sync=sync) and landed
+        return landed
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
+
+    def add_done_callback(self, fn: Callable[[TransferResult], None]) -> None:
+        with self._lock:
+            if self._result is None:
+                self._callbacks.append(fn)
+                return
+        _call(fn, self._result)
+
+
 class TransferEngine:
     """Moves blocks between a :class:`DeviceTier` and a :class:`HostTier`.
 

@@ -172,6 +172,60 @@ def test_corrupt_read_cuts_the_prefix_and_names_blocks_to_recompute(stack_fb):
     assert fb.stats().corrupt >= 1
 
 
+def test_load_copies_each_chunk_to_the_device_while_the_next_is_read(tmp_path):
+    st, fb = make_stack(tmp_path, host_slots=8)
+    try:
+        _test_load_copies_each_chunk_to_the_device_while_the_next_is_read(st, fb)
+    finally:
+        fb.clear()
+        st.close(timeout=TIMEOUT)
+
+
+def _test_load_copies_each_chunk_to_the_device_while_the_next_is_read(st, fb):
+    hs = chain(st, 6)
+    rows = fill(st, list(range(6)), seed=12)
+    st.store(hs, list(range(6))).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    _evict_host(st)
+    st.load_chunk_bytes = 2 * BLOCK_NBYTES  # chunks of 2 blocks: reads 0-1, 2-3, 4-5
+    gate = fb.gate("get", after=1, times=1)  # the second chunk's read waits
+    h = st.load(hs, [10, 11, 12, 13, 14, 15])
+    assert gate.entered.wait(TIMEOUT)
+    # The first chunk is on the device while the second is still being read.
+    deadline = time.monotonic() + TIMEOUT
+    while not torch.equal(read(st, [10, 11]), rows[:2]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert torch.equal(read(st, [10, 11]), rows[:2]) and not h.done()
+    gate.release()
+    lr = h.wait(TIMEOUT)
+    assert lr.num_loaded == 6 and lr.copied == (True,) * 6
+    assert torch.equal(read(st, list(range(10, 16))), rows)
+
+
+def test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(tmp_path):
+    st, fb = make_stack(tmp_path, host_slots=8)
+    try:
+        _test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(st, fb)
+    finally:
+        fb.clear()
+        st.close(timeout=TIMEOUT)
+
+
+def _test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(st, fb):
+    hs = chain(st, 6)
+    rows = fill(st, list(range(6)), seed=13)
+    st.store(hs, list(range(6))).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    _evict_host(st)
+    st.load_chunk_bytes = 2 * BLOCK_NBYTES
+    fb.corrupt(keys=[st.namespace.key(hs[3])])
+    lr = st.load(hs, [10, 11, 12, 13, 14, 15]).wait(TIMEOUT)
+    assert lr.ok == (True,) * 3 + (False,) * 3 and lr.copied == (True,) * 3 + (False,) * 3
+    assert torch.equal(read(st, [10, 11, 12]), rows[:3])
+    # The third chunk was never read: its blocks did not come into host memory.
+    assert [st.index.get(h) is not None and st.index.get(h).host is not None for h in hs[4:]] == [False, False]
+
+
 def test_corrupt_file_on_disk_is_a_miss(tmp_path):
     st, _ = make_stack(tmp_path, faulty=False)
     try:
