@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ._stack_results import FAILED, PRESENT, SKIPPED, STORED, StoreHandle, StoreResult
+from .groups import whole_groups
 from .index import Tier
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class Downward:
 
     # ------------------------------------------------------------------ store
 
-    def store(self, hashes: list[bytes], ids: np.ndarray) -> StoreHandle:
+    def store(self, hashes: list[bytes], ids: np.ndarray, start: int = 0) -> StoreHandle:
         s = self.s
         n = len(hashes)
         handle = StoreHandle(n)
@@ -160,6 +161,8 @@ class Downward:
             self.write_down(hits)
         if not new:
             self._finish(handle, status)
+        elif s.host is None and s.storage_blocks > 1:
+            self._store_direct_groups(handle, hashes, ids, new, status, start)
         elif s.host is None:
             self._store_direct(handle, hashes, ids, new, status)
         elif wb:
@@ -169,14 +172,14 @@ class Downward:
             if s.device.is_cuda:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(s.device.device))
-            if not s._submit(s._io, self._store_deferred, handle, hashes, ids, new, status, slots, wb, ev):
+            if not s._submit(s._io, self._store_deferred, handle, hashes, ids, new, status, slots, wb, ev, start):
                 self._abandon(handle, hashes, new, status, slots, wb)
         else:
-            self._store_submit(handle, hashes, ids, new, status, slots)
+            self._store_submit(handle, hashes, ids, new, status, slots, start)
         return handle
 
     def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                        status: list[str], slots: list[int], wb: list[Victim], ev: Any) -> None:
+                        status: list[str], slots: list[int], wb: list[Victim], ev: Any, start: int) -> None:
         try:
             more = self.s.room.write_back(wb)
             if ev is not None:
@@ -185,10 +188,10 @@ class Downward:
             log.exception("store: write-back failed")
             self._abandon(handle, hashes, new, status, slots, [])
             return
-        self._store_submit(handle, hashes, ids, new, status, slots + more)
+        self._store_submit(handle, hashes, ids, new, status, slots + more, start)
 
     def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                      status: list[str], slots: list[int]) -> None:
+                      status: list[str], slots: list[int], start: int = 0) -> None:
         s = self.s
         take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
         if skip:
@@ -208,10 +211,10 @@ class Downward:
             self._release_keys(keys)
             self._finish(handle, status)
             return
-        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status))
+        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status, hashes, start))
 
     def _on_stored(self, handle: StoreHandle, r: TransferResult, take: list[int], keys: list[bytes],
-                   status: list[str]) -> None:
+                   status: list[str], hashes: Sequence[bytes] = (), start: int = 0) -> None:
         s = self.s
         down: list[bytes] = []
         try:
@@ -231,9 +234,58 @@ class Downward:
             s.metrics.add("device", bytes_out=r.nbytes)
             s.metrics.add("host", bytes_in=r.nbytes, failures=int(not r.all_ok))
             s.metrics.observe("host", "write", r.seconds)
-            if down:
+            if s.storage_blocks > 1:
+                # Values of several blocks: every whole group of this store whose last block the write
+                # policy sends down (its blocks are in host memory now, stored here or before).
+                k = s.storage_blocks
+                sent = set(down)
+                s._grouped.write_from_host([tuple(hashes[a:b + 1]) for a, b in whole_groups(start, len(hashes), k)
+                                            if sent.intersection(hashes[a:b + 1])])
+            elif down:
                 self.write_down(down)
         finally:
+            self._finish(handle, status)
+
+    def _store_direct_groups(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                             status: list[str], start: int) -> None:
+        """No host tier, values of several blocks: read every whole group of the store from the device
+        now (this thread: ordered after the engine's work), write them in a worker.  A block outside a
+        whole group is skipped (a partial group is never stored)."""
+        s = self.s
+        k = s.storage_blocks
+        fresh = set(new)
+        groups = [(a, b) for a, b in whole_groups(start, len(hashes), k) if fresh & set(range(a, b + 1))]
+        keys = [hashes[i] for i in new]
+        if not groups:
+            self._release_keys(keys)
+            self._finish(handle, status)
+            return
+        try:
+            rows = s.device.read_blocks(np.concatenate([ids[a:b + 1] for a, b in groups]))
+        except Exception as e:  # noqa: BLE001
+            log.warning("store: device read failed: %s", e)
+            s.metrics.add("device", failures=1)
+            for i in new:
+                status[i] = FAILED
+            self._release_keys(keys)
+            self._finish(handle, status)
+            return
+        s.metrics.add("device", bytes_out=rows.numel())
+        rows = rows.view(len(groups), -1)
+
+        def write() -> None:
+            try:
+                took = s._grouped.write_rows([tuple(hashes[a:b + 1]) for a, b in groups], rows)
+                for (a, b), ok in zip(groups, took):
+                    for i in range(a, b + 1):
+                        if i in fresh:
+                            status[i] = STORED if ok else SKIPPED
+            finally:
+                self._release_keys(keys)
+                self._finish(handle, status)
+
+        if not s._submit(s._io, write):
+            self._release_keys(keys)
             self._finish(handle, status)
 
     def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
@@ -307,6 +359,8 @@ class Downward:
         """Asynchronously copy host blocks to every writable backend that lacks them (blocks already
         there, not in host, or already being written are left alone)."""
         s = self.s
+        if s.storage_blocks > 1:
+            return  # values of several blocks are written whole, by the store (write_through only)
         todo: list[Victim] = []
         with s._lock:
             for key in dict.fromkeys(keys):

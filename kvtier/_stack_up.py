@@ -105,7 +105,7 @@ class Upward:
 
     # ------------------------------------------------------------------ load
 
-    def load(self, hashes: list[bytes], ids: np.ndarray, layerwise: bool) -> LoadHandle:
+    def load(self, hashes: list[bytes], ids: np.ndarray, layerwise: bool, start: int = 0) -> LoadHandle:
         s = self.s
         handle = LoadHandle(len(hashes), s.layout.num_layers, layerwise)
         plan: list[list[Any]] = []  # per block of the planned prefix: [kind, slot or row, backend or None]
@@ -128,13 +128,14 @@ class Upward:
                     s.index.clear_device(other)
                     s._gc_locked(other)
         if any(p[0] == FETCH for p in plan):
-            if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan):
+            if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan, start):
                 self._finish_load(handle, hashes, ids, plan, 0, None, [], ["stack closed"])
         else:
             self._scatter(handle, hashes, ids, plan, len(plan), [])
         return handle
 
-    def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]]) -> None:
+    def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]],
+                  start: int = 0) -> None:
         """Fetch the backend blocks a chunk at a time and start each chunk's host -> device copy as soon
         as the chunk is in host memory, so copies (transfer workers) overlap the reads (this thread);
         blocks already in host memory start copying before the first read."""
@@ -157,16 +158,19 @@ class Upward:
         try:
             advance()
             pos = [i for i, p in enumerate(plan) if p[0] == FETCH]
-            keys = [hashes[i] for i in pos]
-            where = self.locate(keys)
             step = max(1, s.load_chunk_bytes // max(1, s.layout.block_nbytes))
-            for a in range(0, len(pos), step):
-                got = self.fetch(keys[a:a + step], where[a:a + step], allow_tmp=True)
-                for i, g in zip(pos[a:a + step], got):
-                    plan[i] = list(g) if g is not None else [None, None, None]
-                advance()
-                if any(g is None for g in got):
-                    break  # the chain is broken here: later blocks are of no use
+            if s.storage_blocks > 1:
+                self._fetch_groups(hashes, start, pos, plan, step, advance)
+            else:
+                keys = [hashes[i] for i in pos]
+                where = self.locate(keys)
+                for a in range(0, len(pos), step):
+                    got = self.fetch(keys[a:a + step], where[a:a + step], allow_tmp=True)
+                    for i, g in zip(pos[a:a + step], got):
+                        plan[i] = list(g) if g is not None else [None, None, None]
+                    advance()
+                    if any(g is None for g in got):
+                        break  # the chain is broken here: later blocks are of no use
             for i in pos:
                 if plan[i][0] == FETCH:
                     plan[i] = [None, None, None]  # never read (an earlier chunk ended the chain)
@@ -182,6 +186,25 @@ class Upward:
         xh = copies[0] if len(copies) == 1 else TransferGroup(copies)
         handle._stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
+
+    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[list[Any]], step: int,
+                      advance: Any) -> None:
+        """``_load_job``'s reads when stored values hold several blocks: whole values, a chunk of them at
+        a time, each block placed where the plan wants it."""
+        grouped = self.s._grouped
+        groups, lost = grouped.groups_of(start, pos, len(hashes))
+        for i in lost:
+            plan[i] = [None, None, None]
+        where = grouped.locate(hashes, groups)
+        want = set(pos)
+        per = max(1, step // grouped.k)
+        for a in range(0, len(groups), per):
+            got = grouped.fetch(hashes, groups[a:a + per], where[a:a + per], want, allow_tmp=True)
+            for i, g in got.items():
+                plan[i] = list(g) if g is not None else [None, None, None]
+            advance()
+            if any(g is None for g in got.values()):
+                break  # the chain is broken here: later blocks are of no use
 
     def _copy(self, part: list[int], handle: LoadHandle, hashes: list[bytes], ids: np.ndarray,
               plan: list[list[Any]], copies: list[TransferHandle], order: list[int], errors: list[str]) -> None:
@@ -282,12 +305,12 @@ class Upward:
 
     # ------------------------------------------------------------------ prefetch
 
-    def prefetch(self, hashes: list[bytes], lookup: LookupResult | None) -> PrefetchHandle:
+    def prefetch(self, hashes: list[bytes], lookup: LookupResult | None, start: int = 0) -> PrefetchHandle:
         s = self.s
         if s.host is None or not len(s._backends):
             return PrefetchHandle(s, hashes, 0, 0.0, started=False)
         res = lookup if lookup is not None and lookup.num_requested == len(hashes) else \
-            s.lookup(hashes, record=False)
+            s.lookup(hashes, record=False, start=start)
         names = {n: i for i, n in enumerate(s._backends.names)}
         pos = [i for i, t in enumerate(res.tiers) if t in names]
         tokens = len(pos) * s.block_size
@@ -298,8 +321,12 @@ class Upward:
             for key in prefix:  # the memory part too: making room must not evict the request's own head
                 s._pin_locked(key)
         handle = PrefetchHandle(s, hashes, tokens, s.prefetch_policy.wait_seconds(tokens), started=True)
-        job = (handle, prefix, [hashes[i] for i in pos], [names[res.tiers[i]] for i in pos])
-        if not s._submit(s._reads, self._prefetch_job, *job):
+        if s.storage_blocks > 1:
+            ok = s._submit(s._reads, self._prefetch_groups_job, handle, prefix, hashes, start, pos)
+        else:
+            ok = s._submit(s._reads, self._prefetch_job, handle, prefix, [hashes[i] for i in pos],
+                           [names[res.tiers[i]] for i in pos])
+        if not ok:
             self._prefetch_done(handle, prefix)
         return handle
 
@@ -315,6 +342,26 @@ class Upward:
                 handle.fetched += n_ok
                 if n_ok < len(got):
                     break  # the chain is broken here: later blocks are of no use
+        finally:
+            self._prefetch_done(handle, prefix)
+
+    def _prefetch_groups_job(self, handle: PrefetchHandle, prefix: list[bytes], hashes: list[bytes], start: int,
+                             pos: list[int]) -> None:
+        try:
+            grouped = self.s._grouped
+            groups, _ = grouped.groups_of(start, pos, len(hashes))
+            where = grouped.locate(hashes, groups)
+            want = set(pos)
+            per = max(1, self.s.prefetch_chunk_blocks // grouped.k)
+            for a in range(0, len(where), per):
+                if handle.cancelled.is_set():
+                    break
+                got = grouped.fetch(hashes, groups[a:a + per], where[a:a + per], want, allow_tmp=False)
+                order = sorted(got)
+                n_ok = next((j for j, i in enumerate(order) if got[i] is None), len(order))
+                handle.fetched += n_ok
+                if n_ok < len(order):
+                    break
         finally:
             self._prefetch_done(handle, prefix)
 

@@ -211,6 +211,16 @@ class EvictionPolicyConfig(_PolicyConfig):
     name: str = Field("lru", description="lru | ...")
 
 
+class StorageSection(_Section):
+    """How blocks are grouped into stored values in the backends."""
+
+    block_tokens: int | None = Field(
+        None, ge=1, description="Tokens per stored value: a multiple of model.block_size (null = one engine "
+                                "block per value).  Larger values mean fewer requests per prefix (S3, Redis); "
+                                "a prompt's last, partial group is not stored, and backend hits round down "
+                                "to whole groups.")
+
+
 class PoliciesSection(_Section):
     write: WritePolicyConfig = Field(default_factory=WritePolicyConfig)
     prefetch: PrefetchPolicyConfig = Field(default_factory=PrefetchPolicyConfig)
@@ -236,6 +246,7 @@ class KvtierConfig(_Section):
     device: DeviceSection = Field(default_factory=DeviceSection)
     host: HostSection = Field(default_factory=HostSection)
     backends: list[BackendConfig] = Field(default_factory=list, description="Lookup order: fastest first.")
+    storage: StorageSection = Field(default_factory=StorageSection)
     policies: PoliciesSection = Field(default_factory=PoliciesSection)
     transfer: TransferSection = Field(default_factory=TransferSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
@@ -245,7 +256,14 @@ class KvtierConfig(_Section):
         return Namespace(model=m.id, kv_dtype=m.kv_dtype, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                          head_dim=m.head_dim, block_size=m.block_size, attention=m.attention,
                          tp_rank=m.tp_rank, tp_size=m.tp_size, pp_rank=m.pp_rank, pp_size=m.pp_size,
-                         hash_algo=self.keys.algo, hash_seed=self.keys.seed)
+                         hash_algo=self.keys.algo, hash_seed=self.keys.seed,
+                         storage_blocks=self.storage_blocks)
+
+    @property
+    def storage_blocks(self) -> int:
+        """Engine blocks per stored value (1 unless ``storage.block_tokens`` groups them)."""
+        t = self.storage.block_tokens
+        return 1 if t is None else t // self.model.block_size
 
     def summary(self) -> str:
         """One line: the tiers from fastest to slowest."""
@@ -452,6 +470,12 @@ def _cross_checks(cfg: KvtierConfig) -> list[str]:
     for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
         if getattr(m, rank) >= getattr(m, size):
             out.append(f"model.{rank}: expected 0 <= {rank} < {size} ({getattr(m, size)}), got {getattr(m, rank)}")
+    bt = cfg.storage.block_tokens
+    if bt is not None and bt % m.block_size:
+        out.append(f"storage.block_tokens: expected a multiple of model.block_size ({m.block_size}), got {bt}")
+    elif bt is not None and bt > m.block_size and cfg.policies.write.name != "write_through":
+        out.append(f"storage.block_tokens: values of several blocks ({bt} tokens) are written with "
+                   f"policies.write.name write_through only, got {cfg.policies.write.name!r}")
     first: dict[str, int] = {}
     for i, b in enumerate(cfg.backends):
         j = first.setdefault(b.name, i)

@@ -565,13 +565,17 @@ class Namespace:
     hash_algo: str = "sha256_cbor"
     hash_seed: str | int | None = None
     format_version: int = BLOCK_FORMAT_VERSION
+    # Engine blocks per stored value (``storage.block_tokens / block_size``).  Values of different group
+    # sizes must never be confused, so it is part of the digest, but only when > 1: the namespaces (and
+    # so every key) of deployments that store one block per value are unchanged.
+    storage_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention: expected 'mha' or 'mla', got {self.attention!r}")
         if not known_algo(self.hash_algo):
             raise ValueError(_algo_problem("hash_algo", self.hash_algo))
-        for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size", "pp_size"):
+        for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size", "pp_size", "storage_blocks"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: expected an integer >= 1, got {v!r}")
@@ -584,7 +588,10 @@ class Namespace:
 
     def manifest(self) -> dict[str, Any]:
         """The fields as a plain dict (JSON-able): what a tool shows for a namespace."""
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if out["storage_blocks"] == 1:
+            del out["storage_blocks"]  # see the field: keys from before grouping existed stay the same
+        return out
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> Namespace:

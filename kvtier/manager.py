@@ -31,6 +31,7 @@ from typing import Any
 from ._stack_backends import BackendSet
 from .backend import StorageBackend
 from .config import KvtierConfig
+from .groups import group_ends
 from .index import BlockIndex, Tier
 from .keys import Namespace
 from .metrics import StackMetrics
@@ -54,6 +55,7 @@ class TierManager:
         self.config = config
         self.namespace: Namespace = config.namespace()
         self.block_size = self.namespace.block_size
+        self.storage_blocks = self.namespace.storage_blocks  # engine blocks per stored value
         self.digest_size = self.namespace.hasher().digest_size
         self._owned = backends is None
         if isinstance(backends, BackendSet):
@@ -72,8 +74,8 @@ class TierManager:
         self.probe_ttl_s = probe_ttl_s
         self.max_probes = 4096
         self._lock = lock or threading.Lock()
-        # (first hash, length) -> (future, finished-at); the future returns (blocks found, backend index)
-        self._probes: OrderedDict[tuple[bytes, int], tuple[Future, float]] = OrderedDict()
+        # (first hash, length, its chain position mod the group size) -> (future, finished-at)
+        self._probes: OrderedDict[tuple[bytes, int, int], tuple[Future, float]] = OrderedDict()
         self._probe_threads = probe_threads
         self._pool: ThreadPoolExecutor | None = None  # started by the first asynchronous probe
         self._closed = False
@@ -100,19 +102,20 @@ class TierManager:
 
     # ------------------------------------------------------------------ lookup (never blocks)
 
-    def lookup(self, hashes: Sequence[bytes], *, wait_s: float = 0.0) -> Lookup:
+    def lookup(self, hashes: Sequence[bytes], *, wait_s: float = 0.0, start: int = 0) -> Lookup:
         """How many leading blocks of ``hashes`` are available, without waiting: memory and known
         backend blocks from the index; for the rest, a backend probe started now (PENDING) or finished
         earlier (its answer, kept ``probe_ttl_s``).  ``wait_s`` > 0 is for callers on a thread of their
         own that may block (SGLang's prefetch thread): wait up to that long for the probe instead of
-        answering PENDING at once (PENDING if it is still running then)."""
-        found, probe = self._lookup(hashes)
+        answering PENDING at once (PENDING if it is still running then).  ``start``: the chain position
+        of ``hashes[0]`` (it matters when stored values group several blocks: :mod:`kvtier.groups`)."""
+        found, probe = self._lookup(hashes, start)
         if probe is not None and wait_s > 0:
             wait([probe], timeout=wait_s)
-            found, _ = self._lookup(hashes)
+            found, _ = self._lookup(hashes, start)
         return found
 
-    def _lookup(self, hashes: Sequence[bytes]) -> tuple[Lookup, Future | None]:
+    def _lookup(self, hashes: Sequence[bytes], start: int) -> tuple[Lookup, Future | None]:
         """The answer, and the probe still running when it is PENDING."""
         n = len(hashes)
         with self._lock:
@@ -120,7 +123,7 @@ class TierManager:
             p, tiers = m.length, [self._tier_name(int(t)) for t in m.tiers]
         if p == n or not len(self.backends):
             return _answer(p, tiers), None
-        got = self._probe_result(hashes[p:])
+        got = self._probe_result(hashes[p:], start + p)
         if isinstance(got, Future):
             return Lookup(LookupState.PENDING, 0), got
         found, who = got
@@ -129,11 +132,12 @@ class TierManager:
                 self._remember_backend(hashes[p:p + found], who)
         return _answer(p + found, tiers + [self.backends.names[who]] * found), None
 
-    def resolve(self, hashes: Sequence[bytes]) -> tuple[str, ...]:
+    def resolve(self, hashes: Sequence[bytes], start: int = 0) -> tuple[str, ...]:
         """The in-process lookup (it may wait on I/O): where each block of the longest available prefix
         is best served from.  Memory tiers come from the index; backends are *asked* for the rest
         (never trusted from hints, since another process may have stored or evicted), and within a
-        backend's run a block that is also in memory is served from memory."""
+        backend's run a block that is also in memory is served from memory.  ``start``: the chain
+        position of ``hashes[0]``."""
         n, p, out = len(hashes), 0, []
         keys: list[str] | None = None
         while p < n:
@@ -145,7 +149,7 @@ class TierManager:
             if p == n or not len(self.backends):
                 break
             keys = keys or self.namespace.keys(hashes)
-            best, who = self.backends.longest_prefix(keys[p:])
+            best, who = self._backend_prefix(keys, p, start + p)
             if best == 0:
                 break
             with self._lock:
@@ -155,9 +159,23 @@ class TierManager:
             p += best
         return tuple(out)
 
-    def _probe_result(self, hashes: Sequence[bytes]) -> tuple[int, int] | Future:
-        """The finished probe's (blocks found, backend), or the running probe's future."""
-        key = (hashes[0], len(hashes))
+    def _backend_prefix(self, keys: Sequence[str], p: int, pos: int) -> tuple[int, int]:
+        """``(blocks from keys[p] on, backend)`` of the longest run stored in one backend; ``pos`` is the
+        chain position of ``keys[p]``.  With several blocks per stored value, only the keys that end a
+        group are asked about, and the answer is whole groups (the first may begin before ``p``)."""
+        k = self.storage_blocks
+        if k == 1:
+            return self.backends.longest_prefix(keys[p:])
+        ends = group_ends(pos - p, p, len(keys), k)
+        if not ends:
+            return 0, 0
+        groups, who = self.backends.longest_prefix([keys[e] for e in ends])
+        return (ends[groups - 1] - p + 1 if groups else 0), who
+
+    def _probe_result(self, hashes: Sequence[bytes], pos: int) -> tuple[int, int] | Future:
+        """The finished probe's (blocks found, backend), or the running probe's future; ``pos`` is the
+        chain position of ``hashes[0]``."""
+        key = (hashes[0], len(hashes), pos % self.storage_blocks)
         now = time.monotonic()
         with self._lock:
             self._expire_locked(now)
@@ -167,7 +185,7 @@ class TierManager:
                     return 0, 0
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self._probe_threads, "kvtier-probe")
-                fut = self._pool.submit(self._probe, list(hashes))
+                fut = self._pool.submit(self._probe, list(hashes), pos)
                 self._probes[key] = (fut, 0.0)
                 return fut
             fut, _ = entry
@@ -180,9 +198,9 @@ class TierManager:
         except Exception:  # noqa: BLE001 - _probe never raises; belt and braces
             return 0, 0
 
-    def _probe(self, hashes: list[bytes]) -> tuple[int, int]:
+    def _probe(self, hashes: list[bytes], pos: int) -> tuple[int, int]:
         """Longest prefix in any backend (runs in the probe pool; BackendSet turns faults into 0)."""
-        return self.backends.longest_prefix(self.namespace.keys(hashes))
+        return self._backend_prefix(self.namespace.keys(hashes), 0, pos)
 
     def _expire_locked(self, now: float) -> None:
         while self._probes:

@@ -38,15 +38,19 @@ class Lookup:
 
 @dataclass(frozen=True)
 class _BlockPlan:
-    """Blocks ``hashes`` of request ``req_id`` and the device blocks ``block_ids`` they go to / come from."""
+    """Blocks ``hashes`` of request ``req_id`` and the device blocks ``block_ids`` they go to / come from;
+    ``start`` is the chain position of ``hashes[0]`` in the request's prompt."""
 
     KIND: ClassVar[str] = "block"
     req_id: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    start: int = 0
 
     def __post_init__(self) -> None:
         what, ids = f"{self.KIND} plan for {self.req_id!r}", self.block_ids
+        if self.start < 0:
+            raise ValueError(f"{what}: start must be >= 0, got {self.start}")
         if len(self.hashes) != len(ids):
             raise ValueError(f"{what}: {len(self.hashes)} hashes but {len(ids)} block ids")
         if len(set(ids)) != len(ids):

@@ -46,6 +46,7 @@ import torch
 
 from ._stack_backends import BackendSet
 from ._stack_down import Downward, HostRoom
+from ._stack_groups import Grouped
 from ._stack_results import (
     LoadHandle,
     LoadResult,
@@ -110,8 +111,10 @@ class TierStack:
 
         tiers = ["device", *(["host"] if self.host else []), *names]
         self.metrics = StackMetrics(tiers, self.block_size, gauges=self._gauges)
+        # Engine blocks per stored value (storage.block_tokens): see kvtier.groups.
+        self.storage_blocks = config.storage_blocks
         self._backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
-                                    self.namespace.layout_id, self.layout.block_nbytes)
+                                    self.namespace.layout_id, self.layout.block_nbytes * self.storage_blocks)
         pol = config.policies
         self.write_policy: WritePolicy = pol.write.plugin()(pol.write.options)
         self.prefetch_policy: PrefetchPolicy = pol.prefetch.plugin()(pol.prefetch.options)
@@ -143,6 +146,7 @@ class TierStack:
         self.room = HostRoom(self)
         self._down = Downward(self)
         self._up = Upward(self)
+        self._grouped = Grouped(self)
 
         # The scheduler half: the same index and lock, the same backend probing the vLLM connector uses.
         self.manager = TierManager(config, backends=self._backends, index=self.index, lock=self._lock)
@@ -180,25 +184,27 @@ class TierStack:
 
     # ------------------------------------------------------------------ scheduler side
 
-    def lookup(self, hashes: Sequence[bytes], *, record: bool = True) -> LookupResult:
+    def lookup(self, hashes: Sequence[bytes], *, record: bool = True, start: int = 0) -> LookupResult:
         """The longest prefix of ``hashes`` available in some tier, and where each block is best served
         from.  Memory tiers come from the index; backends are asked (``contains_prefix``) for the rest,
         so blocks another process stored are found.  A failing backend counts as 0 hits.  With
         ``record`` the result is counted as one request in the metrics (matched tokens per tier); pass
-        False when a scheduler asks again about the same request."""
+        False when a scheduler asks again about the same request.  ``start``: the chain position of
+        ``hashes[0]`` (0 for a whole prompt), which places stored values of several blocks."""
         hashes = self.manager.check_hashes(hashes)
         n = len(hashes)
-        tiers = self.manager.resolve(hashes)
+        tiers = self.manager.resolve(hashes, _start(start))
         res = LookupResult(tuple(tiers), self.block_size, n)
         if record:
             self.metrics.record_request(res.tiers, n)
         return res
 
-    def prefetch(self, hashes: Sequence[bytes], *, lookup: LookupResult | None = None) -> PrefetchHandle:
+    def prefetch(self, hashes: Sequence[bytes], *, lookup: LookupResult | None = None,
+                 start: int = 0) -> PrefetchHandle:
         """Start copying the blocks of the longest available prefix that are only in backends into host
         memory, if they are at least ``policies.prefetch.threshold_tokens`` tokens; ``lookup`` reuses a
         result just computed for the same hashes.  ``handle.wait()`` applies the prefetch policy."""
-        return self._up.prefetch(self.manager.check_hashes(hashes), lookup)
+        return self._up.prefetch(self.manager.check_hashes(hashes), lookup, _start(start))
 
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
         """The engine freed or reused these device blocks: forget what the index says they hold."""
@@ -222,7 +228,8 @@ class TierStack:
 
     # ------------------------------------------------------------------ worker side
 
-    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, layerwise: bool = False) -> LoadHandle:
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, layerwise: bool = False,
+             start: int = 0) -> LoadHandle:
         """Copy the longest available prefix of ``hashes`` into device blocks ``block_ids`` (same
         length).  Sources, best first: host memory; the same device block already holding it (no copy);
         the backends, fetched into host memory first (promoted; a temporary buffer when host memory has
@@ -232,15 +239,15 @@ class TierStack:
         if len(np.unique(ids)) != ids.size:
             dup = sorted({int(b) for b in ids if (ids == b).sum() > 1})
             raise ValueError(f"block ids: a load needs distinct destination blocks, got duplicates {dup}")
-        return self._up.load(hashes, ids, layerwise)
+        return self._up.load(hashes, ids, layerwise, _start(start))
 
-    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> StoreHandle:
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> StoreHandle:
         """Copy device blocks ``block_ids`` holding ``hashes`` into host memory (allocating slots; when
         full, evicting unpinned blocks as the eviction policy says, or skipping and counting); then the
         write policy decides which go down to the backends, and when (asynchronously).  The engine may
         reuse the device blocks once ``handle.wait()`` has returned."""
         hashes = self.manager.check_hashes(hashes)
-        return self._down.store(hashes, self._check_ids(block_ids, len(hashes)))
+        return self._down.store(hashes, self._check_ids(block_ids, len(hashes)), _start(start))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every store in flight and every pending backend write has finished; False if
@@ -398,6 +405,13 @@ class TierStack:
             return True
         except RuntimeError:
             return False
+
+
+def _start(start: int) -> int:
+    """A chain position: an int >= 0 (ValueError naming it otherwise)."""
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+        raise ValueError(f"start: expected the chain position of hashes[0], an int >= 0, got {start!r}")
+    return int(start)
 
 
 def _logged(fn: Any, *args: Any) -> None:

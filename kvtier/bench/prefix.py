@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--block-tokens", default="16,256",
+                   help="storage.block_tokens values to compare (tokens per stored value; default 16,256)")
     p.add_argument("--json", metavar="PATH")
 
 
@@ -57,11 +59,12 @@ def backend_section(name: str, stack: ExitStack, tmp: str, *, capacity: str = "4
     raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
 
 
-def _config(args, backend: dict):
+def _config(args, backend: dict, block_tokens: int = 16):
     from ..config import parse_config
 
     blocks = args.tokens // 16 + 8
     return parse_config({
+        "storage": {"block_tokens": block_tokens},
         "model": {"id": "kvtier/bench-prefix", "kv_dtype": "float32", "num_layers": args.layers,
                   "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "block_size": 16},
         "device": {"kind": "auto", "num_blocks": blocks},
@@ -70,11 +73,11 @@ def _config(args, backend: dict):
     })
 
 
-def bench_one(args, backend: dict) -> dict:
+def bench_one(args, backend: dict, block_tokens: int = 16) -> dict:
     from ..integrations.engine import CachedEngine
 
     prompt = torch.randint(0, 2048, (args.tokens + 1,), generator=torch.Generator().manual_seed(0)).tolist()
-    cfg = _config(args, backend)
+    cfg = _config(args, backend, block_tokens)
     prefill = CachedEngine.from_config(cfg)
     try:
         prefill.run_request(prompt, max_new_tokens=1)
@@ -82,7 +85,7 @@ def bench_one(args, backend: dict) -> dict:
     finally:
         prefill.close()
     hashes = prefill.hasher.hash_blocks(prompt)[: args.tokens // 16]
-    loads, computes, nbytes = [], [], 0
+    loads, computes, nbytes, reads = [], [], 0, 0
     for _ in range(args.repeats):
         dec = CachedEngine.from_config(cfg)  # cold host and device: everything comes from the backend
         try:
@@ -91,6 +94,7 @@ def bench_one(args, backend: dict) -> dict:
             found = dec.stack.lookup(hashes)
             res = dec.stack.load(hashes[: found.num_blocks], ids[: found.num_blocks]).wait()
             loads.append(time.perf_counter() - t0)
+            reads = sum(b.stats().gets for b in dec.stack.backends)  # values read (S3: GET requests)
             if res.num_loaded != len(hashes):
                 raise RuntimeError(f"{backend['name']}: loaded {res.num_loaded} of {len(hashes)} blocks")
             nbytes = len(hashes) * dec.stack.layout.block_nbytes
@@ -100,7 +104,8 @@ def bench_one(args, backend: dict) -> dict:
         finally:
             dec.close()
     load, compute = statistics.median(loads), statistics.median(computes)
-    return {"backend": backend["name"], "tokens": args.tokens, "MiB": nbytes / 2**20,
+    return {"backend": backend["name"], "tokens": args.tokens, "block_tokens": block_tokens,
+            "values_read": reads, "MiB": nbytes / 2**20,
             "load_ms": load * 1e3, "recompute_ms": compute * 1e3, "GiB/s": nbytes / load / 2**30,
             "ratio_recompute_over_load": compute / load}
 
@@ -114,10 +119,11 @@ def run(args) -> int:
             except Exception as e:  # noqa: BLE001 - a missing server is a SKIP, not a crash
                 print(f"SKIP {name}: {e}")
                 continue
-            rows.append(bench_one(args, backend))
+            for bt in [int(x) for x in args.block_tokens.split(",") if x.strip()]:
+                rows.append(bench_one(args, backend, bt))
     print(f"prefix of {args.tokens} tokens, model {args.layers} layers x {args.kv_heads} kv heads x "
           f"{args.head_dim} head dim (float32), medians of {args.repeats}")
-    print_table(rows, ["backend", "tokens", "MiB", "load_ms", "recompute_ms", "GiB/s",
-                       "ratio_recompute_over_load"])
+    print_table(rows, ["backend", "tokens", "block_tokens", "values_read", "MiB", "load_ms", "recompute_ms",
+                       "GiB/s", "ratio_recompute_over_load"])
     write_json(args.json, {"rows": rows})
     return 0

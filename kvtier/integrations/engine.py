@@ -111,7 +111,7 @@ class CachedEngine:
             self.pool.touch(dev)
         res.device_blocks = len(dev)
         rest = reusable[len(dev):]
-        found = self.stack.lookup(rest) if rest else None
+        found = self.stack.lookup(rest, start=len(dev)) if rest else None
         res.lookup_s = time.perf_counter() - t0
         total_blocks = -(-(len(prompt) + max_new_tokens) // B)
         new = self.pool.allocate(total_blocks - len(dev))
@@ -121,7 +121,7 @@ class CachedEngine:
             t1 = time.perf_counter()
             if found is not None and found.num_blocks:
                 k = found.num_blocks
-                out = self.stack.load(rest[:k], new[:k]).wait()
+                out = self.stack.load(rest[:k], new[:k], start=len(dev)).wait()
                 loaded = out.num_loaded
                 res.failed_blocks = k - loaded
                 for tier in found.tiers[:loaded]:
@@ -141,7 +141,11 @@ class CachedEngine:
             first_new = len(dev) + loaded
             if store and first_new < len(hashes):
                 t3 = time.perf_counter()
-                self.stack.store(hashes[first_new:], table[first_new : len(hashes)]).wait()
+                # Stored values of several blocks are whole groups from a group boundary: the store
+                # starts there (blocks before first_new are valid on the device too).
+                g = getattr(self.stack, "storage_blocks", 1)
+                s0 = first_new // g * g
+                self.stack.store(hashes[s0:], table[s0 : len(hashes)], start=s0).wait()
                 res.store_s = time.perf_counter() - t3
                 res.stored_blocks = len(hashes) - first_new
         finally:

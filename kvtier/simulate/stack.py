@@ -62,7 +62,11 @@ class SimulatedStack:
     (:class:`~kvtier.integrations.engine.CachedEngine`) drives it through the same methods."""
 
     def __init__(self, config: KvtierConfig, block_nbytes: int):
+        if config.storage_blocks > 1:
+            raise ValueError(f"storage.block_tokens: kvtier simulate models one engine block per stored value; "
+                             f"got {config.storage.block_tokens} tokens ({config.storage_blocks} blocks)")
         self.config = config
+        self.storage_blocks = 1
         self.namespace = config.namespace()
         self.block_size = self.namespace.block_size
         self.block_nbytes = block_nbytes
@@ -88,10 +92,10 @@ class SimulatedStack:
 
     # ------------------------------------------------------------------ what the engine calls
 
-    def lookup(self, hashes: Sequence[bytes]) -> LookupResult:
-        return LookupResult(self.manager.resolve(hashes), self.block_size, len(hashes))
+    def lookup(self, hashes: Sequence[bytes], *, start: int = 0) -> LookupResult:
+        return LookupResult(self.manager.resolve(hashes, start), self.block_size, len(hashes))
 
-    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> _Done:
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
         """``_stack_up.Upward.load`` without the copies: plan (host, same device block, fetch), pin the
         plan, fetch what is only in backends into host slots, then record the device copies."""
         idx, ids = self.index, [int(b) for b in block_ids]
@@ -131,7 +135,7 @@ class SimulatedStack:
         loaded = tuple(i < cut for i in range(len(hashes)))
         return _Done(LoadResult(tuple(ids), loaded, loaded, (), (), self.block_size))
 
-    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> _Done:
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
         """``_stack_down.Downward.store`` without the copies."""
         idx, n = self.index, len(hashes)
         status = [_SKIPPED] * n

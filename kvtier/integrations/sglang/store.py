@@ -50,6 +50,11 @@ class PageStore:
 
     def __init__(self, config: KvtierConfig, codec: PageCodec, *,
                  backends: Sequence[StorageBackend] | None = None):
+        if config.storage_blocks > 1:
+            # SGLang hands its storage one page key at a time, without the chain position that places
+            # values of several pages (kvtier.groups): it stores one page per value.
+            raise ValueError(f"kvtier: storage.block_tokens must be null or model.block_size (the page size, "
+                             f"{config.model.block_size}) with SGLang, got {config.storage.block_tokens}")
         self.config = config
         self.codec = codec
         self.namespace: Namespace = config.namespace()

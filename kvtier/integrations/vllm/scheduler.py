@@ -114,7 +114,7 @@ class SchedulerSide:
         first = st.local_tokens // self.block_size
         last = (st.local_tokens + num_external_tokens) // self.block_size
         self._loads.append(LoadPlan(request.request_id, tuple(st.hashes[first:last]),
-                                    tuple(block_ids[first:last])))
+                                    tuple(block_ids[first:last]), first))
         # Loaded blocks are stored already: never write them back.
         st.stored_blocks = max(st.stored_blocks, last)
 
@@ -132,11 +132,15 @@ class SchedulerSide:
             req = st.request
             done = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
             upto = min(done // self.block_size, len(st.hashes))
+            # Stored values of several blocks (storage.block_tokens) are whole groups: store up to the
+            # last complete group, from the boundary of the first group not yet stored.
+            k = self.manager.storage_blocks
+            upto = upto // k * k
             if upto <= st.stored_blocks:
                 continue
             ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-            first = st.stored_blocks
-            plan.stores.append(StorePlan(req_id, tuple(st.hashes[first:upto]), tuple(ids[first:upto])))
+            first = st.stored_blocks // k * k
+            plan.stores.append(StorePlan(req_id, tuple(st.hashes[first:upto]), tuple(ids[first:upto]), first))
             st.stored_blocks = upto
         return plan
 

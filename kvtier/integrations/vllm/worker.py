@@ -70,7 +70,7 @@ class WorkerSide:
         for lp in plan.loads:
             try:
                 self._started[lp.req_id] = time.perf_counter()
-                self._loads[lp.req_id] = (lp, self.stack.load(list(lp.hashes), list(lp.block_ids)))
+                self._loads[lp.req_id] = (lp, self.stack.load(list(lp.hashes), list(lp.block_ids), start=lp.start))
             except Exception as e:  # noqa: BLE001 - a kvtier fault is a recompute, never a crash
                 log.error("kvtier: load for request %s refused: %s", lp.req_id, e)
                 self._errors.update(lp.block_ids)
@@ -81,7 +81,7 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         for sp in plan.stores:
             try:
-                res = self.stack.store(list(sp.hashes), list(sp.block_ids)).wait(timeout=60)
+                res = self.stack.store(list(sp.hashes), list(sp.block_ids), start=sp.start).wait(timeout=60)
                 self.stats["stored_blocks"] += res.num_stored
             except Exception as e:  # noqa: BLE001 - a failed store is a future miss, never a crash
                 self.stats["store_errors"] += 1

@@ -1,0 +1,36 @@
+"""Stored values of several engine blocks (``storage.block_tokens``): which blocks a value holds, and its key.
+
+With ``k`` engine blocks per value, value ``g`` of a prompt holds the blocks at chain positions
+``[g*k, (g+1)*k)`` (aligned to the start of the prompt, so every instance groups a shared prefix the
+same way) and is stored under the key of its **last** block, whose chained hash names the whole prefix
+up to it.  A prompt's last, partial group is never stored; a backend lookup therefore rounds down to
+whole groups.  Memory tiers (device, host) keep single engine blocks.
+
+Callers hand the stack a slice of a chain: ``start`` is the chain position of its element 0.
+"""
+
+from __future__ import annotations
+
+
+def group_ends(start: int, p: int, n: int, k: int) -> list[int]:
+    """Indices into a chain slice (element 0 at chain position ``start``, ``n`` elements) of the last block
+    of each group, from the group holding element ``p`` on, for the groups that end inside the slice."""
+    if k < 1 or start < 0 or not 0 <= p <= n:
+        raise ValueError(f"group_ends: bad arguments start={start} p={p} n={n} k={k}")
+    first_end = ((start + p) // k + 1) * k - 1 - start
+    return list(range(first_end, n, k))
+
+
+def group_of(start: int, i: int, k: int) -> tuple[int, int]:
+    """``(first, last)`` indices (into the slice, ``first`` may be negative) of the group holding element ``i``."""
+    first = (start + i) // k * k - start
+    return first, first + k - 1
+
+
+def whole_groups(start: int, n: int, k: int) -> list[tuple[int, int]]:
+    """``(first, last)`` of every group lying entirely inside a slice of ``n`` elements."""
+    first = -start % k
+    return [(a, a + k - 1) for a in range(first, n - k + 1, k)]
+
+
+__all__ = ["group_ends", "group_of", "whole_groups"]

@@ -1,0 +1,177 @@
+"""``storage.block_tokens``: stored values of several engine blocks, on a real local_disk backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _stack_helpers import BLOCK, TIMEOUT, chain, config, fill, make_stack, read
+
+from kvtier.config import ConfigError
+from kvtier.groups import group_ends, group_of, whole_groups
+from kvtier.index import Tier
+from kvtier.integrations.engine import CachedEngine
+
+K = 4  # engine blocks per stored value
+
+
+def _evict_memory(st) -> None:
+    with st._lock:
+        for key in st.index.eviction_candidates(Tier.HOST, 10**6):
+            st._drop_host_locked(key)
+    st.on_device_freed(range(st.device.num_blocks))
+
+
+@pytest.fixture
+def grouped(tmp_path):
+    st, fb = make_stack(tmp_path, host_slots=16, storage={"block_tokens": K * BLOCK})
+    yield st, fb
+    fb.clear()
+    st.close(timeout=TIMEOUT)
+
+
+def _disk_values(st) -> list[str]:
+    return sorted(b.key for b in st.backends[0].scan(st.namespace.id))
+
+
+def test_group_arithmetic():
+    assert group_ends(0, 0, 10, 4) == [3, 7] and group_ends(2, 0, 10, 4) == [1, 5, 9]
+    assert group_ends(2, 3, 10, 4) == [5, 9] and group_ends(0, 0, 3, 4) == []
+    assert group_of(2, 1, 4) == (-2, 1) and group_of(2, 2, 4) == (2, 5)
+    assert whole_groups(2, 10, 4) == [(2, 5), (6, 9)] and whole_groups(0, 3, 4) == []
+
+
+def test_whole_groups_are_one_value_each_under_their_last_key(grouped):
+    st, _ = grouped
+    hs = chain(st, 10)
+    rows = fill(st, list(range(10)), seed=1)
+    assert st.store(hs, list(range(10))).wait(TIMEOUT).num_stored == 10
+    assert st.flush(TIMEOUT)
+    # blocks 0-3 and 4-7 are two values named by blocks 3 and 7; the partial group 8-9 is not stored
+    assert _disk_values(st) == sorted(st.namespace.keys([hs[3], hs[7]]))
+    _evict_memory(st)
+    lk = st.lookup(hs)
+    assert lk.num_blocks == 8 and lk.counts == {"disk": 8}  # rounded down to whole groups
+    lr = st.load(hs[:8], list(range(10, 18))).wait(TIMEOUT)
+    assert lr.num_loaded == 8 and torch.equal(read(st, list(range(10, 18))), rows[:8])
+    # the blocks came up into host memory one slot each
+    assert all(st.index.get(h).host is not None for h in hs[:8])
+
+
+def test_a_slice_that_starts_inside_a_group(grouped):
+    st, _ = grouped
+    hs = chain(st, 8)
+    rows = fill(st, list(range(8)), seed=2)
+    st.store(hs, list(range(8))).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    _evict_memory(st)
+    # Blocks 0-4 are "on the device" for the caller: it asks from block 5 (group 4-7).
+    lk = st.lookup(hs[5:], start=5)
+    assert lk.num_blocks == 3
+    lr = st.load(hs[5:], [20, 21, 22], start=5).wait(TIMEOUT)
+    assert lr.num_loaded == 3 and torch.equal(read(st, [20, 21, 22]), rows[5:])
+    # Without the position the slice's group ends are elsewhere: nothing is found in the backend.
+    _evict_memory(st)
+    assert st.lookup(hs[5:]).num_blocks == 0
+    with pytest.raises(ValueError, match="start: expected the chain position"):
+        st.lookup(hs, start=-1)
+
+
+def test_a_corrupt_value_fails_its_whole_group_and_nothing_after(grouped):
+    st, fb = grouped
+    hs = chain(st, 12)
+    rows = fill(st, list(range(12)), seed=3)
+    st.store(hs, list(range(12))).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    _evict_memory(st)
+    fb.corrupt(keys=[st.namespace.key(hs[7])])
+    lr = st.load(hs, list(range(12, 24))).wait(TIMEOUT)
+    assert lr.ok == (True,) * 4 + (False,) * 8
+    assert torch.equal(read(st, [12, 13, 14, 15]), rows[:4])
+    assert all(st.index.get(h) is None or st.index.get(h).host is None for h in hs[4:8])
+    assert st.backends[0].stats().corrupt >= 1
+
+
+def test_prefetch_brings_whole_groups_into_host_memory(tmp_path):
+    st, _ = make_stack(tmp_path, faulty=False, host_slots=16, prefetch="wait_complete",
+                       storage={"block_tokens": K * BLOCK})
+    try:
+        _prefetch(st)
+    finally:
+        st.close(timeout=TIMEOUT)
+
+
+def _prefetch(st):
+    hs = chain(st, 8)
+    fill(st, list(range(8)), seed=4)
+    st.store(hs, list(range(8))).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    _evict_memory(st)
+    h = st.prefetch(hs)
+    assert h.wait(TIMEOUT) == 8
+    assert st.lookup(hs).counts == {"host": 8}
+
+
+def test_no_host_tier_stores_whole_groups_from_the_device(tmp_path):
+    st, _ = make_stack(tmp_path, faulty=False, host_slots=0, storage={"block_tokens": K * BLOCK})
+    assert st.host is None
+    try:
+        hs = chain(st, 9)
+        rows = fill(st, list(range(9)), seed=5)
+        res = st.store(hs, list(range(9))).wait(TIMEOUT)
+        assert st.flush(TIMEOUT)
+        assert res.status[:8] == ("stored",) * 8 and res.status[8] == "skipped"
+        assert _disk_values(st) == sorted(st.namespace.keys([hs[3], hs[7]]))
+        st.on_device_freed(range(32))
+        lr = st.load(hs[:8], list(range(16, 24))).wait(TIMEOUT)
+        assert lr.num_loaded == 8 and torch.equal(read(st, list(range(16, 24))), rows[:8])
+    finally:
+        st.close(timeout=TIMEOUT)
+
+
+def test_grouped_and_single_block_values_never_meet(tmp_path):
+    one = config(tmp_path)
+    four = config(tmp_path, storage={"block_tokens": K * BLOCK})
+    assert one.namespace().id != four.namespace().id
+    assert "storage_blocks" not in one.namespace().manifest()  # keys of ungrouped deployments unchanged
+    assert four.namespace().manifest()["storage_blocks"] == K
+
+
+def test_config_refuses_what_it_cannot_group(tmp_path):
+    with pytest.raises(ConfigError, match=r"storage.block_tokens: expected a multiple of model.block_size \(4\), got 6"):
+        config(tmp_path, storage={"block_tokens": 6})
+    with pytest.raises(ConfigError, match="storage.block_tokens: .* write_through only, got 'write_back'"):
+        config(tmp_path, write="write_back", storage={"block_tokens": 8})
+    assert config(tmp_path, write="write_back", storage={"block_tokens": BLOCK}).storage_blocks == 1
+
+
+def test_engine_prefill_then_decode_loads_whole_groups(tmp_path):
+    # A prefill engine stores a prompt; a fresh decode engine (empty device and host) loads its whole
+    # groups and computes the rest; its logits equal a run that computes everything.
+    data = dict(model={"id": "test/engine", "kv_dtype": "float32", "num_layers": 2, "num_kv_heads": 2,
+                       "head_dim": 16, "block_size": 16},
+                device={"kind": "cpu", "num_blocks": 64}, host={"capacity": "4MiB", "pinned": False},
+                backends=[{"name": "disk", "type": "local_disk", "options": {"path": str(tmp_path / "d")}}],
+                storage={"block_tokens": 64})
+    from kvtier.config import parse_config
+
+    cfg = parse_config(data)
+    prompt = torch.randint(0, 2048, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    pre = CachedEngine.from_config(cfg)
+    try:
+        pre.run_request(prompt, max_new_tokens=2)
+        pre.flush()
+    finally:
+        pre.close()
+    dec = CachedEngine.from_config(cfg)
+    base = CachedEngine.from_config(cfg)
+    try:
+        r = dec.run_request(prompt, max_new_tokens=4, keep_logits=True)
+        # 300 tokens: 18 full blocks, 4 groups of 4 stored (16 blocks); 16 loaded, the rest computed
+        assert r.loaded_blocks == {"disk": 16} and r.computed_tokens == 300 - 16 * 16
+        ref = base.run_request(prompt, max_new_tokens=4, keep_logits=True, use_cache=False, store=False)
+        assert r.tokens == ref.tokens
+        for a, b in zip(r.step_logits, ref.step_logits):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    finally:
+        dec.close()
+        base.close()
