@@ -159,12 +159,14 @@ class NamespaceInfo:
 
     @property
     def payload_nbytes(self) -> int | None:
-        """Payload bytes of one block of this namespace (``kvtier.layout``'s block_nbytes), if known."""
+        """Payload bytes of one stored value of this namespace (``kvtier.layout``'s block_nbytes times the
+        engine blocks per value), if known."""
         ns = self.namespace
         if ns is None or ns.kv_dtype not in _ITEMSIZE:
             return None
         components = 1 if ns.attention == "mla" else 2
-        return ns.num_layers * components * ns.block_size * ns.num_kv_heads * ns.head_dim * _ITEMSIZE[ns.kv_dtype]
+        return (ns.num_layers * components * ns.block_size * ns.num_kv_heads * ns.head_dim
+                * _ITEMSIZE[ns.kv_dtype] * ns.storage_blocks)
 
 
 def namespace_info(backend: StorageBackend, ns_id: str) -> NamespaceInfo:

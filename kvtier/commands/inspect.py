@@ -88,7 +88,7 @@ def run(args) -> int:
             lines += _fields(ns["manifest"])
             if ns["manifest_problem"] is None:
                 lines.append(f"      (layout id {ns['layout_id']:#010x}"
-                             + (f", {ns['block_payload_bytes']} payload bytes per block)"
+                             + (f", {ns['block_payload_bytes']} payload bytes per stored value)"
                                 if ns["block_payload_bytes"] else ")"))
             else:
                 lines.append(f"      ({ns['manifest_problem']}: what this namespace holds cannot be told)")
