@@ -147,9 +147,13 @@ class Router:
 
     # ------------------------------------------------------------------ batches
 
-    def batch(self, rkeys: Sequence[bytes], run: Run, failed) -> list:
+    def batch(self, rkeys: Sequence[bytes], run: Run, failed, stripes: int = 1) -> list:
         """Route ``rkeys`` to their nodes and ``run`` each node's share (in parallel threads when there
-        are several), following MOVED / ASK redirects for a few rounds.  One reply per key."""
+        are several), following MOVED / ASK redirects for a few rounds.  One reply per key.
+
+        ``stripes`` > 1 splits a node's share over that many pooled connections, run in parallel
+        (keys dealt round-robin, so each connection has one of every ``stripes`` blocks in flight).
+        A node's share fails as a whole when any of its stripes fails."""
         self.ensure()
         results: dict[int, object] = {}
         lost: set[int] = set()
@@ -165,7 +169,7 @@ class Router:
                 if ask:
                     asking[addr].add(i)
             todo, moved = [], False
-            for addr, out in self._fan_out(groups, asking, run):
+            for addr, out in self._fan_out(groups, asking, run, stripes):
                 if isinstance(out, BaseException):
                     errors.append(out)
                     lost.update(groups[addr])
@@ -194,16 +198,32 @@ class Router:
                         self._name, len(errors), errors[0], len(lost))
         return [failed if i in lost else results[i] for i in range(len(rkeys))]
 
-    def _fan_out(self, groups, asking, run):
-        def one(addr):
+    def _fan_out(self, groups, asking, run, stripes: int = 1):
+        """``[(addr, replies aligned with groups[addr] | the exception)]``, one per node."""
+        tasks = [(addr, j, idxs[j::stripes]) for addr, idxs in groups.items()
+                 for j in range(max(1, min(stripes, len(idxs))))]
+
+        def one(task):
+            addr, _, idxs = task
             try:
-                return addr, self.on_node(addr, lambda c: run(c, groups[addr], asking.get(addr, ())))
+                return self.on_node(addr, lambda c: run(c, idxs, asking.get(addr, ())))
             except Exception as e:  # noqa: BLE001 - reported per node by batch()
-                return addr, e
-        if len(groups) == 1:
-            return [one(next(iter(groups)))]
-        if self._executor is None:
-            with self._pools_lock:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvtier-redis")
-        return list(self._executor.map(one, list(groups)))
+                return e
+        if len(tasks) == 1:
+            outs = [one(tasks[0])]
+        else:
+            if self._executor is None:
+                with self._pools_lock:
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvtier-redis")
+            outs = list(self._executor.map(one, tasks))
+        merged: dict[Addr, list | BaseException] = {}
+        for (addr, j, _), out in zip(tasks, outs):
+            got = merged.setdefault(addr, [None] * len(groups[addr]))
+            if isinstance(got, BaseException):
+                continue
+            if isinstance(out, BaseException):
+                merged[addr] = out
+            else:
+                got[j::stripes] = out  # stripe j held positions j, j + stripes, ... of the node's share
+        return list(merged.items())

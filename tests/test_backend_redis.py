@@ -66,6 +66,25 @@ def test_no_ttl_by_default(redis_server):  # noqa: F811
     assert redis_server.client().pttl(b"kvtier:" + k[0].encode()) == -1
 
 
+@pytest.mark.parametrize("stripes", [1, 3, 8])
+def test_striped_batches_keep_key_order(redis_server, stripes):  # noqa: F811
+    """A batch spread over several connections answers in key order: misses, a corrupt block and
+    hits land where their keys are."""
+    b = RedisBackend({"url": redis_server.url, "stripes": stripes, "max_connections": 4})
+    ks, data = keys(11), payloads(11)
+    stored = [i % 4 != 2 for i in range(11)]
+    assert b.put([k for k, s in zip(ks, stored) if s], [d for d, s in zip(data, stored) if s],
+                  NS.layout_id) == [True] * sum(stored)
+    c = redis_server.client()
+    c.setrange(b"kvtier:" + ks[5].encode(), 88 + 7, b"\xff\x00")
+    ok, got = get(b, ks)
+    want = [s and i != 5 for i, s in enumerate(stored)]
+    assert ok == want
+    assert [g == bytes(d) for g, d, good in zip(got, data, want) if good] == [True] * sum(want)
+    assert b.exists(ks) == [s and i != 5 for i, s in enumerate(stored)]
+    assert b.stats().corrupt == 1
+
+
 def test_corrupted_value_is_a_miss_counted_and_deleted(redis_server):  # noqa: F811
     b = RedisBackend({"url": redis_server.url})
     ks, data = keys(3), payloads(3)
