@@ -1,19 +1,28 @@
 """``redis`` put / get throughput beside the Redis wire ceiling, on the same payloads, same server.
 
-The ceiling is a minimal raw-socket loop on one connection (the backend uses one per node and call).
-Put pipelines ``SET key payload`` for a batch, sending the command lines, payloads and CRLFs with
-scatter-gather ``sendmsg`` calls (no concatenation), then reads the batch's ``+OK`` replies.  Get sends
-``GET`` commands one window ahead (the backend's ``window_bytes``, 8 MiB; measured on loopback, sending
-a whole 64 MiB batch of GETs at once makes the raw loop itself ~1.6x slower, as Redis then buffers the
-replies) and receives each value straight into a preallocated buffer with ``recv_into`` (the previous
-CRLF and the reply line with one exact-length ``recv_into``).  The backend additionally frames and
-checksums every block, verifies every field and the checksum on read, and routes by key: that is the
+The ceiling is the faster of two raw-socket loops (no framing, no checksums, no routing), timed in the
+same rounds as the backend:
+
+* ``Wire``, one connection: ``SET`` / ``GET`` commands pipelined one window ahead (1 MiB: window k+1 is
+  sent before window k's replies are read), sent with scatter-gather ``sendmsg`` from the payloads (no
+  concatenation), each value received straight into its buffer with ``recv_into`` (the previous CRLF
+  and the reply line with one exact-length ``recv_into``);
+* ``WireThreads``, four connections on four threads, one command in flight on each: LMCache's
+  ``resp://`` client does this (in C++, eight connections), and on a loaded machine it can win.
+
+Measured on loopback (one redis-server, 2 cores): Redis is single-threaded and is what bounds a batch,
+and how much of its core a byte costs depends on the client.  Keeping more in flight than the socket
+buffers hold (the old ceiling sent a whole 64 MiB batch of SETs at once) makes the kernel deliver the
+client's queue in Redis's time: 512 x 256 KiB, 8 MiB windows 1.46 / 2.53 GiB/s put / get (Redis 0.67 /
+0.37 CPU-s per GiB), 1 MiB windows 1.71 / 4.07 (0.57 / 0.22).  LMCache 0.5.6 beat the old ceiling; if a
+peer (``kvtier bench peers``) beats this one, the ceiling is wrong again.  The backend additionally frames
+and checksums every block, verifies every field and the checksum on read, and routes by key: that is the
 overhead the ratio measures.  redis-py (pipeline SET / MGET, no copy into the caller's buffers) is
 measured too, for context only.
 
 The server is started here (``redis-server``, no persistence), so the figures are loopback figures; the
-Redis server process and the client share the machine's cores.  Ceiling and backend alternate within
-each repeat, so drift and neighbours' load hit both alike; the first round is a warm-up.
+Redis server process and the client share the machine's cores.  Every contender runs in every round, in
+a rotating order (flush, put, get its own blocks); the first round is a warm-up; medians.
 """
 
 from __future__ import annotations
@@ -21,7 +30,10 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +44,7 @@ BATCH_BYTES = 64 << 20  # bytes per put/get_into call: a long prompt's worth of 
 def add_arguments(p) -> None:
     from .backends import add_arguments as common
 
-    common(p, only="redis")
+    common(p)
 
 
 def run(args) -> int:
@@ -58,17 +70,22 @@ def run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[di
 def _payloads(n: int, block: int) -> tuple[np.ndarray, list[memoryview]]:
     raw = np.random.default_rng(int.from_bytes(os.urandom(4), "little")).integers(
         0, 256, n * block, dtype=np.uint8)
-    mv = memoryview(raw)
+    mv = raw.data
     return raw, [mv[i * block:(i + 1) * block] for i in range(n)]
 
 
-class _Wire:
-    """The ceiling: raw RESP over one socket, values received with recv_into."""
+class Wire:
+    """The ceiling's single-connection loop: raw RESP over one socket, values received with recv_into.
+
+    Commands go out one window ahead (``window`` bytes of commands + expected replies, at least one
+    block): window k+1 is sent before window k's replies are read, as the backend does, with the
+    same scatter-gather sends and exact-length receives and none of its framing, checksums or routing."""
 
     def __init__(self, port: int):
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.small = memoryview(bytearray(64))
+        self.crlf = 0  # bytes of the last value's CRLF still unread
 
     def _recv_exact(self, mv: memoryview) -> None:
         got, n = 0, len(mv)
@@ -78,10 +95,7 @@ class _Wire:
                 raise ConnectionError("redis closed the connection")
             got += k
 
-    def put(self, keys: list[bytes], payloads: list[memoryview]) -> None:
-        parts: list = []
-        for k, p in zip(keys, payloads):
-            parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, len(p)), p, b"\r\n"]
+    def _sendv(self, parts: list) -> None:
         i = 0
         while i < len(parts):  # scatter-gather, up to 510 buffers per call
             sent = self.sock.sendmsg(parts[i:i + 510])
@@ -92,33 +106,108 @@ class _Wire:
                 else:
                     parts[i] = memoryview(parts[i])[sent:]
                     sent = 0
+
+    @staticmethod
+    def _windows(n: int, block: int, window: int | None) -> list[tuple[int, int]]:
+        per = n if window is None else max(1, window // (block + 64))
+        return [(i, min(n, i + per)) for i in range(0, n, per)]
+
+    def put(self, keys: list[bytes], payloads: list[memoryview], window: int | None = 1 << 20) -> None:
+        wins = self._windows(len(keys), len(payloads[0]) if payloads else 0, window)
+
+        def send(lo: int, hi: int) -> None:
+            parts: list = []
+            for k, p in zip(keys[lo:hi], payloads[lo:hi]):
+                parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, len(p)), p, b"\r\n"]
+            self._sendv(parts)
+
         replies = memoryview(bytearray(5 * len(keys)))
-        self._recv_exact(replies)
-        if bytes(replies[:5]) != b"+OK\r\n":
+        if wins:
+            send(*wins[0])
+        for w, (lo, hi) in enumerate(wins):
+            if w + 1 < len(wins):
+                send(*wins[w + 1])  # the next window goes out before this one's replies are read
+            self._recv_exact(replies[5 * lo:5 * hi])
+        if len(keys) and bytes(replies[:5]) != b"+OK\r\n":
             raise RuntimeError(f"SET failed: {bytes(replies[:64])!r}")
 
-    def get(self, keys: list[bytes], bufs: list[memoryview], window: int | None = None) -> None:
-        """GET ``keys`` into ``bufs``; ``window`` blocks per pipelined window (None: all at once)."""
-        per = window or len(keys)
-        cmds = [b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys[i:i + per])
-                for i in range(0, len(keys), per)]
-        self.sock.sendall(cmds[0])
-        crlf = 0
-        for w in range(len(cmds)):
+    def get(self, keys: list[bytes], bufs: list[memoryview], window: int | None = 1 << 20) -> None:
+        """GET ``keys`` into ``bufs``, one window of commands ahead (None: every command at once)."""
+        wins = self._windows(len(keys), len(bufs[0]) if bufs else 0, window)
+        cmds = [b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys[lo:hi])
+                for lo, hi in wins]
+        if cmds:
+            self.sock.sendall(cmds[0])
+        for w, (lo, hi) in enumerate(wins):
             if w + 1 < len(cmds):
                 self.sock.sendall(cmds[w + 1])  # the next window goes out before this one is read
-            for b in bufs[w * per:(w + 1) * per]:
+            for b in bufs[lo:hi]:
                 line = b"$%d\r\n" % len(b)
-                head = self.small[:crlf + len(line)]
+                head = self.small[:self.crlf + len(line)]
                 self._recv_exact(head)  # the previous value's CRLF and this reply's line, exactly
-                if head[crlf:] != line:
+                if head[self.crlf:] != line:
                     raise RuntimeError(f"unexpected GET reply {bytes(head)!r}")
                 self._recv_exact(b)
-                crlf = 2
-        self._recv_exact(self.small[:2])
+                self.crlf = 2
+        if self.crlf:
+            self._recv_exact(self.small[:2])
+            self.crlf = 0
 
     def close(self) -> None:
         self.sock.close()
+
+
+class WireThreads:
+    """The ceiling's multi-connection loop, LMCache's ``resp://`` pattern in raw form: ``conns`` threads,
+    each with its own socket, one command in flight per socket (send, read the reply, next key)."""
+
+    def __init__(self, port: int, conns: int = 4):
+        self.wires = [Wire(port) for _ in range(conns)]
+        self.pool = ThreadPoolExecutor(conns, thread_name_prefix="wire")
+
+    def _each(self, n: int, fn) -> None:
+        it = iter(range(n))
+        lock = threading.Lock()
+
+        def work(w: Wire) -> None:
+            while True:
+                with lock:
+                    i = next(it, None)
+                if i is None:
+                    return
+                fn(w, i)
+        list(self.pool.map(work, self.wires))
+
+    def put(self, keys: list[bytes], payloads: list[memoryview]) -> None:
+        self._each(len(keys), lambda w, i: w.put([keys[i]], [payloads[i]]))
+
+    def get(self, keys: list[bytes], bufs: list[memoryview]) -> None:
+        self._each(len(keys), lambda w, i: w.get([keys[i]], [bufs[i]]))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for w in self.wires:
+            w.close()
+
+
+class Ceiling:
+    """Both raw loops on the same keys; ``bench backends`` and ``bench peers`` time each and take the
+    faster one's median as the ceiling (which one won is in the row's note)."""
+
+    VARIANTS = ("1 conn, 1 MiB windows", "4 conns, 1 in flight each")
+
+    def __init__(self, port: int):
+        self.loops: list[Wire | WireThreads] = [Wire(port), WireThreads(port, 4)]
+
+    def put(self, v: int, keys: list[bytes], payloads: list[memoryview]) -> None:
+        self.loops[v].put(keys, payloads)
+
+    def get(self, v: int, keys: list[bytes], bufs: list[memoryview]) -> None:
+        self.loops[v].get(keys, bufs)
+
+    def close(self) -> None:
+        for loop in self.loops:
+            loop.close()
 
 
 def _timed(fn) -> float:
@@ -128,6 +217,7 @@ def _timed(fn) -> float:
 
 
 def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
+    redis_py: Any
     try:  # context rows only; the backend itself does not use redis-py
         import redis as redis_py
     except ImportError:
@@ -144,10 +234,9 @@ def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
     keys = ns.keys([os.urandom(16) for _ in range(n)])
     backend = RedisBackend({"url": srv.url, "key_prefix": "kvtier:"})
     wire_keys = [b"kvwire:" + k.encode() for k in keys]  # as long as the backend's keys
-    wire = _Wire(srv.port)
+    ceiling = Ceiling(srv.port)
     rp = redis_py.Redis(host="127.0.0.1", port=srv.port) if redis_py else None
     spans = [(i, min(n, i + per)) for i in range(0, n, per)]
-    window = max(1, backend.options.window_bytes // block)  # the backend's pipelining window, in blocks
 
     def b_put():
         for lo, hi in spans:
@@ -159,13 +248,15 @@ def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
             if not all(backend.get_into(keys[lo:hi], bufs[lo:hi], ns.layout_id)):
                 raise RuntimeError("redis get missed a block")
 
-    def w_put():
-        for lo, hi in spans:
-            wire.put(wire_keys[lo:hi], payloads[lo:hi])
+    def wire(v: int):
+        def w_put():
+            for lo, hi in spans:
+                ceiling.put(v, wire_keys[lo:hi], payloads[lo:hi])
 
-    def w_get():
-        for lo, hi in spans:
-            wire.get(wire_keys[lo:hi], bufs[lo:hi], window)
+        def w_get():
+            for lo, hi in spans:
+                ceiling.get(v, wire_keys[lo:hi], bufs[lo:hi])
+        return w_put, w_get
 
     def r_put():
         for lo, hi in spans:
@@ -179,35 +270,41 @@ def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
             if any(v is None for v in rp.mget(wire_keys[lo:hi])):
                 raise RuntimeError("redis-py MGET missed")
 
-    times: dict[str, list[float]] = {k: [] for k in ("wp", "bp", "rp", "wg", "bg", "rg")}
-    for _ in range(repeats + 1):  # the first round warms up and is dropped
-        srv.flushall()
-        times["wp"].append(_timed(w_put))
-        times["bp"].append(_timed(b_put))
-        # Alternate which reader goes first: whoever reads first pays for the server's cold pages.
-        for which in (("bg", "wg") if _ % 2 else ("wg", "bg")):
-            times[which].append(_timed(b_get if which == "bg" else w_get))
-        if rp is not None:
+    contenders = {"backend": (b_put, b_get), **{f"wire{v}": wire(v) for v in range(len(Ceiling.VARIANTS))}}
+    if rp is not None:
+        contenders["redis-py"] = (r_put, r_get)
+    names = list(contenders)
+    times: dict[tuple[str, str], list[float]] = {(c, op): [] for c in names for op in ("put", "get")}
+    for r in range(repeats + 1):  # the first round warms up and is dropped
+        # Each contender in turn, in a rotating order: flush, put, get its own blocks.
+        for c in names[r % len(names):] + names[:r % len(names)]:
             srv.flushall()
-            times["rp"].append(_timed(r_put))
-            times["rg"].append(_timed(r_get))
-    for i in range(0, n, max(1, n // 16)):
-        if bufs[i] != payloads[i]:
-            raise RuntimeError(f"redis returned wrong bytes for block {i}")
+            put, get = contenders[c]
+            times[c, "put"].append(_timed(put))
+            times[c, "get"].append(_timed(get))
+            if c != "redis-py":
+                for i in range(0, n, max(1, n // 16)):
+                    if bufs[i] != payloads[i]:
+                        raise RuntimeError(f"redis {c} returned wrong bytes for block {i}")
+                for b in bufs[::max(1, n // 16)]:
+                    b[:8] = b"\0" * 8  # so the next contender's get must really write them
     backend.close()
-    wire.close()
+    ceiling.close()
     if rp is not None:
         rp.close()
     srv.flushall()
-    med = {k: statistics.median(v[1:]) for k, v in times.items() if v}
-    note = f"1 connection, {per}-block batches, {window}-block pipelining windows, loopback"
-    rows = [{"backend": "redis", "op": op, "block_bytes": block, "gib_s": gib / med[b],
-             "ceiling_gib_s": gib / med[w], "ratio": med[w] / med[b], "note": note}
-            for op, w, b in (("put", "wp", "bp"), ("get", "wg", "bg"))]
-    if rp is not None:
-        rows += [{"backend": "redis-py (context)", "op": op, "block_bytes": block, "gib_s": gib / med[r],
-                  "ceiling_gib_s": gib / med[w], "ratio": med[w] / med[r],
-                  "note": f"context only: redis-py {what}, {per}-block batches"}
-                 for op, w, r, what in (("put", "wp", "rp", "pipeline SET"),
-                                        ("get", "wg", "rg", "MGET, no copy into buffers"))]
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    rows = []
+    for op in ("put", "get"):
+        v = min(range(len(Ceiling.VARIANTS)), key=lambda v: med[f"wire{v}", op])
+        w = med[f"wire{v}", op]
+        rows.append({"backend": "redis", "op": op, "block_bytes": block, "gib_s": gib / med["backend", op],
+                     "ceiling_gib_s": gib / w, "ratio": w / med["backend", op],
+                     "note": f"ceiling: raw loop, {Ceiling.VARIANTS[v]} (the faster of {len(Ceiling.VARIANTS)}); "
+                             f"backend: {backend._stripes} connection(s), {per}-block batches, loopback"})
+        if rp is not None:
+            rows.append({"backend": "redis-py (context)", "op": op, "block_bytes": block,
+                         "gib_s": gib / med["redis-py", op], "ceiling_gib_s": gib / w, "ratio": w / med["redis-py", op],
+                         "note": "context only: redis-py " + ("pipeline SET" if op == "put" else
+                                                             "MGET, no copy into buffers") + f", {per}-block batches"})
     return rows
