@@ -17,12 +17,13 @@ from kvtier.simulate.grid import grid_points, parse_axes
 from kvtier.workload import ChatWorkload, iter_trace
 
 
-def _config(tmp_path, *, host: str, disk: str, write: str) -> str:
+def _config(tmp_path, *, host: str, disk: str, write: str, block_tokens: int | None = None) -> str:
     d = yaml.safe_load(resources.files("kvtier.configs").joinpath("local.yaml").read_text())
     d["device"]["kind"] = "cpu"
     d["host"]["capacity"] = host
     d["backends"][0]["options"] = {"path": str(tmp_path / "disk"), "capacity": disk}
     d["policies"]["write"]["name"] = write
+    d["storage"] = {"block_tokens": block_tokens}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(d))
     return str(path)
@@ -52,11 +53,13 @@ def _assert_close(real: dict[str, float], sim: dict[str, float]) -> None:
 CHAT = dict(users=12, turns=4)
 
 
-@pytest.mark.parametrize("host,write", [("6MiB", "write_through"), ("0", "write_through_selective")])
-def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write):
-    # Small tiers, so that every tier serves hits and both the host and the disk evict; and no host tier
-    # at all (stores go straight to the disk).
-    cfg = _config(tmp_path, host=host, disk="12MiB", write=write)
+@pytest.mark.parametrize("host,write,block_tokens", [("6MiB", "write_through", None),
+                                                     ("0", "write_through_selective", None),
+                                                     ("6MiB", "write_through", 64)])
+def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write, block_tokens):
+    # Small tiers, so that every tier serves hits and both the host and the disk evict; no host tier at
+    # all (stores go straight to the disk); and stored values of 4 blocks (storage.block_tokens).
+    cfg = _config(tmp_path, host=host, disk="12MiB", write=write, block_tokens=block_tokens)
     out = tmp_path / "run"
     assert main(["run", "--config", cfg, "--no-progress", "--device-blocks", "96", "--users", "12",
                  "--turns", "4", "--out", str(out), "--record-trace", str(out / "trace.jsonl")]) == 0

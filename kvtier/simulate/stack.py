@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from .._stack_backends import BackendSet
 from .._stack_results import LoadResult, LookupResult, StoreResult
 from ..config import KvtierConfig
+from ..groups import group_of, whole_groups
 from ..index import BlockIndex, Tier
 from ..manager import TierManager
 from ..metrics import StackMetrics
@@ -62,11 +63,8 @@ class SimulatedStack:
     (:class:`~kvtier.integrations.engine.CachedEngine`) drives it through the same methods."""
 
     def __init__(self, config: KvtierConfig, block_nbytes: int):
-        if config.storage_blocks > 1:
-            raise ValueError(f"storage.block_tokens: kvtier simulate models one engine block per stored value; "
-                             f"got {config.storage.block_tokens} tokens ({config.storage_blocks} blocks)")
         self.config = config
-        self.storage_blocks = 1
+        self.storage_blocks = k = config.storage_blocks  # engine blocks per stored value (kvtier.groups)
         self.namespace = config.namespace()
         self.block_size = self.namespace.block_size
         self.block_nbytes = block_nbytes
@@ -74,7 +72,7 @@ class SimulatedStack:
         self.host_slots = cap // block_nbytes if cap else 0
         if cap and not self.host_slots:
             raise ValueError(f"host.capacity: {cap} B holds no block of {block_nbytes} B")
-        self.ledgers = [LedgerBackend.for_config(b, block_nbytes) for b in config.backends]
+        self.ledgers = [LedgerBackend.for_config(b, block_nbytes * k) for b in config.backends]
         names = [led.name for led in self.ledgers]
         self.metrics = StackMetrics(["device", *(["host"] if self.host_slots else []), *names], self.block_size)
         self._backends = BackendSet(self.ledgers, [b.write for b in config.backends], self.metrics,
@@ -118,7 +116,8 @@ class SimulatedStack:
         cut = len(plan)
         pos = [i for i, k in enumerate(plan) if k == "fetch"]
         if pos:
-            got = self._fetch([hashes[i] for i in pos])
+            got = (self._fetch_groups(hashes, start, pos) if self.storage_blocks > 1
+                   else self._fetch([hashes[i] for i in pos]))
             for i, ok in zip(pos, got):
                 if not ok:
                     cut = min(cut, i)
@@ -160,6 +159,11 @@ class SimulatedStack:
         if not new:
             return _Done(StoreResult(tuple(status)))
         keys = [hashes[i] for i in new]
+        if not self.host_slots and self.storage_blocks > 1:
+            self._store_groups_direct(hashes, start, new, status)
+            for key in keys:
+                self._unpin(key)
+            return _Done(StoreResult(tuple(status)))
         if not self.host_slots:
             took = [False] * len(new)
             for b in self.writable:
@@ -186,7 +190,11 @@ class SimulatedStack:
                 if self.write_policy.on_store(key):
                     down.append(key)
             self._unpin(key)
-        if down:
+        if down and self.storage_blocks > 1:
+            sent = set(down)
+            self._write_groups([tuple(hashes[a:b + 1]) for a, b in whole_groups(start, n, self.storage_blocks)
+                                if sent.intersection(hashes[a:b + 1])])
+        elif down:
             self._write_down(down)
         return _Done(StoreResult(tuple(status)))
 
@@ -290,6 +298,86 @@ class SimulatedStack:
                 else:
                     idx.discard_if_unused(key)
         return slots
+
+    def _fetch_groups(self, hashes: Sequence[bytes], start: int, pos: list[int]) -> list[bool]:
+        """``Grouped.fetch`` for a load: whole values read (each under its last block's key), their wanted
+        blocks placed in host slots (or temporary rows); per position in ``pos`` whether it arrived."""
+        idx, k = self.index, self.storage_blocks
+        got = dict.fromkeys(pos, False)
+        groups: list[tuple[int, int]] = []
+        for i in pos:
+            grp = group_of(start, i, k)
+            if grp[1] >= len(hashes):
+                break  # its value's key is beyond the slice: this block and the rest are not fetched
+            if not groups or groups[-1] != grp:
+                groups.append(grp)
+        strs = self._keys([hashes[last] for _, last in groups])
+        where: list[int] = []
+        while len(where) < len(strs):
+            best, who = self._backends.longest_prefix(strs[len(where):])
+            if best == 0:
+                break
+            where += [who] * best
+        for g, (first, last) in enumerate(groups[:len(where)]):
+            members = [i for i in range(max(first, 0), last + 1) if i in got]
+            missing = [i for i in members if idx.host_slot(hashes[i]) is None]
+            for i in members:
+                got[i] = i not in missing
+            if not missing:
+                continue
+            b = where[g]
+            if not self.ledgers[b].record_get([strs[g]])[0]:
+                if hashes[last] in idx:
+                    idx.remove_backend(hashes[last], b)
+                b = next((j for j in range(len(self.ledgers)) if j != where[g] and
+                          self.ledgers[j].record_get([strs[g]])[0]), -1)
+            if b < 0:
+                break
+            self.counters[self.ledgers[b].name].read += 1
+            for i in range(max(first, 0), last + 1):
+                if hashes[i] in idx:
+                    idx.add_backend(hashes[i], b)
+            slots = self._take(len(missing)) if self.host_slots else []
+            for i, slot in zip(missing, slots):
+                self._commit_host(hashes[i], slot)
+                self.counters["host"].written += 1
+            for i in missing:
+                got[i] = True  # in a host slot, or a temporary row when host memory had no room
+        return [got[i] for i in pos]
+
+    def _write_groups(self, groups: list[tuple[bytes, ...]]) -> None:
+        """``Grouped.write_from_host``: each group whose blocks are all in host memory, once, to the
+        writable backends lacking it (by its last block's marks)."""
+        idx = self.index
+        for members in groups:
+            if any(idx.host_slot(key) is None for key in members):
+                continue
+            for b in self.writable:
+                if idx.in_backends(members[-1], (b,)):
+                    continue
+                if self._put(b, [members[-1]])[0]:
+                    for key in members:
+                        if key in idx:
+                            idx.add_backend(key, b)
+                self.counters["host"].read += len(members)
+
+    def _store_groups_direct(self, hashes: Sequence[bytes], start: int, new: list[int], status: list[str]) -> None:
+        """``Downward._store_direct_groups``: no host tier, every whole group holding a new block is read
+        from the device and written to every writable backend."""
+        fresh = set(new)
+        for a, b in whole_groups(start, len(hashes), self.storage_blocks):
+            if not fresh.intersection(range(a, b + 1)):
+                continue
+            took = False
+            for j in self.writable:
+                if self._put(j, [hashes[b]])[0]:
+                    took = True
+                    for key in hashes[a:b + 1]:
+                        if key in self.index:
+                            self.index.add_backend(key, j)
+            for i in range(a, b + 1):
+                if i in fresh:
+                    status[i] = _STORED if took else _SKIPPED
 
     def _write_down(self, keys: Sequence[bytes]) -> None:
         """``Downward.write_down``: host blocks to every writable backend lacking them."""
