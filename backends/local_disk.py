@@ -55,7 +55,7 @@ from operator import itemgetter
 from pydantic import Field, field_validator
 
 from kvtier import blockformat
-from kvtier.backend import MANIFEST_NAME, BackendOptions, StorageBackend, StoredBlock, frame
+from kvtier.backend_api import MANIFEST_NAME, BackendOptions, StorageBackend, StoredBlock, frame
 from kvtier.keys import invalid_key, show_key
 from kvtier.units import ByteSize
 

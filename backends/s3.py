@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, SecretStr
 
 from kvtier import blockformat
-from kvtier.backend import BackendOptions, StorageBackend, StoredBlock, frame, verify
+from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
 from kvtier.keys import key_problem
 
 log = logging.getLogger("kvtier.backends.s3")

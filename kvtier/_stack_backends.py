@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .backend import BackendError, StorageBackend
+from .backend_api import BackendError, StorageBackend
 from .metrics import StackMetrics
 
 log = logging.getLogger("kvtier.stack")

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ._stack_backends import BackendSet
-from .backend import StorageBackend
+from .backend_api import StorageBackend
 from .config import KvtierConfig
 from .groups import group_ends
 from .index import BlockIndex, Tier

@@ -2,7 +2,7 @@
 
 Data flows one way down on store (device -> host -> backends, when the write policy says) and one way
 up on load (backends -> host -> device), always through here, and backends are only used through the
-:class:`~kvtier.backend.StorageBackend` contract.  Two halves, as in vLLM's KV connector:
+:class:`~kvtier.backend_api.StorageBackend` contract.  Two halves, as in vLLM's KV connector:
 
 * scheduler side (block hashes only, never tensors): :meth:`TierStack.lookup`, :meth:`TierStack.prefetch`,
   :meth:`TierStack.on_device_freed`;
@@ -57,7 +57,7 @@ from ._stack_results import (
     StoreResult,
 )
 from ._stack_up import Upward
-from .backend import StorageBackend
+from .backend_api import StorageBackend
 from .config import KvtierConfig, load_config
 from .device import int_array
 from .host import HostTier
@@ -67,7 +67,7 @@ from .layout import KVLayout, LayoutError
 from .manager import TierManager
 from .metrics import StackMetrics
 from .plans import WorkerReport
-from .policy import EvictionPolicy, PrefetchPolicy, WritePolicy
+from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
 from .tiers import BlockPool, DeviceTier
 from .transfer import TransferEngine
 

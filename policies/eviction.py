@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.index import BlockIndex
-from kvtier.policy import EvictionPolicy
+from kvtier.policy_api import EvictionPolicy
 
 
 class LRU(EvictionPolicy):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from kvtier.policy import PolicyOptions, PrefetchPolicy
+from kvtier.policy_api import PolicyOptions, PrefetchPolicy
 
 
 class BestEffort(PrefetchPolicy):

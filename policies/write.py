@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvtier.policy import PolicyOptions, WritePolicy
+from kvtier.policy_api import PolicyOptions, WritePolicy
 
 
 class WriteThrough(WritePolicy):

@@ -13,7 +13,7 @@ import ssl
 
 import pytest
 
-from kvtier.backend import (
+from kvtier.backend_api import (
     BackendDiskFull,
     BackendError,
     BackendPermissionDenied,

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvtier import blockformat, plugins
-from kvtier.backend import BackendError
+from kvtier.backend_api import BackendError
 from kvtier.backends.local_disk import _HOST_TAG, LocalDiskBackend
 from kvtier.keys import Namespace
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from kvtier.backend import BackendError, BackendTimeout, BackendUnavailable  # noqa: E402
+from kvtier.backend_api import BackendError, BackendTimeout, BackendUnavailable  # noqa: E402
 from kvtier.backends.s3 import S3Backend  # noqa: E402
 from kvtier.keys import Namespace  # noqa: E402
 

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvtier import cli, config
-from kvtier.backend import BackendError
+from kvtier.backend_api import BackendError
 from kvtier.backends.local_disk import LEDGER_NAME, LocalDiskBackend
 from kvtier.config import KV_DTYPES, ConfigError, KvtierConfig, load_config, parse_config
 from kvtier.keys import BlockHasher, MMItem, Namespace, SequenceHasher, sha256_cbor, split_key

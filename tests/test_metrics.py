@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from _stack_helpers import BLOCK, BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack
 
-from kvtier.backend import BackendUnavailable
+from kvtier.backend_api import BackendUnavailable
 from kvtier.metrics import BUCKETS, LatencyStats, StackMetrics
 from kvtier.stack import TierStack
 

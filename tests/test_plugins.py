@@ -110,7 +110,7 @@ def test_plain_basemodel_options_of_a_backend_or_policy_refuse_unknown_keys():
     of dropping unknown keys): a mistyped option is an error, not silently its default."""
     from pydantic import BaseModel, ConfigDict, ValidationError
 
-    from kvtier.policy import WritePolicy
+    from kvtier.policy_api import WritePolicy
     from kvtier_memstore import MemStoreBackend
 
     class PlainOptions(BaseModel):

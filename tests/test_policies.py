@@ -15,7 +15,7 @@ from kvtier.index import BlockIndex, Tier
 from kvtier.policies.eviction import LRU
 from kvtier.policies.prefetch import BestEffort, Timeout, WaitComplete
 from kvtier.policies.write import WriteBack, WriteThrough, WriteThroughSelective
-from kvtier.policy import EvictionPolicy, PrefetchPolicy, WritePolicy
+from kvtier.policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
 
 # Four one-block requests A, B, C, D; each step: (operation, block), then where A, B, C, D are
 # ("H" host, "D" disk, "-" nowhere).  Host memory holds 2 blocks.

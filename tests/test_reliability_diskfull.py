@@ -20,7 +20,7 @@ import os
 import pytest
 from _reliability.common import LID, check, key_of, payload
 
-from kvtier.backend import BackendDiskFull, BackendError, BackendPermissionDenied
+from kvtier.backend_api import BackendDiskFull, BackendError, BackendPermissionDenied
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.blockformat import HEADER_SIZE
 

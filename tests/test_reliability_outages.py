@@ -45,7 +45,7 @@ from _reliability_stack_helpers import (
     reusable,
 )
 
-from kvtier.backend import BackendError
+from kvtier.backend_api import BackendError
 from kvtier.backends._resp import key_slot
 from kvtier.config import parse_config
 from kvtier.stack import TierStack

@@ -28,7 +28,7 @@ from _reliability.common import check, payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.backend import BackendError
+from kvtier.backend_api import BackendError
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.config import ConfigError, parse_config
 from kvtier.keys import BlockHasher, Namespace

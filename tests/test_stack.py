@@ -12,7 +12,7 @@ import pytest
 import torch
 from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack, read, where
 
-from kvtier.backend import BackendTimeout, BackendUnavailable
+from kvtier.backend_api import BackendTimeout, BackendUnavailable
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.index import Tier
 from kvtier.layout import LayoutError

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backend import StorageBackend
+from ..backend_api import StorageBackend
 from ..blockformat import HEADER_SIZE
 from ..cli import UserError
 from ..config import BackendConfig, ConfigError, KvtierConfig, load_config

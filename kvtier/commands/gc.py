@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..backend import BackendError, StoredBlock
+from ..backend_api import BackendError, StoredBlock
 from ..units import format_size
 from . import _storage_tools as st
 

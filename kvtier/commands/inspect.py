@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..backend import BackendError
+from ..backend_api import BackendError
 from ..keys import Namespace
 from ..units import format_size
 from . import _storage_tools as st

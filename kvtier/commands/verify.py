@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..backend import BackendError, StorageBackend, StoredBlock, verify
+from ..backend_api import BackendError, StorageBackend, StoredBlock, verify
 from ..blockformat import HEADER_SIZE
 from ..units import format_size
 from . import _storage_tools as st

@@ -1,7 +1,7 @@
 """A byte-free stand-in for a configured storage backend: which keys it holds, in what recency order,
 and how many bytes that is, so a simulation sees the backend's capacity evictions and its traffic.
 
-It is a real :class:`~kvtier.backend.StorageBackend` (so the manager's lookup probes it through the same
+It is a real :class:`~kvtier.backend_api.StorageBackend` (so the manager's lookup probes it through the same
 ``BackendSet.longest_prefix`` as a real deployment), but it keeps no bytes.  The simulator records puts
 and reads with :meth:`LedgerBackend.record_put` / :meth:`LedgerBackend.record_get`.
 
@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..backend import StorageBackend, StoredBlock
+from ..backend_api import StorageBackend, StoredBlock
 from ..blockformat import HEADER_SIZE
 
 

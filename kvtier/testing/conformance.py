@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from kvtier import blockformat
-from kvtier.backend import BackendError, InvalidKey, StorageBackend
+from kvtier.backend_api import BackendError, InvalidKey, StorageBackend
 from kvtier.keys import Namespace
 
 NS_A = Namespace("conformance/model-a", "bfloat16", 2, 2, 64, 16)

@@ -1,4 +1,4 @@
-"""FaultyBackend: wrap any :class:`~kvtier.backend.StorageBackend` and inject faults on demand.
+"""FaultyBackend: wrap any :class:`~kvtier.backend_api.StorageBackend` and inject faults on demand.
 
 A test tool for the tier stack and for fault-injection tests: errors, delays, gates (hold calls until
 the test releases them), per-key refusals and corrupt reads, each on one operation, for some keys,
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backend import (
+from ..backend_api import (
     BackendError,
     BackendOptions,
     BackendStats,

@@ -9,7 +9,7 @@ writes from its backup thread.  :class:`PageStore` serves those calls with kvtie
   (fastest backend first, bisecting on request-per-probe backends such as S3).  SGLang's thread waits
   for that probe; any backend fault is 0 pages found.
 * **Bytes** go through a :class:`~kvtier._stack_backends.BackendSet`: each page is kvtier's canonical
-  payload (:mod:`.pages`), framed and verified by :class:`~kvtier.backend.StorageBackend`.  A read takes
+  payload (:mod:`.pages`), framed and verified by :class:`~kvtier.backend_api.StorageBackend`.  A read takes
   each page from the first backend that has a verified copy; a page no backend can deliver (missing,
   corrupt - then deleted -, backend down) is a miss, reported to the manager so its index forgets it.
   A write goes to every writable backend (write-through); a page counts as stored when one took it.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..._stack_backends import BackendSet
-from ...backend import StorageBackend
+from ...backend_api import StorageBackend
 from ...config import KvtierConfig
 from ...keys import Namespace
 from ...manager import TierManager

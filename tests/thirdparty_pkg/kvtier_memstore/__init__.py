@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
-from kvtier.backend import BackendOptions, StorageBackend, StoredBlock
+from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 
 
 class MemStoreOptions(BackendOptions):

@@ -1,0 +1,513 @@
+"""The storage backend contract: what a third party subclasses to add a tier below host memory.
+
+A backend stores *values* under string keys ``<namespace id>/<block hash hex>``.  Each value is one
+stored block (``kvtier.blockformat``): header + payload, written and replaced atomically as one unit
+(one file, one Redis key, one S3 object).  The public methods here do the framing, the verification,
+the metrics and the error typing once, for every backend; a backend implements the ``_underscore`` hooks.
+
+Invariants:
+* ``get_into`` never reports ok for a value whose header or checksum does not match what was asked
+  for; such a value is counted as corrupt and deleted.
+* Public methods raise only ``BackendError`` subclasses, each naming the backend and a key; the stack
+  turns them into misses / skipped stores / metrics, so a backend fault never reaches the engine.
+* No hook ever sees a key that is not canonical (``kvtier.keys.invalid_key``: lower-case hex, no path
+  parts, nothing else).  Every public method that takes keys or a namespace id checks them all first and
+  refuses the whole call with ``InvalidKey`` (a ``BackendError`` and a ``ValueError``) naming the backend
+  and the key; nothing is read, written, counted or treated as a miss.  A malformed key is the caller's
+  bug, and a miss would hide it.
+* All public methods are thread-safe if the hooks are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import ssl
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from . import blockformat
+from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
+from .plugins import strict_options
+
+_BISECT_MIN = 8  # shorter chains are probed whole: a few parallel requests beat a sequential search
+
+
+class BackendError(Exception):
+    """A backend operation failed.  ``backend`` is the instance name, ``key`` the first key involved."""
+
+    def __init__(self, backend: str, key: str | None, message: str):
+        self.backend, self.key = backend, key
+        where = f"backend {backend!r}" + (f", key {show_key(key)}" if key is not None else "")
+        super().__init__(f"{where}: {message}")
+
+
+class InvalidKey(BackendError, ValueError):
+    """A key (or namespace id) that is not canonical, refused before any I/O.  Also a ``ValueError``: it is
+    the caller's bug, not the backend's fault."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot be reached (connection refused, server down, disk gone)."""
+
+
+class BackendTimeout(BackendError):
+    """The backend did not answer within its configured timeout."""
+
+
+class BackendDiskFull(BackendError):
+    """The storage has no room (ENOSPC, EDQUOT).  Retrying will not help until space is freed or the
+    backend's ``capacity`` is lowered; counted in ``stats().disk_full``."""
+
+
+class BackendPermissionDenied(BackendError):
+    """The process may not use the storage (EACCES, EPERM, EROFS; S3 AccessDenied).  Retrying will not help
+    until access is granted; counted in ``stats().permission_denied``."""
+
+
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}
+_DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+           errno.EROFS: "read-only filesystem"}
+
+
+class BackendOptions(BaseModel):
+    """Base of every backend's options (its YAML ``options:`` mapping).  Unknown keys are errors, also for
+    a backend whose ``Options`` is a plain pydantic ``BaseModel`` (``kvtier.plugins.strict_options``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    timeout_s: float = 5.0
+
+
+@dataclass
+class BackendStats:
+    """Counters since start-up (``blocks`` / ``bytes`` / ``capacity_bytes`` are current usage)."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    get_bytes: int = 0
+    get_failures: int = 0
+    corrupt: int = 0
+    deletes: int = 0
+    disk_full: int = 0  # errors: no space / quota (BackendDiskFull, or a key of a batch that failed so)
+    permission_denied: int = 0  # errors: access refused (BackendPermissionDenied, or such a key)
+    unavailable: int = 0  # keys not answered: the backend (or the node holding them) was down or timed out
+    put_seconds: float = 0.0
+    get_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def frame(key: str, payload: memoryview, layout_id: int) -> bytes:
+    """The stored header for ``payload`` under ``key``; thread-safe, hashes the payload without copying."""
+    ns, h = split_key(key)
+    return blockformat.encode_header(ns, h, layout_id, payload)
+
+
+def verify(key: str, size: int, header, payload: memoryview, layout_id: int) -> str | None:
+    """Why a stored value of ``size`` bytes, read as (header, payload), is not ``key``'s block; None if it is."""
+    expected = blockformat.HEADER_SIZE + payload.nbytes
+    if size != expected:
+        return f"stored value is {size} bytes, expected {expected}"
+    ns, h = split_key(key)
+    return blockformat.check_block(header, payload, ns, h, layout_id)
+
+
+@dataclass
+class StoredBlock:
+    key: str
+    size: int
+
+
+class StorageBackend(ABC):
+    """Base class of all storage backends.  Subclasses set ``Options`` and implement the hooks."""
+
+    Options: ClassVar[type[BackendOptions]] = BackendOptions
+    #: How ``contains_prefix`` probes a chain: "all" asks about every key in one batch (right when a batch
+    #: is one round trip: files, Redis pipelines); "bisect" asks about O(log n) keys one at a time (right
+    #: when every probe is a request of its own, as on S3).
+    prefix_probe: ClassVar[str] = "all"
+
+    def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
+        if options is None or isinstance(options, dict):
+            options = strict_options(self.Options).model_validate(options or {})  # type: ignore[attr-defined]
+        self.options = options
+        self.name = name or type(self).__name__
+        self._stats = BackendStats()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ hooks a backend implements
+
+    @abstractmethod
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        """Store each ``(header, payload)`` as one value, replacing any old one atomically."""
+
+    @abstractmethod
+    def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
+                   payloads: Sequence[memoryview]) -> list[int | None]:
+        """For each key read the value's first ``len(header)`` bytes into ``header`` and the rest into
+        ``payload``; return the value's full stored length (even when it does not fit), or None if
+        the key is absent."""
+
+    @abstractmethod
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present (a cheap check; content is verified on read)."""
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[str]) -> int:
+        """Delete the keys; return how many existed."""
+
+    @abstractmethod
+    def _scan(self, prefix: str) -> Iterator[StoredBlock]:
+        """Every stored key starting with ``prefix`` (blocks and manifests alike)."""
+
+    def _read_small(self, key: str) -> bytes | None:
+        """A whole small value (manifests); the default goes through ``_read_into``."""
+        size = self._read_into([key], [memoryview(bytearray(0))], [memoryview(bytearray(0))])[0]
+        if size is None:
+            return None
+        buf = bytearray(size)
+        got = self._read_into([key], [memoryview(buf)[:0]], [memoryview(buf)])[0]
+        return bytes(buf) if got == size else None
+
+    def _write_small(self, key: str, data: bytes) -> None:
+        """Store a small raw value (manifests); the default goes through ``_write``."""
+        self._write([key], [(b"", memoryview(data))])
+
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
+        """Frame and store each payload; per-key success.  The default encodes every header here, in the
+        calling thread, then calls ``_write`` once.  A backend may override this to frame inside its own
+        workers (checksumming a payload while it is hot in cache); it must store exactly
+        ``frame(key, payload, layout_id) + payload``, atomically per key."""
+        return self._write(keys, [(frame(k, p, layout_id), p) for k, p in zip(keys, payloads)])
+
+    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
+                    layout_id: int) -> list[bool | str]:
+        """Per key: True (a verified block, payload now in the buffer), False (absent), or why the stored
+        value is not the expected block (``get_into`` then counts and deletes it).  The default reads with
+        ``_read_into`` and verifies here; a backend may override this to verify inside its own workers,
+        but must report True only for values that passed ``verify``."""
+        headers = [memoryview(bytearray(blockformat.HEADER_SIZE)) for _ in keys]
+        sizes = self._read_into(keys, headers, payloads)
+        return [False if size is None else (verify(key, size, header, view, layout_id) or True)
+                for key, size, header, view in zip(keys, sizes, headers, payloads)]
+
+    def _close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release connections, threads and file handles."""
+
+    def _health(self) -> None:
+        """Raise if the backend is unusable; the default probes one absent key."""
+        self._exists([f"{'0' * 32}/{'0' * 32}"])
+
+    def _usage(self) -> dict[str, Any]:
+        """Current usage, e.g. {"blocks": n, "bytes": b, "capacity_bytes": c}; optional."""
+        return {}
+
+    def _location(self) -> str | None:
+        """Where the backend keeps its values (a directory, ``s3://bucket/prefix``), for error messages
+        that say where to free space or grant access; optional."""
+        return None
+
+    def _translate_error(self, e: Exception) -> Exception:
+        """Map a client library's own exception onto the builtin one that says what happened
+        (``TimeoutError``, ``ConnectionError``, ``OSError`` with ``ENOSPC`` / ``EACCES`` ...), so the base
+        class types it; optional, the default returns ``e``.  Errors are typed by class and errno, never
+        by their text."""
+        return e
+
+    def _eviction_order(self) -> Iterable[StoredBlock]:
+        """Every stored block (not manifests), least recently used first: the order ``evict_to`` removes
+        them in.  Optional; the default knows nothing of use and lists them in scan order."""
+        return self.scan()
+
+    # ------------------------------------------------------------------ public API (used by the stack)
+    # Each method that takes keys (or a namespace id) raises InvalidKey for a non-canonical one before
+    # any hook runs, never a miss: see the module docstring.
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys of the chain ``keys`` are present."""
+        if not keys:
+            return 0
+        self._refuse_invalid(keys)
+        if self.prefix_probe == "bisect" and len(keys) > _BISECT_MIN:
+            return self._bisect_prefix(keys)
+        present = self._call(self._exists, keys)
+        n = 0
+        for ok in present:
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def _bisect_prefix(self, keys: Sequence[str]) -> int:
+        """The prefix length in O(log n) single-key probes, assuming the chain is prefix-closed (stores
+        write a chain front to back).  A hole the probes step over only costs a failed load later, which
+        the stack recomputes; it is never served."""
+        if not self._call(self._exists, [keys[0]])[0]:
+            return 0
+        lo, hi = 1, len(keys)  # keys[lo - 1] is present; the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._call(self._exists, [keys[mid - 1]])[0]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present (content is verified on read, not here)."""
+        if not keys:
+            return []
+        self._refuse_invalid(keys)
+        return list(self._call(self._exists, keys))
+
+    def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int) -> list[bool]:
+        """Store each payload (any contiguous buffer) as a verified block; per-key success."""
+        if len(keys) != len(payloads):
+            raise ValueError(f"put: {len(keys)} keys but {len(payloads)} payloads")
+        if not keys:
+            return []
+        self._refuse_invalid(keys)
+        views = [memoryview(p).cast("B") for p in payloads]
+        t0 = time.perf_counter()
+        try:
+            ok = list(self._call(self._put_blocks, keys, views, layout_id))
+        except BackendError:
+            with self._lock:
+                self._stats.put_failures += len(keys)
+            raise
+        nbytes = sum(v.nbytes for v, good in zip(views, ok) if good)
+        with self._lock:
+            s = self._stats
+            s.puts += sum(ok)
+            s.put_failures += len(ok) - sum(ok)
+            s.put_bytes += nbytes
+            s.put_seconds += time.perf_counter() - t0
+        return ok
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int) -> list[bool]:
+        """Read each key's payload into the matching writable buffer; per-key ok.  A value that fails
+        any check is a miss, counted as corrupt, and deleted."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        self._refuse_invalid(keys)
+        views = [memoryview(b).cast("B") for b in buffers]
+        t0 = time.perf_counter()
+        try:
+            results = self._call(self._get_blocks, keys, views, layout_id)
+        except BackendError:
+            with self._lock:
+                self._stats.gets += len(keys)
+                self._stats.get_failures += len(keys)
+            raise
+        ok: list[bool] = []
+        corrupt: list[str] = []
+        for key, res in zip(keys, results):
+            if isinstance(res, str):
+                corrupt.append(key)
+                self._on_corrupt(key, res)
+            ok.append(res is True)
+        if corrupt:
+            # If the delete fails it stays a miss; `kvtier verify --fix` can remove it later.
+            with contextlib.suppress(BackendError):
+                self._call(self._delete, corrupt)
+        hits = sum(ok)
+        with self._lock:
+            s = self._stats
+            s.gets += len(keys)
+            s.hits += hits
+            s.misses += len(keys) - hits
+            s.corrupt += len(corrupt)
+            s.get_bytes += sum(v.nbytes for v, good in zip(views, ok) if good)
+            s.get_seconds += time.perf_counter() - t0
+        return ok
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete the keys; how many existed."""
+        if not keys:
+            return 0
+        self._refuse_invalid(keys)
+        n = self._call(self._delete, keys)
+        with self._lock:
+            self._stats.deletes += n
+        return n
+
+    def scan(self, namespace_id: str | None = None) -> Iterator[StoredBlock]:
+        """Stored blocks (not manifests), of one namespace or of all (a malformed namespace id raises
+        InvalidKey when iteration starts)."""
+        if namespace_id:
+            self._refuse_invalid([f"{namespace_id}/{MANIFEST_NAME}"], manifest=True)
+        prefix = f"{namespace_id}/" if namespace_id else ""
+        try:
+            for blk in self._scan(prefix):
+                if invalid_key([blk.key]) is None:
+                    yield blk
+        except BackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - typed for the caller
+            raise self._wrap(e, prefix or None) from e
+
+    def namespaces(self) -> list[str]:
+        """Namespace ids that have a manifest or at least one block."""
+        seen: set[str] = set()
+        for blk in self._call(lambda: list(self._scan(""))):
+            ns = blk.key.partition("/")[0]
+            if len(ns) == 32:
+                seen.add(ns)
+        return sorted(seen)
+
+    def put_manifest(self, namespace) -> None:
+        """Store a namespace's fields so tools can say what a namespace id means."""
+        import json
+
+        data = json.dumps(namespace.manifest(), sort_keys=True).encode()
+        key = f"{namespace.id}/{MANIFEST_NAME}"
+        self._refuse_invalid([key], manifest=True)
+        self._call(self._write_small, key, data)
+
+    def get_manifest(self, namespace_id: str) -> dict | None:
+        import json
+
+        key = f"{namespace_id}/{MANIFEST_NAME}"
+        self._refuse_invalid([key], manifest=True)
+        raw = self._call(self._read_small, key)
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return None
+
+    def evict_to(self, capacity_bytes: int, *, dry_run: bool = False,
+                 on_evict: Callable[[list[StoredBlock]], None] | None = None) -> list[StoredBlock]:
+        """Delete blocks in ``_eviction_order`` until those left total at most ``capacity_bytes``; return
+        the blocks removed (``dry_run``: that would be removed, deleting nothing).  ``on_evict`` gets
+        each batch once it is deleted (``kvtier gc`` drives its progress bar with it)."""
+        blocks = self._call(lambda: list(self._eviction_order()))
+        excess = sum(b.size for b in blocks) - capacity_bytes
+        victims: list[StoredBlock] = []
+        for blk in blocks:
+            if excess <= 0:
+                break
+            victims.append(blk)
+            excess -= blk.size
+        if dry_run:
+            return victims
+        for i in range(0, len(victims), 256):
+            batch = victims[i:i + 256]
+            self.delete([b.key for b in batch])
+            if on_evict is not None:
+                on_evict(batch)
+        return victims
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
+        try:
+            s.extra = dict(self._usage())
+        except Exception as e:  # noqa: BLE001 - usage is best-effort
+            s.extra = {"usage_error": str(e)}
+        return s
+
+    def health(self) -> bool:
+        try:
+            self._call(self._health)
+            return True
+        except BackendError:
+            return False
+
+    def close(self) -> None:
+        self._call(self._close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _refuse_invalid(self, keys: Sequence[str], *, manifest: bool = False) -> None:
+        """Raise ``InvalidKey`` for the first non-canonical key; called before any hook sees ``keys``."""
+        bad = invalid_key(keys, manifest=manifest)
+        if bad is not None:
+            i, why = bad
+            raise InvalidKey(self.name, keys[i], f"refused before any I/O: {why}")
+
+    def _on_corrupt(self, key: str, why: str) -> None:
+        import logging
+
+        logging.getLogger("kvtier.backend_api").warning("backend %r: corrupt block %s (%s); deleting",
+                                                    self.name, key, why)
+
+    def _call(self, fn, *args):
+        """Run a hook, turning any exception into a typed BackendError naming backend and key."""
+        try:
+            return fn(*args)
+        except BackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every fault is typed for the stack
+            key = args[0][0] if args and isinstance(args[0], Sequence) and args[0] and \
+                isinstance(args[0][0], str) else (args[0] if args and isinstance(args[0], str) else None)
+            err = self._wrap(e, key)
+            if isinstance(err, BackendUnavailable | BackendTimeout):
+                n = len(args[0]) if args and isinstance(args[0], Sequence) and not isinstance(args[0], str) else 1
+                self.note_unavailable(n)
+            raise err from e
+
+    def note_unavailable(self, n: int) -> None:
+        """Count ``n`` keys left unanswered because the backend or part of it was unavailable (a hook
+        that answers the rest of a batch, e.g. a Redis Cluster with a node down, calls this for its lost
+        keys), so the stack can tell an outage from ordinary misses."""
+        with self._lock:
+            self._stats.unavailable += n
+
+    def unavailable_count(self) -> int:
+        """Keys left unanswered so far for unavailability (cheap: no I/O, unlike ``stats()``)."""
+        with self._lock:
+            return self._stats.unavailable
+
+    def _wrap(self, e: Exception, key: str | None) -> BackendError:
+        """The typed error for a hook's exception ``e`` (counted when it is disk full / access denied)."""
+        e = self._translate_error(e)
+        what = f"{type(e).__name__}: {e}"
+        if isinstance(e, TimeoutError):  # socket.timeout is TimeoutError
+            return BackendTimeout(self.name, key, f"timed out: {what}")
+        kind = self._count_fault(e)
+        if kind is not None and isinstance(e, OSError):
+            where = getattr(e, "filename", None) or self._location() or "the backend's storage"
+            if kind == "disk_full":
+                return BackendDiskFull(self.name, key, f"{_DISK_FULL[e.errno or 0]} at {where}: free space there, "
+                                       "or lower this backend's capacity below what the filesystem holds "
+                                       f"({what})")
+            uid = f" (uid {os.getuid()})" if hasattr(os, "getuid") else ""
+            todo = ("remount it read-write, or mark this backend `write: false`" if e.errno == errno.EROFS
+                    else f"grant this process{uid} read and write access there, or point the backend at "
+                         "storage it may use")
+            return BackendPermissionDenied(self.name, key, f"{_DENIED[e.errno or 0]} on {where}: {todo} ({what})")
+        if isinstance(e, OSError):  # ConnectionError, ssl errors, a vanished disk (EIO, ENOENT, ...)
+            return BackendUnavailable(self.name, key, f"unavailable: {what}")
+        return BackendError(self.name, key, what)
+
+    def _count_fault(self, e: BaseException) -> str | None:
+        """Count ``e`` if it is disk full or access denied; its kind ("disk_full", "permission_denied") or
+        None.  Hooks that report a key's failure as False instead of raising call this for its error."""
+        # Only an OS errno says disk full / denied: ssl and resolver errors reuse the field for their own
+        # codes (an SSL verify failure has errno 1, which is EPERM's number).
+        os_error = isinstance(e, OSError) and not isinstance(e, (ssl.SSLError, socket.gaierror, socket.herror))
+        code = e.errno if isinstance(e, OSError) and os_error else None
+        kind = "disk_full" if code in _DISK_FULL else "permission_denied" if code in _DENIED else None
+        if kind is not None:
+            with self._lock:
+                setattr(self._stats, kind, getattr(self._stats, kind) + 1)
+        return kind
