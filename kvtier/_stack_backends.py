@@ -93,6 +93,17 @@ class BackendSet:
                 break
         return best, who
 
+    def locate(self, keys: Sequence[str]) -> list[int]:
+        """For the longest run of leading ``keys`` stored across the backends (each run from one), the
+        backend holding each key: the fastest backend wherever several have it."""
+        where: list[int] = []
+        while len(where) < len(keys):
+            best, who = self.longest_prefix(keys[len(where):])
+            if best == 0:
+                break
+            where += [who] * best
+        return where
+
     def put(self, i: int, keys: Sequence[str], payloads: Sequence[Any]) -> list[bool]:
         """Store payloads in backend ``i``; per key, whether it took the block (all False when it fails)."""
         if not keys:

@@ -307,17 +307,8 @@ class Downward:
 
         def write() -> None:
             keys = [hashes[i] for i in new]
-            strs = s.namespace.keys(keys)
-            views = [rows[j].numpy() for j in range(len(new))]
-            took = [False] * len(new)
             try:
-                for b in s._backends.writable:
-                    ok = s._backends.put(b, strs, views)
-                    with s._lock:
-                        for j, good in enumerate(ok):
-                            if good:
-                                took[j] = True
-                                s.index.add_backend(keys[j], b)
+                took = self.put_rows([(key,) for key in keys], rows)
                 for j, i in enumerate(new):
                     status[i] = STORED if took[j] else SKIPPED
             finally:
@@ -327,6 +318,25 @@ class Downward:
         if not s._submit(s._io, write):
             self._release_keys([hashes[i] for i in new])
             self._finish(handle, status)
+
+    def put_rows(self, values: Sequence[tuple[bytes, ...]], rows: torch.Tensor) -> list[bool]:
+        """Write stored values whose payloads are ``rows`` (``[values, bytes]``, read from the device) to
+        every writable backend; each value is the blocks it holds, stored under the last one's key, and
+        all of them are marked where a backend took it.  Per value whether one did."""
+        s = self.s
+        took = [False] * len(values)
+        strs = s.namespace.keys([v[-1] for v in values])
+        views = [rows[j].numpy() for j in range(len(values))]
+        for b in s._backends.writable:
+            ok = s._backends.put(b, strs, views)
+            with s._lock:
+                for j, good in enumerate(ok):
+                    if good:
+                        took[j] = True
+                        for key in values[j]:
+                            if key in s.index:
+                                s.index.add_backend(key, b)
+        return took
 
     def _abandon(self, handle: StoreHandle, hashes: list[bytes], new: list[int], status: list[str],
                  slots: list[int], wb: list[Victim]) -> None:

@@ -51,14 +51,7 @@ class Grouped:
 
     def locate(self, hashes: Sequence[bytes], groups: Sequence[Group]) -> list[int]:
         """For the longest run of leading ``groups`` stored in some backend, the backend holding each."""
-        keys = self.s.namespace.keys([hashes[last] for _, last in groups])
-        where: list[int] = []
-        while len(where) < len(keys):
-            best, who = self.s._backends.longest_prefix(keys[len(where):])
-            if best == 0:
-                break
-            where += [who] * best
-        return where
+        return self.s._backends.locate(self.s.namespace.keys([hashes[last] for _, last in groups]))
 
     def fetch(self, hashes: Sequence[bytes], groups: Sequence[Group], where: Sequence[int], want: set[int], *,
               allow_tmp: bool) -> dict[int, Any]:
@@ -179,20 +172,7 @@ class Grouped:
     def write_rows(self, groups: Sequence[tuple[bytes, ...]], rows: torch.Tensor) -> list[bool]:
         """No host tier: write groups whose payloads are ``rows`` ([groups, k * block_nbytes], read from
         the device) to every writable backend; per group whether one took it."""
-        s = self.s
-        took = [False] * len(groups)
-        strs = s.namespace.keys([m[-1] for m in groups])
-        views = [rows[j].numpy() for j in range(len(groups))]
-        for b in s._backends.writable:
-            ok = s._backends.put(b, strs, views)
-            with s._lock:
-                for j, good in enumerate(ok):
-                    if good:
-                        took[j] = True
-                        for key in groups[j]:
-                            if key in s.index:
-                                s.index.add_backend(key, b)
-        return took
+        return self.s._down.put_rows(groups, rows)
 
 
 __all__ = ["Grouped"]

@@ -38,15 +38,7 @@ class Upward:
 
     def locate(self, keys: Sequence[bytes]) -> list[int]:
         """For the longest prefix of ``keys`` present in some backend, the backend holding each block."""
-        s = self.s
-        strs = s.namespace.keys(keys)
-        where: list[int] = []
-        while len(where) < len(keys):
-            best, who = s._backends.longest_prefix(strs[len(where):])
-            if best == 0:
-                break
-            where += [who] * best
-        return where
+        return self.s._backends.locate(self.s.namespace.keys(keys))
 
     def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool) -> list[Any]:
         """Bring the first ``len(where)`` keys (``where[j]``: the backend to try first) up from the

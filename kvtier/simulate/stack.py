@@ -220,12 +220,7 @@ class SimulatedStack:
         (into a host slot when there is room, else into a temporary buffer, as a load does)."""
         idx = self.index
         strs = self._keys(keys)
-        where: list[int] = []
-        while len(where) < len(keys):
-            best, who = self._backends.longest_prefix(strs[len(where):])
-            if best == 0:
-                break
-            where += [who] * best
+        where = self._backends.locate(strs)
         out = [False] * len(keys)
         todo = []
         for j in range(len(where)):
@@ -312,12 +307,7 @@ class SimulatedStack:
             if not groups or groups[-1] != grp:
                 groups.append(grp)
         strs = self._keys([hashes[last] for _, last in groups])
-        where: list[int] = []
-        while len(where) < len(strs):
-            best, who = self._backends.longest_prefix(strs[len(where):])
-            if best == 0:
-                break
-            where += [who] * best
+        where = self._backends.locate(strs)
         for g, (first, last) in enumerate(groups[:len(where)]):
             members = [i for i in range(max(first, 0), last + 1) if i in got]
             missing = [i for i in members if idx.host_slot(hashes[i]) is None]
