@@ -129,6 +129,20 @@ class _TwoPartBody:
         self._pos = min(max(base + pos, 0), self._len)
         return self._pos
 
+    def readinto(self, m: Any) -> int:
+        """Fill ``m`` (at most its length, as the protocol says; ``read`` may return more, for urllib3's
+        sake).  Readers that copy into their own buffer use this: awscrt's input stream, which botocore
+        uses when ``awscrt`` is installed, assigns ``read``'s result into a fixed-size view."""
+        dst = memoryview(m).cast("B")
+        n = 0
+        while n < dst.nbytes and self._pos < self._len:
+            chunk = self.read(dst.nbytes - n)
+            k = min(chunk.nbytes, dst.nbytes - n)
+            dst[n:n + k] = chunk[:k]
+            self._pos -= chunk.nbytes - k  # give back what read() took beyond the space
+            n += k
+        return n
+
     def read(self, n: int = -1) -> memoryview:
         if self._guard.cancelled:  # the batch gave up: stop reading the caller's buffer
             raise _Cancelled

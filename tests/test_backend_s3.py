@@ -325,3 +325,24 @@ def test_contains_prefix_bisects_with_few_requests(moto_server, s3_bucket):
         assert be.contains_prefix(keys[:5]) == 5  # short chains are probed whole, in parallel
     finally:
         be.close()
+
+
+def test_put_body_serves_readers_that_copy_into_fixed_size_buffers():
+    """botocore reads a put's body through awscrt when ``awscrt`` is installed: it calls ``readinto`` (or
+    assigns ``read(len(m))`` into ``m``), so the body must never hand such a reader more than it asked for.
+    Measured before the fix, with awscrt installed: every put failed with "memoryview assignment: lvalue
+    and rvalue have different structures"."""
+    from kvtier.backends.s3 import _ReadGuard, _TwoPartBody
+
+    header, payload = b"H" * 88, bytes(range(256)) * 300
+    for size in (1, 7, 1000, 65536, 1 << 20):
+        body = _TwoPartBody(header, memoryview(payload), _ReadGuard())
+        out, buf = bytearray(), bytearray(size)
+        while n := body.readinto(memoryview(buf)):
+            assert n <= size
+            out += buf[:n]
+        assert out == header + payload and body.tell() == len(body)
+    body = _TwoPartBody(header, memoryview(payload), _ReadGuard())
+    body.seek(100)
+    buf = bytearray(50)
+    assert body.readinto(buf) == 50 and bytes(buf) == payload[12:62]
