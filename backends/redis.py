@@ -32,7 +32,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from pydantic import Field, SecretStr, model_validator
 
-from kvtier.backend import BackendOptions, StorageBackend, StoredBlock, frame, verify
+from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
 from kvtier.blockformat import HEADER_SIZE
 
 from ._resp import NODE_ERRORS, Connection, RedisNodeError, ReplyError, command, pipeline

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.backend import BackendError, BackendTimeout, BackendUnavailable
+from kvtier.backend_api import BackendError, BackendTimeout, BackendUnavailable
 from kvtier.backends.redis import RedisBackend
 from kvtier.keys import Namespace
 from kvtier.testing.redis_server import redis_available, start_redis
