@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--backends", default="disk,redis,s3")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector rows")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help="storage.block_tokens for kvtier's backends (tokens per stored value; default: one "
+                        "vLLM block)")
     p.add_argument("--json", metavar="PATH")
 
 
@@ -90,7 +93,7 @@ def run(args) -> int:
         for be in backends:
             cfg = tmp / f"{be['name']}.yaml"
             cfg.write_text(yaml.safe_dump({"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "2GiB"},
-                                           "backends": [be]}))
+                                           "backends": [be], "storage": {"block_tokens": args.block_tokens}}))
             # prefill: recompute, then vLLM's own cache (the floor); stores into the backend
             pre = _run(tmp, f"prefill-{be['name']}", model, prompts,
                        [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)] + [["itl", arrivals]],
@@ -117,6 +120,8 @@ def run(args) -> int:
     floor = statistics.median(rows["vllm-device-cache"])
     table = [{"source": k, "ttft_ms": statistics.median(v) * 1e3, "x_floor": statistics.median(v) / floor,
               "runs": len(v)} for k, v in rows.items()]
+    if args.block_tokens:
+        print(f"kvtier stores values of {args.block_tokens} tokens (storage.block_tokens)")
     print(f"TTFT of a {args.tokens}-token prompt, {args.layers} layers x 8 kv heads x 128 head dim (bf16, "
           f"{args.tokens * args.layers * 2 * 8 * 128 * 2 / 2**20:.0f} MiB of KV), medians")
     print_table(table, ["source", "ttft_ms", "x_floor", "runs"])
