@@ -60,6 +60,8 @@ class HostRoom:
                 if need == 0 or e is None or e.host is None or e.refs or key in s._writing:
                     continue  # only unpinned host blocks with no copy down in flight are evictable
                 targets = [i for i in s._backends.writable if i not in e.backends]
+                if targets and s.storage_blocks > 1 and s._grouped.group_of(key) is None:
+                    targets = []  # a block of a group no longer whole in host memory cannot be written
                 if targets and key in s._unwritten and len(s._unwritten) > s.max_unwritten:
                     # Its write-back already failed and too many blocks wait on failing writes: evict it
                     # unwritten (a future miss) rather than let a refusing backend hold host memory.
@@ -235,12 +237,15 @@ class Downward:
             s.metrics.add("host", bytes_in=r.nbytes, failures=int(not r.all_ok))
             s.metrics.observe("host", "write", r.seconds)
             if s.storage_blocks > 1:
-                # Values of several blocks: every whole group of this store whose last block the write
-                # policy sends down (its blocks are in host memory now, stored here or before).
-                k = s.storage_blocks
+                # Values of several blocks: the store's whole groups are remembered (a later write of one
+                # of their blocks writes the group), and those holding a block the write policy sends
+                # down now are written (their blocks are in host memory, stored here or before).
+                groups = [tuple(hashes[a:b + 1]) for a, b in whole_groups(start, len(hashes), s.storage_blocks)]
                 sent = set(down)
-                s._grouped.write_from_host([tuple(hashes[a:b + 1]) for a, b in whole_groups(start, len(hashes), k)
-                                            if sent.intersection(hashes[a:b + 1])])
+                with s._lock:
+                    for g in groups:
+                        s._grouped.remember(g)
+                s._grouped.write_from_host([g for g in groups if sent.intersection(g)])
             elif down:
                 self.write_down(down)
         finally:
@@ -370,7 +375,10 @@ class Downward:
         there, not in host, or already being written are left alone)."""
         s = self.s
         if s.storage_blocks > 1:
-            return  # values of several blocks are written whole, by the store (write_through only)
+            with s._lock:  # values of several blocks: the whole groups these blocks are in
+                groups = [g for g in map(s._grouped.group_of, dict.fromkeys(keys)) if g is not None]
+            s._grouped.write_from_host(groups)
+            return
         todo: list[Victim] = []
         with s._lock:
             for key in dict.fromkeys(keys):
@@ -406,8 +414,15 @@ class Downward:
 
     def copy_down(self, todo: Sequence[Victim]) -> dict[bytes, bool]:
         """Write pinned host blocks to their target backends (no lock held during I/O); record which
-        backends took them.  Returns {key: taken by at least one backend}."""
+        backends took them.  Returns {key: taken by at least one backend}.  With values of several
+        blocks, each block's whole group is written instead."""
         s = self.s
+        if s.storage_blocks > 1:
+            with s._lock:
+                groups = {key: s._grouped.group_of(key) for key, _, _ in todo}
+            written = s._grouped.write_now([g for g in groups.values() if g is not None],
+                                           frozenset(key for key, _, _ in todo))
+            return {key: g is not None and g[-1] in written for key, g in groups.items()}
         taken = {key: False for key, _, _ in todo}
         for b in s._backends.writable:
             part = [(key, slot) for key, slot, targets in todo if b in targets]

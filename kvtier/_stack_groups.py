@@ -6,7 +6,10 @@ Invariants (beside the stack's):
   from the device in the same store), and under its last block's key; a partial group is never written;
 * a value read from a backend is verified as a whole (one header, one checksum) before any of its blocks
   becomes visible in host memory;
-* host slots written down are pinned (no index reference: a copy down is not a use) for the whole put.
+* host slots written down are pinned (no index reference: a copy down is not a use) for the whole put;
+* a block in host memory that belongs to a whole group known to the stack (stored or fetched as one) is
+  found in ``TierStack._members``, so a write of any of its blocks (write-back on eviction, a selective
+  write on a hit) writes the whole group; a group no longer whole in host memory is not written.
 """
 
 from __future__ import annotations
@@ -104,6 +107,10 @@ class Grouped:
                 elif allow_tmp:
                     off = i - groups[todo[j]][0]
                     out[i] = (TMP, buf[j, off], src[j])
+            for j, g in enumerate(todo):
+                first, last = groups[g]
+                if src[j] >= 0 and first >= 0:
+                    self.remember(tuple(hashes[first:last + 1]))
         s.metrics.add("host", bytes_in=min(len(need), len(slots)) * nb)
         return out
 
@@ -116,58 +123,107 @@ class Grouped:
 
     # ------------------------------------------------------------------ the way down
 
+    # Claimed groups: (blocks, their host slots, target backends, the blocks this claim put in _writing).
+    Claim = tuple[tuple[bytes, ...], list[int], list[int], list[bytes]]
+
+    def remember(self, members: tuple[bytes, ...]) -> None:
+        """Record a whole group (its blocks' keys in chain order) for the blocks of it in host memory, so a
+        later write of one of them (write-back on eviction, a selective write on a hit) writes the group.
+        Call with the stack's lock held.  Entries leave with their block's host copy (``forget``)."""
+        s = self.s
+        for key in members:
+            if s.index.host_slot(key) is not None:
+                s._members[key] = members
+
+    def forget(self, key: bytes) -> None:
+        """``key`` left host memory (lock held)."""
+        self.s._members.pop(key, None)
+
+    def group_of(self, key: bytes) -> tuple[bytes, ...] | None:
+        """The whole group of a host block, if known and every block of it is in host memory (lock held)."""
+        s = self.s
+        members = s._members.get(key)
+        if members is None or any(s.index.host_slot(m) is None for m in members):
+            return None
+        return members
+
+    def _claim_locked(self, groups: Sequence[tuple[bytes, ...]], mine: frozenset[bytes] = frozenset()) -> list[Claim]:
+        """Pin the host slots of each group that is whole in host memory, not being written, and missing
+        from a writable backend; ``mine``: blocks the caller already holds for writing (a write-back
+        victim)."""
+        s = self.s
+        todo: list[Grouped.Claim] = []
+        for members in dict.fromkeys(groups):
+            slots = [s.index.host_slot(key) for key in members]
+            if any(slot is None for slot in slots) or any(k in s._writing and k not in mine for k in members):
+                continue
+            have = [int(slot) for slot in slots if slot is not None]
+            targets = [b for b in s._backends.writable if not s.index.in_backends(members[-1], (b,))]
+            if not targets:
+                continue
+            pinned = s.host.pin(have, list(members))
+            if not all(pinned):
+                s.host.unpin([slot for slot, ok in zip(have, pinned) if ok])
+                continue
+            added = [k for k in members if k not in s._writing]
+            s._writing.update(added)
+            todo.append((members, have, targets, added))
+        return todo
+
     def write_from_host(self, groups: Sequence[tuple[bytes, ...]]) -> None:
         """Write each group (its blocks' keys, in chain order) whose blocks are all in host memory to the
         writable backends that lack it, asynchronously (the stack's write pool)."""
         s = self.s
-        todo: list[tuple[tuple[bytes, ...], list[int], list[int]]] = []
         with s._lock:
-            for members in groups:
-                slots = [s.index.host_slot(key) for key in members]
-                if any(slot is None for slot in slots) or any(key in s._writing for key in members):
-                    continue
-                have = [int(slot) for slot in slots if slot is not None]
-                targets = [b for b in s._backends.writable if not s.index.in_backends(members[-1], (b,))]
-                if not targets:
-                    continue
-                pinned = s.host.pin(have, list(members))
-                if not all(pinned):
-                    s.host.unpin([slot for slot, ok in zip(have, pinned) if ok])
-                    continue
-                s._writing.update(members)
-                todo.append((members, have, targets))
+            todo = self._claim_locked(groups)
             if not todo:
                 return
             s._pending.add()
         if not s._submit(s._io, self._write_job, todo):
-            self._write_done(todo)
+            self._release(todo)
+            s._pending.done()
 
-    def _write_job(self, todo: list[tuple[tuple[bytes, ...], list[int], list[int]]]) -> None:
-        s = self.s
+    def write_now(self, groups: Sequence[tuple[bytes, ...]], mine: frozenset[bytes]) -> set[bytes]:
+        """Write groups in this thread (a write-back makes room); the last keys of those a backend took."""
+        with self.s._lock:
+            todo = self._claim_locked(groups, mine)
         try:
-            for b in s._backends.writable:
-                part = [(members, slots) for members, slots, targets in todo if b in targets]
-                if not part:
-                    continue
-                payloads = [np.concatenate([s.host.slot_view(slot) for slot in slots]) for _, slots in part]
-                ok = s._backends.put(b, s.namespace.keys([m[-1] for m, _ in part]), payloads)
-                s.metrics.add("host", bytes_out=sum(ok) * self.k * s.layout.block_nbytes)
-                with s._lock:
-                    for (members, _), good in zip(part, ok):
-                        if good:
-                            for key in members:
-                                if key in s.index:
-                                    s.index.add_backend(key, b)
+            return self._put(todo)
         finally:
-            self._write_done(todo)
+            self._release(todo)
 
-    def _write_done(self, todo: list[tuple[tuple[bytes, ...], list[int], list[int]]]) -> None:
+    def _write_job(self, todo: list[Claim]) -> None:
+        try:
+            self._put(todo)
+        finally:
+            self._release(todo)
+            self.s._pending.done()
+
+    def _put(self, todo: list[Claim]) -> set[bytes]:
+        s = self.s
+        written: set[bytes] = set()
+        for b in s._backends.writable:
+            part = [(members, slots) for members, slots, targets, _ in todo if b in targets]
+            if not part:
+                continue
+            payloads = [np.concatenate([s.host.slot_view(slot) for slot in slots]) for _, slots in part]
+            ok = s._backends.put(b, s.namespace.keys([m[-1] for m, _ in part]), payloads)
+            s.metrics.add("host", bytes_out=sum(ok) * self.k * s.layout.block_nbytes)
+            with s._lock:
+                for (members, _), good in zip(part, ok):
+                    if good:
+                        written.add(members[-1])
+                        for key in members:
+                            if key in s.index:
+                                s.index.add_backend(key, b)
+        return written
+
+    def _release(self, todo: list[Claim]) -> None:
         s = self.s
         with s._lock:
-            for members, slots, _ in todo:
+            for _, slots, _, added in todo:
                 s.host.unpin(slots)
-                s._writing.difference_update(members)
-        s._pending.done()
+                s._writing.difference_update(added)
 
     def write_rows(self, groups: Sequence[tuple[bytes, ...]], rows: torch.Tensor) -> list[bool]:
         """No host tier: write groups whose payloads are ``rows`` ([groups, k * block_nbytes], read from

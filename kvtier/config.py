@@ -473,9 +473,6 @@ def _cross_checks(cfg: KvtierConfig) -> list[str]:
     bt = cfg.storage.block_tokens
     if bt is not None and bt % m.block_size:
         out.append(f"storage.block_tokens: expected a multiple of model.block_size ({m.block_size}), got {bt}")
-    elif bt is not None and bt > m.block_size and cfg.policies.write.name != "write_through":
-        out.append(f"storage.block_tokens: values of several blocks ({bt} tokens) are written with "
-                   f"policies.write.name write_through only, got {cfg.policies.write.name!r}")
     first: dict[str, int] = {}
     for i, b in enumerate(cfg.backends):
         j = first.setdefault(b.name, i)

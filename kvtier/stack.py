@@ -136,6 +136,8 @@ class TierStack:
         self._writing: set[bytes] = set()  # host -> backend write-down in flight
         # Host blocks whose write-back failed (insertion order = oldest first), bounded: see _stack_down.
         self._unwritten: dict[bytes, None] = {}
+        # Host blocks of whole stored-value groups (storage.block_tokens > 1): block -> its group's blocks.
+        self._members: dict[bytes, tuple[bytes, ...]] = {}
         self.max_unwritten = max(1, (self.host.num_slots if self.host else 0) // 4)
         self._io = ThreadPoolExecutor(threads, "kvtier-write")  # backend writes (write-down, write-back)
         self._reads = ThreadPoolExecutor(threads, "kvtier-read")  # backend reads (load, prefetch)
@@ -389,6 +391,7 @@ class TierStack:
         """Evict ``key`` from host memory (unpinned): its slot becomes free."""
         slot = self.index.clear_host(key)
         self._unwritten.pop(key, None)
+        self._members.pop(key, None)
         if slot is not None:
             self.host.free([slot])
             self.eviction_policy.on_remove(Tier.HOST, [key])

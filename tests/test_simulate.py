@@ -55,7 +55,8 @@ CHAT = dict(users=12, turns=4)
 
 @pytest.mark.parametrize("host,write,block_tokens", [("6MiB", "write_through", None),
                                                      ("0", "write_through_selective", None),
-                                                     ("6MiB", "write_through", 64)])
+                                                     ("6MiB", "write_through", 64),
+                                                     ("6MiB", "write_back", 64)])
 def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write, block_tokens):
     # Small tiers, so that every tier serves hits and both the host and the disk evict; no host tier at
     # all (stores go straight to the disk); and stored values of 4 blocks (storage.block_tokens).

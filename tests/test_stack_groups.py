@@ -139,8 +139,6 @@ def test_grouped_and_single_block_values_never_meet(tmp_path):
 def test_config_refuses_what_it_cannot_group(tmp_path):
     with pytest.raises(ConfigError, match=r"storage.block_tokens: expected a multiple of model.block_size \(4\), got 6"):
         config(tmp_path, storage={"block_tokens": 6})
-    with pytest.raises(ConfigError, match="storage.block_tokens: .* write_through only, got 'write_back'"):
-        config(tmp_path, write="write_back", storage={"block_tokens": 8})
     assert config(tmp_path, write="write_back", storage={"block_tokens": BLOCK}).storage_blocks == 1
 
 
@@ -175,3 +173,42 @@ def test_engine_prefill_then_decode_loads_whole_groups(tmp_path):
     finally:
         dec.close()
         base.close()
+
+
+def test_write_back_writes_the_whole_group_of_an_evicted_block(tmp_path):
+    st, _ = make_stack(tmp_path, faulty=False, host_slots=8, write="write_back",
+                       storage={"block_tokens": K * BLOCK})
+    try:
+        hs = chain(st, 8)
+        rows = fill(st, list(range(8)), seed=6)
+        st.store(hs, list(range(8))).wait(TIMEOUT)
+        assert st.flush(TIMEOUT) and _disk_values(st) == []  # write-back: nothing written yet
+        # 4 more blocks need room: the 4 least recently used (group 0-3) are written back as one value
+        other = chain(st, 4, start=500)
+        fill(st, [8, 9, 10, 11], seed=7)
+        assert st.store(other, [8, 9, 10, 11]).wait(TIMEOUT).num_stored == 4
+        assert st.flush(TIMEOUT)
+        assert _disk_values(st) == st.namespace.keys([hs[3]])
+        assert all(st.index.get(h) is None or st.index.get(h).host is None for h in hs[:4])
+        _evict_memory(st)
+        lr = st.load(hs[:4], [20, 21, 22, 23]).wait(TIMEOUT)
+        assert lr.num_loaded == 4 and torch.equal(read(st, [20, 21, 22, 23]), rows[:4])
+    finally:
+        st.close(timeout=TIMEOUT)
+
+
+def test_selective_write_writes_the_group_of_a_block_hit_often_enough(tmp_path):
+    st, _ = make_stack(tmp_path, faulty=False, host_slots=16, write="write_through_selective",
+                       write_options={"threshold": 2}, storage={"block_tokens": K * BLOCK})
+    try:
+        hs = chain(st, 8)
+        fill(st, list(range(8)), seed=8)
+        st.store(hs, list(range(8))).wait(TIMEOUT)
+        assert st.flush(TIMEOUT) and _disk_values(st) == []
+        for _ in range(2):  # the first group's blocks are hit twice (loads from host memory)
+            st.on_device_freed(range(32))
+            assert st.load(hs[:4], [12, 13, 14, 15]).wait(TIMEOUT).num_loaded == 4
+        assert st.flush(TIMEOUT)
+        assert _disk_values(st) == st.namespace.keys([hs[3]])
+    finally:
+        st.close(timeout=TIMEOUT)

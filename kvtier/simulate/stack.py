@@ -84,6 +84,8 @@ class SimulatedStack:
         self.index = BlockIndex(capacity=max(1024, config.device.num_blocks + self.host_slots))
         self.manager = TierManager(config, backends=self._backends, index=self.index)
         self._free_slots = list(range(self.host_slots - 1, -1, -1))  # pop() gives the lowest first
+        self.load_chunk_bytes = 32 * 2**20  # TierStack.load_chunk_bytes: a load reads this much at a time
+        self._members: dict[bytes, tuple[bytes, ...]] = {}  # host blocks of whole groups (TierStack._members)
         self.counters = {n: TierCounters() for n in ["host", *names]}
         self.now = 0.0  # trace time of the request being served (store traffic per second)
         self._keys = self.namespace.keys
@@ -190,10 +192,12 @@ class SimulatedStack:
                 if self.write_policy.on_store(key):
                     down.append(key)
             self._unpin(key)
-        if down and self.storage_blocks > 1:
+        if self.storage_blocks > 1:
+            groups = [tuple(hashes[a:b + 1]) for a, b in whole_groups(start, n, self.storage_blocks)]
+            for g in groups:
+                self._remember(g)
             sent = set(down)
-            self._write_groups([tuple(hashes[a:b + 1]) for a, b in whole_groups(start, n, self.storage_blocks)
-                                if sent.intersection(hashes[a:b + 1])])
+            self._write_groups([g for g in groups if sent.intersection(g)])
         elif down:
             self._write_down(down)
         return _Done(StoreResult(tuple(status)))
@@ -275,6 +279,8 @@ class SimulatedStack:
                 if need == 0 or idx.host_slot(key) is None or idx.refs(key):
                     continue
                 targets = [i for i in self.writable if not idx.in_backends(key, (i,))]
+                if targets and self.storage_blocks > 1 and self._group_of(key) is None:
+                    targets = []  # a block of a group no longer whole in host memory cannot be written
                 if targets and self.write_policy.on_evict(key):
                     self._pin(key)
                     wb.append((key, targets))
@@ -295,8 +301,10 @@ class SimulatedStack:
         return slots
 
     def _fetch_groups(self, hashes: Sequence[bytes], start: int, pos: list[int]) -> list[bool]:
-        """``Grouped.fetch`` for a load: whole values read (each under its last block's key), their wanted
-        blocks placed in host slots (or temporary rows); per position in ``pos`` whether it arrived."""
+        """``Upward._fetch_groups`` + ``Grouped.fetch`` for a load: a chunk of values at a time, every
+        value of the chunk read first (each under its last block's key), then host room made for their
+        wanted blocks (a write-back may evict from a backend only after the reads); per position in
+        ``pos`` whether it arrived."""
         idx, k = self.index, self.storage_blocks
         got = dict.fromkeys(pos, False)
         groups: list[tuple[int, int]] = []
@@ -308,48 +316,78 @@ class SimulatedStack:
                 groups.append(grp)
         strs = self._keys([hashes[last] for _, last in groups])
         where = self._backends.locate(strs)
-        for g, (first, last) in enumerate(groups[:len(where)]):
-            members = [i for i in range(max(first, 0), last + 1) if i in got]
-            missing = [i for i in members if idx.host_slot(hashes[i]) is None]
-            for i in members:
-                got[i] = i not in missing
-            if not missing:
-                continue
-            b = where[g]
-            if not self.ledgers[b].record_get([strs[g]])[0]:
-                if hashes[last] in idx:
-                    idx.remove_backend(hashes[last], b)
-                b = next((j for j in range(len(self.ledgers)) if j != where[g] and
-                          self.ledgers[j].record_get([strs[g]])[0]), -1)
-            if b < 0:
-                break
-            self.counters[self.ledgers[b].name].read += 1
-            for i in range(max(first, 0), last + 1):
-                if hashes[i] in idx:
-                    idx.add_backend(hashes[i], b)
-            slots = self._take(len(missing)) if self.host_slots else []
-            for i, slot in zip(missing, slots):
+        per = max(1, max(1, self.load_chunk_bytes // self.block_nbytes) // k)
+        for a in range(0, len(groups), per):
+            chunk = groups[a:a + per]
+            todo: list[tuple[int, list[int]]] = []  # (group index, its wanted blocks not in host memory)
+            for g in range(a, min(a + per, len(where))):
+                first, last = groups[g]
+                members = [i for i in range(max(first, 0), last + 1) if i in got]
+                missing = [i for i in members if idx.host_slot(hashes[i]) is None]
+                for i in members:
+                    got[i] = not missing or i not in missing
+                if missing:
+                    todo.append((g, missing))
+            src = {}
+            for g, _ in todo:
+                b = where[g]
+                if not self.ledgers[b].record_get([strs[g]])[0]:
+                    b = next((j for j in range(len(self.ledgers)) if j != where[g] and
+                              self.ledgers[j].record_get([strs[g]])[0]), -1)
+                src[g] = b
+            need = []
+            for g, missing in todo:
+                first, last = groups[g]
+                if src[g] >= 0:
+                    self.counters[self.ledgers[src[g]].name].read += 1
+                    for i in range(max(first, 0), last + 1):
+                        if hashes[i] in idx:
+                            idx.add_backend(hashes[i], src[g])
+                    need += missing
+                elif hashes[last] in idx:
+                    idx.remove_backend(hashes[last], where[g])  # read and not there: a stale hint
+            slots = self._take(len(need)) if self.host_slots else []
+            for i, slot in zip(need, slots):
                 self._commit_host(hashes[i], slot)
                 self.counters["host"].written += 1
-            for i in missing:
+            for i in need:
                 got[i] = True  # in a host slot, or a temporary row when host memory had no room
+            for g, _ in todo:
+                if src[g] >= 0 and groups[g][0] >= 0:
+                    self._remember(tuple(hashes[groups[g][0]:groups[g][1] + 1]))
+            if any(not got[i] for first, last in chunk for i in range(max(first, 0), last + 1) if i in got):
+                break
         return [got[i] for i in pos]
 
-    def _write_groups(self, groups: list[tuple[bytes, ...]]) -> None:
-        """``Grouped.write_from_host``: each group whose blocks are all in host memory, once, to the
-        writable backends lacking it (by its last block's marks)."""
+    def _write_groups(self, groups: list[tuple[bytes, ...]]) -> set[bytes]:
+        """``Grouped.write_from_host`` / ``write_now``: each group whose blocks are all in host memory,
+        once, to the writable backends lacking it (by its last block's marks); the last keys written."""
         idx = self.index
-        for members in groups:
+        written: set[bytes] = set()
+        for members in dict.fromkeys(groups):
             if any(idx.host_slot(key) is None for key in members):
                 continue
             for b in self.writable:
                 if idx.in_backends(members[-1], (b,)):
                     continue
                 if self._put(b, [members[-1]])[0]:
+                    written.add(members[-1])
                     for key in members:
                         if key in idx:
                             idx.add_backend(key, b)
                 self.counters["host"].read += len(members)
+        return written
+
+    def _remember(self, members: tuple[bytes, ...]) -> None:
+        for key in members:
+            if self.index.host_slot(key) is not None:
+                self._members[key] = members
+
+    def _group_of(self, key: bytes) -> tuple[bytes, ...] | None:
+        members = self._members.get(key)
+        if members is None or any(self.index.host_slot(m) is None for m in members):
+            return None
+        return members
 
     def _store_groups_direct(self, hashes: Sequence[bytes], start: int, new: list[int], status: list[str]) -> None:
         """``Downward._store_direct_groups``: no host tier, every whole group holding a new block is read
@@ -370,7 +408,11 @@ class SimulatedStack:
                     status[i] = _STORED if took else _SKIPPED
 
     def _write_down(self, keys: Sequence[bytes]) -> None:
-        """``Downward.write_down``: host blocks to every writable backend lacking them."""
+        """``Downward.write_down``: host blocks to every writable backend lacking them (with values of
+        several blocks: their whole groups)."""
+        if self.storage_blocks > 1:
+            self._write_groups([g for g in map(self._group_of, dict.fromkeys(keys)) if g is not None])
+            return
         todo = []
         idx = self.index
         for key in dict.fromkeys(keys):
@@ -383,6 +425,10 @@ class SimulatedStack:
             self._copy_down(todo)
 
     def _copy_down(self, todo: list[tuple[bytes, list[int]]]) -> dict[bytes, bool]:
+        if self.storage_blocks > 1:
+            groups = {key: self._group_of(key) for key, _ in todo}
+            written = self._write_groups([g for g in groups.values() if g is not None])
+            return {key: g is not None and g[-1] in written for key, g in groups.items()}
         taken = {key: False for key, _ in todo}
         for b in self.writable:
             part = [key for key, targets in todo if b in targets]
@@ -449,6 +495,7 @@ class SimulatedStack:
 
     def _drop_host(self, key: bytes) -> None:
         slot = self.index.clear_host(key)
+        self._members.pop(key, None)
         if slot is not None:
             self._free_slots.append(slot)
             self.eviction_policy.on_remove(Tier.HOST, [key])
