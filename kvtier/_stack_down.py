@@ -71,7 +71,7 @@ class HostRoom:
                 elif targets and s.write_policy.on_evict(key):
                     if not s.host.pin([e.host], [key])[0]:
                         continue
-                    s._pin_locked(key)
+                    s.index.acquire(key)
                     s._writing.add(key)
                     wb.append((key, e.host, targets))
                 else:
@@ -104,7 +104,7 @@ class HostRoom:
                     s._drop_host_locked(key)
                     freed += 1
                 else:
-                    s._gc_locked(key)
+                    s.index.discard_if_unused(key)
             return s.host.allocate(freed).slots if freed else []
 
     def reserve(self, n: int) -> list[int]:
@@ -141,7 +141,7 @@ class Downward:
         wb: list[Victim] = []
         with s._lock:
             for i, (key, b) in enumerate(zip(hashes, ids.tolist())):
-                s._set_device_locked(key, b)
+                s.index.place_on_device(key, b)
                 e = s.index.entry(key)
                 held = e.host is not None if s.host else bool(s._backends.writable) and all(
                     j in e.backends for j in s._backends.writable)
@@ -155,7 +155,7 @@ class Downward:
                 seen.add(key)
                 new.append(i)
                 s._storing.add(key)
-                s._pin_locked(key)
+                s.index.acquire(key)
             if s.host is not None and new:
                 slots, wb = s.room.take_locked(len(new))
             s._pending.add()
@@ -163,10 +163,8 @@ class Downward:
             self.write_down(hits)
         if not new:
             self._finish(handle, status)
-        elif s.host is None and s.storage_blocks > 1:
-            self._store_direct_groups(handle, hashes, ids, new, status, start)
         elif s.host is None:
-            self._store_direct(handle, hashes, ids, new, status)
+            self._store_direct(handle, hashes, ids, new, status, start)
         elif wb:
             # Write-back victims must reach a backend before their slots take new blocks: that I/O runs
             # in a worker, which then issues the copy after the work queued so far on this stream.
@@ -232,7 +230,7 @@ class Downward:
                             status[i] = PRESENT
                     else:
                         status[i] = FAILED
-                    s._unpin_locked(key)
+                    s.index.release(key)
             s.metrics.add("device", bytes_out=r.nbytes)
             s.metrics.add("host", bytes_in=r.nbytes, failures=int(not r.all_ok))
             s.metrics.observe("host", "write", r.seconds)
@@ -251,22 +249,23 @@ class Downward:
         finally:
             self._finish(handle, status)
 
-    def _store_direct_groups(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                             status: list[str], start: int) -> None:
-        """No host tier, values of several blocks: read every whole group of the store from the device
-        now (this thread: ordered after the engine's work), write them in a worker.  A block outside a
-        whole group is skipped (a partial group is never stored)."""
+    def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                      status: list[str], start: int) -> None:
+        """No host tier: copy the stored values' blocks out of the device now (this thread, so the copy is
+        ordered after the engine's work), then write them to the writable backends in a worker.  With
+        values of several blocks, a value is a whole group of the store holding a new block; a new block
+        in no whole group is skipped (a partial group is never stored)."""
         s = self.s
-        k = s.storage_blocks
         fresh = set(new)
-        groups = [(a, b) for a, b in whole_groups(start, len(hashes), k) if fresh & set(range(a, b + 1))]
+        spans = [(a, b) for a, b in whole_groups(start, len(hashes), s.storage_blocks)
+                 if not fresh.isdisjoint(range(a, b + 1))]
         keys = [hashes[i] for i in new]
-        if not groups:
+        if not spans:
             self._release_keys(keys)
             self._finish(handle, status)
             return
         try:
-            rows = s.device.read_blocks(np.concatenate([ids[a:b + 1] for a, b in groups]))
+            rows = s.device.read_blocks(np.concatenate([ids[a:b + 1] for a, b in spans]))
         except Exception as e:  # noqa: BLE001
             log.warning("store: device read failed: %s", e)
             s.metrics.add("device", failures=1)
@@ -276,12 +275,12 @@ class Downward:
             self._finish(handle, status)
             return
         s.metrics.add("device", bytes_out=rows.numel())
-        rows = rows.view(len(groups), -1)
+        rows = rows.view(len(spans), -1)
 
         def write() -> None:
             try:
-                took = s._grouped.write_rows([tuple(hashes[a:b + 1]) for a, b in groups], rows)
-                for (a, b), ok in zip(groups, took):
+                took = self.put_rows([tuple(hashes[a:b + 1]) for a, b in spans], rows)
+                for (a, b), ok in zip(spans, took):
                     for i in range(a, b + 1):
                         if i in fresh:
                             status[i] = STORED if ok else SKIPPED
@@ -291,37 +290,6 @@ class Downward:
 
         if not s._submit(s._io, write):
             self._release_keys(keys)
-            self._finish(handle, status)
-
-    def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                      status: list[str]) -> None:
-        """No host tier: copy the blocks out of the device now (this thread, so the copy is ordered after
-        the engine's work), then write them to the writable backends in a worker."""
-        s = self.s
-        try:
-            rows = s.device.read_blocks(ids[new])
-        except Exception as e:  # noqa: BLE001
-            log.warning("store: device read failed: %s", e)
-            s.metrics.add("device", failures=1)
-            for i in new:
-                status[i] = FAILED
-            self._release_keys([hashes[i] for i in new])
-            self._finish(handle, status)
-            return
-        s.metrics.add("device", bytes_out=rows.numel())
-
-        def write() -> None:
-            keys = [hashes[i] for i in new]
-            try:
-                took = self.put_rows([(key,) for key in keys], rows)
-                for j, i in enumerate(new):
-                    status[i] = STORED if took[j] else SKIPPED
-            finally:
-                self._release_keys(keys)
-                self._finish(handle, status)
-
-        if not s._submit(s._io, write):
-            self._release_keys([hashes[i] for i in new])
             self._finish(handle, status)
 
     def put_rows(self, values: Sequence[tuple[bytes, ...]], rows: torch.Tensor) -> list[bool]:
@@ -352,7 +320,7 @@ class Downward:
                 for key, slot, _ in wb:
                     s.host.unpin([slot])
                     s._writing.discard(key)
-                    s._unpin_locked(key)
+                    s.index.release(key)
         s.metrics.add("host", stores_skipped=len(new))
         self._release_keys([hashes[i] for i in new])
         self._finish(handle, status)
@@ -362,7 +330,7 @@ class Downward:
         with s._lock:
             for key in keys:
                 s._storing.discard(key)
-                s._unpin_locked(key)
+                s.index.release(key)
 
     def _finish(self, handle: StoreHandle, status: list[str]) -> None:
         if handle._finish(StoreResult(tuple(status))):

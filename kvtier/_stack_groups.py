@@ -225,10 +225,5 @@ class Grouped:
                 s.host.unpin(slots)
                 s._writing.difference_update(added)
 
-    def write_rows(self, groups: Sequence[tuple[bytes, ...]], rows: torch.Tensor) -> list[bool]:
-        """No host tier: write groups whose payloads are ``rows`` ([groups, k * block_nbytes], read from
-        the device) to every writable backend; per group whether one took it."""
-        return self.s._down.put_rows(groups, rows)
-
 
 __all__ = ["Grouped"]

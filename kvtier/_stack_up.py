@@ -112,13 +112,10 @@ class Upward:
                     plan.append([FETCH, None, None])
                 else:
                     break  # nowhere to get it from: the usable prefix ends here
-                s._pin_locked(key)
+                s.index.acquire(key)
             for (kind, _, _), b in zip(plan, ids.tolist()):
-                other = s.index.key_at_device(b)
-                if kind != SAME and other is not None:
-                    # The block is about to be overwritten: whatever the index said it held is gone.
-                    s.index.clear_device(other)
-                    s._gc_locked(other)
+                if kind != SAME:
+                    s.index.free_device(b)  # about to be overwritten: whatever it held is gone
         if any(p[0] == FETCH for p in plan):
             if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan, start):
                 self._finish_load(handle, hashes, ids, plan, 0, None, [], ["stack closed"])
@@ -265,12 +262,12 @@ class Upward:
             with s._lock:
                 try:
                     for i in range(num):
-                        s._set_device_locked(hashes[i], int(ids[i]))
+                        s.index.place_on_device(hashes[i], int(ids[i]))
                         if s.write_policy.on_hit(hashes[i], s._hit_locked(hashes[i])):
                             down.append(hashes[i])
                 finally:
                     for i in range(len(plan)):
-                        s._unpin_locked(hashes[i])
+                        s.index.release(hashes[i])
             self._count(plan[:num], n, r)
         except Exception as e:  # noqa: BLE001 - the handle is finished whatever happens
             log.exception("load: completion failed")
@@ -311,7 +308,7 @@ class Upward:
         prefix = hashes[:res.num_blocks]
         with s._lock:
             for key in prefix:  # the memory part too: making room must not evict the request's own head
-                s._pin_locked(key)
+                s.index.acquire(key)
         handle = PrefetchHandle(s, hashes, tokens, s.prefetch_policy.wait_seconds(tokens), started=True)
         if s.storage_blocks > 1:
             ok = s._submit(s._reads, self._prefetch_groups_job, handle, prefix, hashes, start, pos)
@@ -362,6 +359,6 @@ class Upward:
         try:
             with s._lock:
                 for key in prefix:
-                    s._unpin_locked(key)
+                    s.index.release(key)
         finally:
             handle._finish(handle.fetched)

@@ -558,6 +558,38 @@ class BlockIndex:
         self._drop_slot(key, s)
         return True
 
+    # -- compound updates (the tier stack and its simulator make exactly these)
+    def acquire(self, key: bytes) -> None:
+        """An operation starts using ``key``: pin it, inserting it first if absent."""
+        if key not in self._slots:
+            self.insert(key)
+        self.pin(key)
+
+    def release(self, key: bytes) -> None:
+        """An operation is done with ``key``: unpin it, and drop the entry if that leaves it nowhere and
+        unreferenced."""
+        self.unpin(key)
+        self.discard_if_unused(key)
+
+    def place_on_device(self, key: bytes, block_id: int) -> None:
+        """``key`` is now in device block ``block_id`` (inserted if absent): whatever key the index said
+        that block held loses its device copy first."""
+        other = self.key_at_device(block_id)
+        if other is not None and other != key:
+            self.clear_device(other)
+            self.discard_if_unused(other)
+        if key not in self._slots:
+            self.insert(key)
+        self.set_device(key, block_id)
+
+    def free_device(self, block_id: int) -> None:
+        """Device block ``block_id`` is freed or about to be overwritten: the key it held, if any, loses its
+        device copy (and its entry, if that leaves it nowhere and unreferenced)."""
+        key = self.key_at_device(block_id)
+        if key is not None:
+            self.clear_device(key)
+            self.discard_if_unused(key)
+
     # -- prefix lookup
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
         """Longest run of leading ``keys`` present in some tier, with the best tier of each block.

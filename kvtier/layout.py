@@ -145,9 +145,12 @@ class KVLayout:
                        inner: str | None = None) -> KVLayout:
         """The layout of a :class:`kvtier.keys.Namespace` with ``num_blocks`` blocks.
 
-        ``kind`` defaults to ``flash_attn`` (``mla`` for an MLA namespace)."""
+        ``kind`` defaults to ``flash_attn`` (``mla`` for an MLA namespace), and a stacked layout's
+        ``inner`` kind to the same."""
         if kind is None:
             kind = "mla" if ns.attention == "mla" else "flash_attn"
+        if kind == "stacked" and inner is None:
+            inner = "mla" if ns.attention == "mla" else "flash_attn"
         layout = cls(kind, ns.num_layers, num_blocks, ns.block_size, ns.num_kv_heads, ns.head_dim,
                      parse_dtype(ns.kv_dtype), inner)
         if layout.attention != ns.attention:

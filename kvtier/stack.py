@@ -166,21 +166,20 @@ class TierStack:
     @staticmethod
     def _make_device(config: KvtierConfig, kv_caches: Any) -> tuple[DeviceTier, BlockPool | None]:
         ns, d = config.namespace(), config.device
-        inner = ("mla" if ns.attention == "mla" else "flash_attn") if d.layout == "stacked" else None
         if kv_caches is None:
             kind = d.kind if d.kind != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            layout = KVLayout.from_namespace(ns, d.num_blocks, d.layout, inner=inner)
+            layout = KVLayout.from_namespace(ns, d.num_blocks, d.layout)
             return DeviceTier.allocate(layout, kind), BlockPool(d.num_blocks)
         # The engine's tensors fix the block count; everything else must be what the config says.
         first = kv_caches if isinstance(kv_caches, torch.Tensor) else next(iter(kv_caches), None)
         if not isinstance(first, torch.Tensor):
             raise LayoutError("kv_caches: expected a tensor or a non-empty list of tensors")
         blocks_dim = {"flash_attn": 1, "flashinfer": 0, "mla": 0, "cpu_attn": 0,
-                      "stacked": 1 + (inner == "flash_attn")}[d.layout]
+                      "stacked": 1 + (ns.attention != "mla")}[d.layout]
         if first.dim() <= blocks_dim:
             raise LayoutError(f"kv_caches: a {d.layout} tensor has more than {blocks_dim} dims, got shape "
                               f"{tuple(first.shape)}")
-        layout = KVLayout.from_namespace(ns, int(first.shape[blocks_dim]), d.layout, inner=inner)
+        layout = KVLayout.from_namespace(ns, int(first.shape[blocks_dim]), d.layout)
         layout.validate(kv_caches)
         return DeviceTier(layout, kv_caches), None
 
@@ -212,10 +211,7 @@ class TierStack:
         """The engine freed or reused these device blocks: forget what the index says they hold."""
         with self._lock:
             for b in int_array(block_ids, "block ids"):
-                key = self.index.key_at_device(int(b))
-                if key is not None:
-                    self.index.clear_device(key)
-                    self._gc_locked(key)
+                self.index.free_device(int(b))
 
     def drain_report(self) -> WorkerReport:
         """Host-memory changes since the last call (recording starts with the first call)."""
@@ -323,19 +319,6 @@ class TierStack:
             raise ValueError(f"block ids {ids[bad].tolist()} out of range [0, {self.device.num_blocks})")
         return ids
 
-    def _pin_locked(self, key: bytes) -> None:
-        if key not in self.index:
-            self.index.insert(key)
-        self.index.pin(key)
-
-    def _unpin_locked(self, key: bytes) -> None:
-        self.index.unpin(key)
-        self._gc_locked(key)
-
-    def _gc_locked(self, key: bytes) -> None:
-        """Drop an entry that is nowhere and unreferenced, so the index stays bounded."""
-        self.index.discard_if_unused(key)
-
     def _trim_index_locked(self) -> None:
         """Forget the least recently used backend-only entries once the index is over its bound."""
         excess = len(self.index) - self.max_index_entries
@@ -350,16 +333,6 @@ class TierStack:
                     excess -= 1
             if excess <= 0:
                 return
-
-    def _set_device_locked(self, key: bytes, block_id: int) -> None:
-        """``key`` is now in device block ``block_id``; whatever the index said that block held is gone."""
-        other = self.index.key_at_device(block_id)
-        if other is not None and other != key:
-            self.index.clear_device(other)
-            self._gc_locked(other)
-        if key not in self.index:
-            self.index.insert(key)
-        self.index.set_device(key, block_id)
 
     def _hit_locked(self, key: bytes) -> int:
         """Count a hit (a reuse): recency for eviction, and the count write policies look at."""
@@ -399,7 +372,7 @@ class TierStack:
             if self._report is not None:
                 self._report.in_host.pop(key, None)
                 self._report.left_host.add(key)
-        self._gc_locked(key)
+        self.index.discard_if_unused(key)
 
     def _submit(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> bool:
         """Run ``fn(*args)`` on ``pool``; False (nothing run) once the stack is closing."""

@@ -26,9 +26,7 @@ def block_nbytes(config: KvtierConfig) -> int:
     """Bytes of one block's KV payload in this deployment (what host memory and backends hold)."""
     from ..layout import KVLayout
 
-    ns, layout = config.namespace(), config.device.layout
-    inner = ("mla" if ns.attention == "mla" else "flash_attn") if layout == "stacked" else None
-    return KVLayout.from_namespace(ns, 1, layout, inner=inner).block_nbytes
+    return KVLayout.from_namespace(config.namespace(), 1, config.device.layout).block_nbytes
 
 
 class NullModel:

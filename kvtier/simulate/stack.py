@@ -109,12 +109,10 @@ class SimulatedStack:
                 plan.append("fetch")
             else:
                 break
-            self._pin(key)
+            self.index.acquire(key)
         for kind, b in zip(plan, ids):
-            other = idx.key_at_device(b)
-            if kind != "same" and other is not None:
-                idx.clear_device(other)
-                idx.discard_if_unused(other)
+            if kind != "same":
+                idx.free_device(b)
         cut = len(plan)
         pos = [i for i, k in enumerate(plan) if k == "fetch"]
         if pos:
@@ -126,11 +124,11 @@ class SimulatedStack:
         down = []
         for i in range(cut):
             key = hashes[i]
-            self._set_device(key, ids[i])
+            self.index.place_on_device(key, ids[i])
             if self.write_policy.on_hit(key, self._hit(key)):
                 down.append(key)
         for key in hashes[:len(plan)]:
-            self._unpin(key)
+            self.index.release(key)
         if down:
             self._write_down(down)
         loaded = tuple(i < cut for i in range(len(hashes)))
@@ -145,7 +143,7 @@ class SimulatedStack:
         seen: set[bytes] = set()
         host_slot, hosted, writable = idx.host_slot, bool(self.host_slots), self.writable
         for i, (key, b) in enumerate(zip(hashes, block_ids)):
-            self._set_device(key, int(b))
+            self.index.place_on_device(key, int(b))
             held = host_slot(key) is not None if hosted else bool(writable) and idx.in_backends(key, writable)
             if key in seen or held:
                 status[i] = _PRESENT
@@ -155,28 +153,15 @@ class SimulatedStack:
                 continue
             seen.add(key)
             new.append(i)
-            self._pin(key)
+            self.index.acquire(key)
         if hits:
             self._write_down(hits)
         if not new:
             return _Done(StoreResult(tuple(status)))
-        keys = [hashes[i] for i in new]
-        if not self.host_slots and self.storage_blocks > 1:
-            self._store_groups_direct(hashes, start, new, status)
-            for key in keys:
-                self._unpin(key)
-            return _Done(StoreResult(tuple(status)))
         if not self.host_slots:
-            took = [False] * len(new)
-            for b in self.writable:
-                for j, good in enumerate(self._put(b, keys)):
-                    if good:
-                        took[j] = True
-                        idx.add_backend(keys[j], b)
-            for j, i in enumerate(new):
-                status[i] = _STORED if took[j] else _SKIPPED
-            for key in keys:
-                self._unpin(key)
+            self._store_direct(hashes, start, new, status)
+            for i in new:
+                idx.release(hashes[i])
             return _Done(StoreResult(tuple(status)))
         slots = self._take(len(new))
         taken = len(slots)
@@ -191,7 +176,7 @@ class SimulatedStack:
                 status[i] = _STORED
                 if self.write_policy.on_store(key):
                     down.append(key)
-            self._unpin(key)
+            self.index.release(key)
         if self.storage_blocks > 1:
             groups = [tuple(hashes[a:b + 1]) for a, b in whole_groups(start, n, self.storage_blocks)]
             for g in groups:
@@ -203,12 +188,8 @@ class SimulatedStack:
         return _Done(StoreResult(tuple(status)))
 
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
-        idx = self.index
         for b in block_ids:
-            key = idx.key_at_device(int(b))
-            if key is not None:
-                idx.clear_device(key)
-                idx.discard_if_unused(key)
+            self.index.free_device(int(b))
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
@@ -282,7 +263,7 @@ class SimulatedStack:
                 if targets and self.storage_blocks > 1 and self._group_of(key) is None:
                     targets = []  # a block of a group no longer whole in host memory cannot be written
                 if targets and self.write_policy.on_evict(key):
-                    self._pin(key)
+                    self.index.acquire(key)
                     wb.append((key, targets))
                 else:
                     self._drop_host(key)
@@ -389,23 +370,24 @@ class SimulatedStack:
             return None
         return members
 
-    def _store_groups_direct(self, hashes: Sequence[bytes], start: int, new: list[int], status: list[str]) -> None:
-        """``Downward._store_direct_groups``: no host tier, every whole group holding a new block is read
-        from the device and written to every writable backend."""
+    def _store_direct(self, hashes: Sequence[bytes], start: int, new: list[int], status: list[str]) -> None:
+        """``Downward._store_direct``: no host tier, every stored value holding a new block (a block, or a
+        whole group of the store) is read from the device and written to every writable backend."""
         fresh = set(new)
-        for a, b in whole_groups(start, len(hashes), self.storage_blocks):
-            if not fresh.intersection(range(a, b + 1)):
-                continue
-            took = False
-            for j in self.writable:
-                if self._put(j, [hashes[b]])[0]:
-                    took = True
-                    for key in hashes[a:b + 1]:
+        spans = [(a, b) for a, b in whole_groups(start, len(hashes), self.storage_blocks)
+                 if not fresh.isdisjoint(range(a, b + 1))]
+        took = [False] * len(spans)
+        for j in self.writable:
+            for v, good in enumerate(self._put(j, [hashes[b] for _, b in spans])):
+                if good:
+                    took[v] = True
+                    for key in hashes[spans[v][0]:spans[v][1] + 1]:
                         if key in self.index:
                             self.index.add_backend(key, j)
+        for (a, b), ok in zip(spans, took):
             for i in range(a, b + 1):
                 if i in fresh:
-                    status[i] = _STORED if took else _SKIPPED
+                    status[i] = _STORED if ok else _SKIPPED
 
     def _write_down(self, keys: Sequence[bytes]) -> None:
         """``Downward.write_down``: host blocks to every writable backend lacking them (with values of
@@ -456,25 +438,6 @@ class SimulatedStack:
         return ok
 
     # ------------------------------------------------------------------ index bookkeeping (as TierStack)
-
-    def _pin(self, key: bytes) -> None:
-        if key not in self.index:
-            self.index.insert(key)
-        self.index.pin(key)
-
-    def _unpin(self, key: bytes) -> None:
-        self.index.unpin(key)
-        self.index.discard_if_unused(key)
-
-    def _set_device(self, key: bytes, block_id: int) -> None:
-        idx = self.index
-        other = idx.key_at_device(block_id)
-        if other is not None and other != key:
-            idx.clear_device(other)
-            idx.discard_if_unused(other)
-        if key not in idx:
-            idx.insert(key)
-        idx.set_device(key, block_id)
 
     def _hit(self, key: bytes) -> int:
         idx = self.index
