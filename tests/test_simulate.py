@@ -190,3 +190,34 @@ def test_ledger_evicts_least_recently_used_and_refuses_oversized():
     assert led.contains_prefix(["c", "d", "a"]) == 3
     tiny = LedgerBackend(name="tiny", value_nbytes=100, capacity=50)
     assert tiny.record_put(["x"]) == [False] and tiny.refused == 1
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"hashes": ["zz"]}, "row 1: hashes\\[0\\]: expected a hex string, got 'zz'"),
+    ({"hashes": []}, "row 1: hashes must be a non-empty list of hex strings"),
+    ({"tokens": [1, 2], "t": -1}, "row 1: t must be a number of seconds >= 0, got -1"),
+    ({"hashes": ["00" * 32], "num_tokens": 0}, "row 1: num_tokens must be a positive int, got 0"),
+    ({"tokens": [1], "tenant": "x"}, "row 1: unknown field\\(s\\) \\['tenant'\\]"),
+    ({"t": 1.0}, "row 1: needs 'tokens', 'length' or 'hashes'"),
+])
+def test_trace_rows_are_refused_naming_row_and_field(tmp_path, row, message):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=message):
+        list(iter_trace(p))
+
+
+def test_simulate_refuses_hashes_of_another_algorithm_and_a_host_tier_too_small(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"hashes": ["00" * 16]}) + "\n")
+    config = load_config(None, env={})
+    with pytest.raises(ValueError, match="request 0: hashes are 16 bytes, keys.algo sha256_cbor makes 32"):
+        simulate(config, iter_trace(p))
+    small = load_config(None, env={"KVTIER_HOST__CAPACITY": "1KiB"})
+    with pytest.raises(ValueError, match="host.capacity: 1024 B holds no block of 65536 B"):
+        simulate(small, iter_trace(p))
+
+
+def test_cli_refuses_a_rate_that_is_not_positive(capsys):
+    assert main(["simulate", "--rate", "0"]) == 2
+    assert "--rate: expected > 0, got 0.0" in capsys.readouterr().err

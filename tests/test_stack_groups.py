@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _stack_helpers import BLOCK, TIMEOUT, chain, config, fill, make_stack, read
@@ -211,4 +213,81 @@ def test_selective_write_writes_the_group_of_a_block_hit_often_enough(tmp_path):
         assert st.flush(TIMEOUT)
         assert _disk_values(st) == st.namespace.keys([hs[3]])
     finally:
+        st.close(timeout=TIMEOUT)
+
+
+def test_sglang_refuses_values_of_several_pages():
+    from kvtier.integrations.sglang.store import PageStore
+
+    cfg = config(Path("/nonexistent"), storage={"block_tokens": K * BLOCK})
+    with pytest.raises(ValueError, match=rf"storage.block_tokens must be null or model.block_size \(the page size, "
+                                         rf"{BLOCK}\) with SGLang, got {K * BLOCK}"):
+        PageStore(cfg, None)
+
+
+def test_plans_and_stack_refuse_a_negative_chain_position(grouped):
+    from kvtier.plans import LoadPlan
+
+    st, _ = grouped
+    with pytest.raises(ValueError, match="load plan for 'r': start must be >= 0, got -2"):
+        LoadPlan("r", (b"x" * 32,), (1,), -2)
+    for call in (lambda: st.load(chain(st, 1), [0], start=-1), lambda: st.store(chain(st, 1), [0], start=True),
+                 lambda: st.prefetch(chain(st, 1), start="0")):
+        with pytest.raises(ValueError, match="start: expected the chain position of hashes"):
+            call()
+
+
+def test_engine_refuses_more_hashes_than_full_blocks(tmp_path):
+    from kvtier.config import parse_config
+
+    cfg = parse_config(dict(model={"id": "t", "kv_dtype": "float32", "num_layers": 1, "num_kv_heads": 1,
+                                   "head_dim": 16, "block_size": 16},
+                            device={"kind": "cpu", "num_blocks": 16}, host={"capacity": "0"}))
+    eng = CachedEngine.from_config(cfg)
+    try:
+        with pytest.raises(ValueError, match="3 block hashes for a prompt of 40 tokens \\(at most 2 full blocks of 16\\)"):
+            eng.run_request([1] * 40, hashes=[b"h" * 32] * 3, max_new_tokens=1)
+    finally:
+        eng.close()
+
+
+def test_backend_faults_in_grouped_reads_and_writes_are_misses_and_skipped_stores(grouped):
+    st, fb = grouped
+    hs = chain(st, 8)
+    rows = fill(st, list(range(8)), seed=9)
+    fb.fail("put")
+    res = st.store(hs, list(range(8))).wait(TIMEOUT)  # host memory takes them; the backend refuses
+    assert res.num_stored == 8 and st.flush(TIMEOUT)
+    assert _disk_values(st) == [] and st.metrics.snapshot()["tiers"]["disk"]["failures"] >= 1
+    fb.clear()
+    # The stack goes on: the next store of the same blocks (host copies gone) reaches the disk.
+    _evict_memory(st)
+    fill(st, list(range(8)), seed=9)
+    assert st.store(hs, list(range(8))).wait(TIMEOUT).num_stored == 8 and st.flush(TIMEOUT)
+    assert _disk_values(st) == sorted(st.namespace.keys([hs[3], hs[7]]))
+    _evict_memory(st)
+    fb.fail("get")
+    lr = st.load(hs, list(range(10, 18))).wait(TIMEOUT)  # every read fails: all recomputed, no exception
+    assert lr.num_loaded == 0 and lr.recompute == list(range(10, 18))
+    fb.clear()
+    lr = st.load(hs, list(range(10, 18))).wait(TIMEOUT)
+    assert lr.num_loaded == 8 and torch.equal(read(st, list(range(10, 18))), rows)
+
+
+def test_grouped_write_back_with_a_failing_backend_keeps_the_stack_going(tmp_path):
+    st, fb = make_stack(tmp_path, host_slots=8, write="write_back", storage={"block_tokens": K * BLOCK})
+    try:
+        hs = chain(st, 8)
+        fill(st, list(range(8)), seed=10)
+        st.store(hs, list(range(8))).wait(TIMEOUT)
+        fb.fail("put")
+        other = chain(st, 4, start=700)
+        fill(st, [8, 9, 10, 11], seed=11)
+        res = st.store(other, [8, 9, 10, 11]).wait(TIMEOUT)  # eviction needs a write-back that fails
+        assert st.flush(TIMEOUT) and res.num_stored + res.num_skipped == 4
+        assert _disk_values(st) == []
+        fb.clear()
+        assert st.lookup(hs).num_blocks >= 4  # nothing lost: the unwritten blocks are still in host memory
+    finally:
+        fb.clear()
         st.close(timeout=TIMEOUT)
