@@ -221,3 +221,4 @@ def test_simulate_refuses_hashes_of_another_algorithm_and_a_host_tier_too_small(
 def test_cli_refuses_a_rate_that_is_not_positive(capsys):
     assert main(["simulate", "--rate", "0"]) == 2
     assert "--rate: expected > 0, got 0.0" in capsys.readouterr().err
+

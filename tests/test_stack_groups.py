@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,15 @@ def test_grouped_write_back_with_a_failing_backend_keeps_the_stack_going(tmp_pat
     finally:
         fb.clear()
         st.close(timeout=TIMEOUT)
+
+
+def test_bench_prefix_reads_one_value_per_group_beside_its_raw_ceiling(tmp_path, capsys):
+    from kvtier.cli import main
+
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix", "--backends", "disk", "--tokens", "256", "--repeats", "1", "--layers", "1",
+                 "--kv-heads", "1", "--head-dim", "16", "--block-tokens", "16,64", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["block_tokens"], r["values_read"]) for r in rows] == [(16, 16), (64, 4)]
+    assert all(r["raw_ms"] > 0 and r["load_vs_raw"] > 0 for r in rows)
+    assert "load_vs_raw" in capsys.readouterr().out
