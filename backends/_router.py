@@ -19,6 +19,8 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvtier import threads as kvthreads
+
 from ._resp import Connection, NoProgress, Pool, ReplyError, key_slot
 
 log = logging.getLogger("kvtier.backends.redis")
@@ -215,7 +217,7 @@ class Router:
             if self._executor is None:
                 with self._pools_lock:
                     if self._executor is None:
-                        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvtier-redis")
+                        self._executor = kvthreads.pool(16, "kvtier-redis")
             outs = list(self._executor.map(one, tasks))
         merged: dict[Addr, list | BaseException] = {}
         for (addr, j, _), out in zip(tasks, outs):

@@ -55,6 +55,7 @@ from operator import itemgetter
 from pydantic import Field, field_validator
 
 from kvtier import blockformat
+from kvtier import threads as kvthreads
 from kvtier.backend_api import MANIFEST_NAME, BackendOptions, StorageBackend, StoredBlock, frame
 from kvtier.keys import invalid_key, show_key
 from kvtier.units import ByteSize
@@ -236,7 +237,7 @@ class LocalDiskBackend(StorageBackend):
                 elif _SHARD.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
                     shards.append((ns.name, shard))
         # stat() releases the GIL: shards are listed in parallel (a cold cache makes this I/O bound).
-        with ThreadPoolExecutor(self.options.threads) as pool:
+        with kvthreads.pool(self.options.threads, "kvtier-disk-put") as pool:
             parts = list(pool.map(lambda s: self._scan_shard(*s, now), shards))
         found = [e for part in parts for e in part]
         found.sort(key=itemgetter(0))
@@ -518,7 +519,7 @@ class LocalDiskBackend(StorageBackend):
         if self._pool is None:
             with self._pool_lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="kvtier-disk")
+                    self._pool = kvthreads.pool(self.options.threads, "kvtier-disk")
         futures = [self._pool.submit(work, range(j, n, k)) for j in range(1, k)]
         out: list = [None] * n
         out[0::k] = work(range(0, n, k))  # the caller's thread does one share itself

@@ -25,12 +25,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, SecretStr
 
 from kvtier import blockformat
+from kvtier import threads as kvthreads
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
 from kvtier.keys import key_problem
 
@@ -225,7 +226,7 @@ class S3Backend(StorageBackend):
         # botocore asks for "100 Continue" before sending any file-like body, costing a round trip per
         # PUT; a block is small enough that sending it to a server that then refuses it is cheaper.
         self._client.meta.events.register_last("before-call.s3", _no_expect_header)
-        self._pool = ThreadPoolExecutor(o.max_workers, thread_name_prefix=f"kvtier-s3-{self.name}")
+        self._pool = kvthreads.pool(o.max_workers, f"kvtier-s3-{self.name}")
         self.call_budget_s = (o.retries + 1) * o.timeout_s + sum(min(2**i, 20) for i in range(o.retries))
         self._usage_cache: tuple[float, dict[str, Any]] | None = None
         if o.create_bucket:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ._stack_results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
+from .groups import load_chunks
 from .transfer import TransferGroup
 
 if TYPE_CHECKING:
@@ -147,15 +148,14 @@ class Upward:
         try:
             advance()
             pos = [i for i, p in enumerate(plan) if p[0] == FETCH]
-            step = max(1, s.load_chunk_bytes // max(1, s.layout.block_nbytes))
             if s.storage_blocks > 1:
-                self._fetch_groups(hashes, start, pos, plan, step, advance)
+                self._fetch_groups(hashes, start, pos, plan, advance)
             else:
                 keys = [hashes[i] for i in pos]
                 where = self.locate(keys)
-                for a in range(0, len(pos), step):
-                    got = self.fetch(keys[a:a + step], where[a:a + step], allow_tmp=True)
-                    for i, g in zip(pos[a:a + step], got):
+                for a, b in load_chunks(len(where), s.layout.block_nbytes, s.load_chunk_bytes):
+                    got = self.fetch(keys[a:b], where[a:b], allow_tmp=True)
+                    for i, g in zip(pos[a:b], got):
                         plan[i] = list(g) if g is not None else [None, None, None]
                     advance()
                     if any(g is None for g in got):
@@ -176,7 +176,7 @@ class Upward:
         handle._stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
 
-    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[list[Any]], step: int,
+    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[list[Any]],
                       advance: Any) -> None:
         """``_load_job``'s reads when stored values hold several blocks: whole values, a chunk of them at
         a time, each block placed where the plan wants it."""
@@ -186,9 +186,8 @@ class Upward:
             plan[i] = [None, None, None]
         where = grouped.locate(hashes, groups)
         want = set(pos)
-        per = max(1, step // grouped.k)
-        for a in range(0, len(groups), per):
-            got = grouped.fetch(hashes, groups[a:a + per], where[a:a + per], want, allow_tmp=True)
+        for a, b in load_chunks(len(where), self.s.layout.block_nbytes * grouped.k, self.s.load_chunk_bytes):
+            got = grouped.fetch(hashes, groups[a:b], where[a:b], want, allow_tmp=True)
             for i, g in got.items():
                 plan[i] = list(g) if g is not None else [None, None, None]
             advance()

@@ -90,6 +90,18 @@ def _pinned(v: Any) -> Any:
     raise PydanticCustomError("kvtier", 'expected "auto", true or false, got {got}', {"got": describe(v)})
 
 
+def _cpus(v: Any) -> Any:
+    from .threads import check_cpus
+
+    if isinstance(v, str):
+        try:
+            return check_cpus(v)
+        except ValueError as e:
+            raise PydanticCustomError("kvtier", "{why}", {"why": str(e)}) from None
+    raise PydanticCustomError("kvtier", 'expected "all", "inherit" or a CPU list like "0,2-3", got {got}',
+                              {"got": describe(v)})
+
+
 PluginOptions = Annotated[Any, BeforeValidator(_mapping), WithJsonSchema({
     "type": "object",
     "description": "The plugin's own options, validated by its `Options` model (see the plugin's docs). "
@@ -229,6 +241,10 @@ class PoliciesSection(_Section):
 
 class TransferSection(_Section):
     threads: int = Field(4, ge=1, description="Threads moving bytes between host and backends.")
+    cpus: Annotated[str, BeforeValidator(_cpus)] = Field(
+        "all", description='CPUs kvtier\'s threads run on: "all" (any this process may use, whatever core the '
+                           'engine pinned its own thread to), "inherit" (the starting thread\'s), or a list '
+                           'like "2-3".')
 
 
 class MetricsSection(_Section):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import threads as kvthreads
 from .layout import KVLayout, LayoutError, _as_list, _layers
 
 
@@ -388,7 +389,7 @@ def _parallel(fn: Any, work: list, nbytes: int) -> None:
     global _POOL, _POOL_PID
     with _POOL_LOCK:
         if _POOL is None or os.getpid() != _POOL_PID:  # a forked child has the object but no threads
-            _POOL = ThreadPoolExecutor(_POOL_SIZE, "kvtier-copy", initializer=_serial_torch_thread)
+            _POOL = kvthreads.pool(_POOL_SIZE, "kvtier-copy", _serial_torch_thread)
             _POOL_PID = os.getpid()
     # Leaf tasks only (they never submit more), so a shared pool cannot deadlock.
     futures = [_POOL.submit(fn, work[i::k]) for i in range(k)]

@@ -33,4 +33,20 @@ def whole_groups(start: int, n: int, k: int) -> list[tuple[int, int]]:
     return [(a, a + k - 1) for a in range(first, n - k + 1, k)]
 
 
-__all__ = ["group_ends", "group_of", "whole_groups"]
+def load_chunks(n: int, unit_nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """How a load of ``n`` units (blocks, or values of several blocks) of ``unit_nbytes`` each is cut into
+    backend reads: ``[a, b)`` spans that start at a quarter of ``chunk_bytes`` and double up to four times
+    it.  The first read is small so the first copy to the device starts early; later reads grow, because
+    every read has a fixed cost (a backend call, its thread hand-offs: ~1 ms measured on local disk),
+    which 4 MiB vLLM blocks in 32 MiB chunks paid 16 times for a 4k-token prompt."""
+    unit = max(1, unit_nbytes)
+    size, most = max(1, chunk_bytes // 4 // unit), max(1, chunk_bytes * 4 // unit)
+    out, a = [], 0
+    while a < n:
+        out.append((a, min(n, a + size)))
+        a += size
+        size = min(most, size * 2)
+    return out
+
+
+__all__ = ["group_ends", "group_of", "load_chunks", "whole_groups"]

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from . import threads
 from ._stack_backends import BackendSet
 from .backend_api import StorageBackend
 from .config import KvtierConfig
@@ -77,6 +78,7 @@ class TierManager:
         # (first hash, length, its chain position mod the group size) -> (future, finished-at)
         self._probes: OrderedDict[tuple[bytes, int, int], tuple[Future, float]] = OrderedDict()
         self._probe_threads = probe_threads
+        threads.configure(config.transfer.cpus)
         self._pool: ThreadPoolExecutor | None = None  # started by the first asynchronous probe
         self._closed = False
 
@@ -184,7 +186,7 @@ class TierManager:
                 if self._closed:
                     return 0, 0
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self._probe_threads, "kvtier-probe")
+                    self._pool = threads.pool(self._probe_threads, "kvtier-probe")
                 fut = self._pool.submit(self._probe, list(hashes), pos)
                 self._probes[key] = (fut, 0.0)
                 return fut

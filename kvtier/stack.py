@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import threads as kvthreads
 from ._stack_backends import BackendSet
 from ._stack_down import Downward, HostRoom
 from ._stack_groups import Grouped
@@ -95,6 +96,7 @@ class TierStack:
         self.host: HostTier | None = (HostTier.from_config(config.host, self.layout.block_nbytes)
                                       if config.host.capacity else None)
         threads = config.transfer.threads
+        kvthreads.configure(config.transfer.cpus)  # process-wide: for every pool started from here on
         self._xfer = TransferEngine(self.device, self.host, num_workers=min(threads, 4)) if self.host else None
 
         cfg_write = {b.name: b.write for b in config.backends}
@@ -139,8 +141,8 @@ class TierStack:
         # Host blocks of whole stored-value groups (storage.block_tokens > 1): block -> its group's blocks.
         self._members: dict[bytes, tuple[bytes, ...]] = {}
         self.max_unwritten = max(1, (self.host.num_slots if self.host else 0) // 4)
-        self._io = ThreadPoolExecutor(threads, "kvtier-write")  # backend writes (write-down, write-back)
-        self._reads = ThreadPoolExecutor(threads, "kvtier-read")  # backend reads (load, prefetch)
+        self._io = kvthreads.pool(threads, "kvtier-write")  # backend writes (write-down, write-back)
+        self._reads = kvthreads.pool(threads, "kvtier-read")  # backend reads (load, prefetch)
         self._closed = False
         # What host memory gained and lost since the last drain_report(): a manager in another process
         # (vLLM's scheduler) mirrors host residency from it.  None = nobody listens, nothing recorded.

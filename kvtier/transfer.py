@@ -24,13 +24,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import threads as kvthreads
 from .device import DeviceTier, int_array
 from .host import READY, WRITING, HostTier
 
@@ -278,10 +278,10 @@ class TransferEngine:
             # One issuing thread and one stream per direction keeps each direction's batches in order;
             # a completion thread per direction waits on the events so issuing never stalls.
             self._streams = {d: torch.cuda.Stream(device.device) for d in ("load", "store")}
-            self._issue = {d: ThreadPoolExecutor(1, f"kvtier-{d}") for d in ("load", "store")}
-            self._complete = {d: ThreadPoolExecutor(1, f"kvtier-{d}-done") for d in ("load", "store")}
+            self._issue = {d: kvthreads.pool(1, f"kvtier-{d}") for d in ("load", "store")}
+            self._complete = {d: kvthreads.pool(1, f"kvtier-{d}-done") for d in ("load", "store")}
         else:
-            pool = ThreadPoolExecutor(num_workers, "kvtier-xfer")
+            pool = kvthreads.pool(num_workers, "kvtier-xfer")
             self._issue = {"load": pool, "store": pool}
         self._lock = threading.Lock()
         self._stats = {"loads": 0, "stores": 0, "blocks_ok": 0, "blocks_failed": 0, "bytes_loaded": 0,

@@ -208,7 +208,7 @@ def test_plain_basemodel_options_refuse_unknown_keys(fake_plugins, monkeypatch):
 
 def test_unknown_key_did_you_mean(fake_plugins):
     assert problems(cfg(host={"capacty": "1GiB"})) == ['host.capacty: unknown key; did you mean "capacity"?']
-    assert problems(cfg(transfer={"zzz": 1})) == ["transfer.zzz: unknown key; allowed keys: threads"]
+    assert problems(cfg(transfer={"zzz": 1})) == ["transfer.zzz: unknown key; allowed keys: threads, cpus"]
     assert problems({**cfg(), "tiers": {}}) == [
         "tiers: unknown key; allowed keys: model, keys, device, host, backends, storage, policies, transfer, metrics"]
     assert problems(cfg(backends=[{"type": "local_disk", "options": {"pth": "/x"}}])) == [

@@ -14,6 +14,7 @@ from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stac
 
 from kvtier.backend_api import BackendTimeout, BackendUnavailable
 from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.groups import load_chunks
 from kvtier.index import Tier
 from kvtier.layout import LayoutError
 from kvtier.stack import TierStack
@@ -187,7 +188,8 @@ def _test_load_copies_each_chunk_to_the_device_while_the_next_is_read(st, fb):
     st.store(hs, list(range(6))).wait(TIMEOUT)
     st.flush(TIMEOUT)
     _evict_host(st)
-    st.load_chunk_bytes = 2 * BLOCK_NBYTES  # chunks of 2 blocks: reads 0-1, 2-3, 4-5
+    st.load_chunk_bytes = 8 * BLOCK_NBYTES  # reads start at a quarter of it and double: 0-1, then 2-5
+    assert load_chunks(6, BLOCK_NBYTES, st.load_chunk_bytes) == [(0, 2), (2, 6)]
     gate = fb.gate("get", after=1, times=1)  # the second chunk's read waits
     h = st.load(hs, [10, 11, 12, 13, 14, 15])
     assert gate.entered.wait(TIMEOUT)
@@ -217,13 +219,14 @@ def _test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(st, fb):
     st.store(hs, list(range(6))).wait(TIMEOUT)
     st.flush(TIMEOUT)
     _evict_host(st)
-    st.load_chunk_bytes = 2 * BLOCK_NBYTES
-    fb.corrupt(keys=[st.namespace.key(hs[3])])
+    st.load_chunk_bytes = 4 * BLOCK_NBYTES
+    assert load_chunks(6, BLOCK_NBYTES, st.load_chunk_bytes) == [(0, 1), (1, 3), (3, 6)]
+    fb.corrupt(keys=[st.namespace.key(hs[2])])
     lr = st.load(hs, [10, 11, 12, 13, 14, 15]).wait(TIMEOUT)
-    assert lr.ok == (True,) * 3 + (False,) * 3 and lr.copied == (True,) * 3 + (False,) * 3
-    assert torch.equal(read(st, [10, 11, 12]), rows[:3])
+    assert lr.ok == (True,) * 2 + (False,) * 4 and lr.copied == (True,) * 2 + (False,) * 4
+    assert torch.equal(read(st, [10, 11]), rows[:2])
     # The third chunk was never read: its blocks did not come into host memory.
-    assert [st.index.get(h) is not None and st.index.get(h).host is not None for h in hs[4:]] == [False, False]
+    assert [st.index.get(h) is not None and st.index.get(h).host is not None for h in hs[3:]] == [False] * 3
 
 
 def test_corrupt_file_on_disk_is_a_miss(tmp_path):

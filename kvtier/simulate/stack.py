@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from .._stack_backends import BackendSet
 from .._stack_results import LoadResult, LookupResult, StoreResult
 from ..config import KvtierConfig
-from ..groups import group_of, whole_groups
+from ..groups import group_of, load_chunks, whole_groups
 from ..index import BlockIndex, Tier
 from ..manager import TierManager
 from ..metrics import StackMetrics
@@ -297,11 +297,10 @@ class SimulatedStack:
                 groups.append(grp)
         strs = self._keys([hashes[last] for _, last in groups])
         where = self._backends.locate(strs)
-        per = max(1, max(1, self.load_chunk_bytes // self.block_nbytes) // k)
-        for a in range(0, len(groups), per):
-            chunk = groups[a:a + per]
+        for a, z in load_chunks(len(where), self.block_nbytes * k, self.load_chunk_bytes):
+            chunk = groups[a:z]
             todo: list[tuple[int, list[int]]] = []  # (group index, its wanted blocks not in host memory)
-            for g in range(a, min(a + per, len(where))):
+            for g in range(a, z):
                 first, last = groups[g]
                 members = [i for i in range(max(first, 0), last + 1) if i in got]
                 missing = [i for i in members if idx.host_slot(hashes[i]) is None]
