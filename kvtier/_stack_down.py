@@ -2,9 +2,10 @@
 
 Invariants:
 * a block is evicted from host memory only when no transfer or I/O uses it: it has no index reference
-  (loads, prefetches, stores, write-back) and no copy down in flight (``_writing``, host slot pinned);
+  (loads, prefetches, stores, write-back) and no copy down in flight (``_writing``).  Those two are the
+  only pins: the host slab keeps slot states, no pin count of its own;
 * with a write policy that wants it (write-back), an evicted block is first copied to the writable
-  backends and its slot is freed only if a backend took it and nobody pinned it meanwhile; otherwise it
+  backends and its slot is freed only if a backend took it and nobody referenced it meanwhile; otherwise it
   stays, and whatever needed the slot is skipped and counted.  At most ``max_unwritten`` blocks wait
   in host memory on a write-back that failed (gauge ``host_unwritten_blocks``); beyond that the next
   such victim is evicted unwritten (counter ``dropped``), so a backend that refuses every write cannot
@@ -32,20 +33,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.stack")
 
-# (key, host slot, backend indices to write): a block pinned for a copy down.
+# (key, host slot, backend indices to write): a block held for a copy down (in ``_writing``).
 Victim = tuple[bytes, int, list[int]]
 
 
 class HostRoom:
     """Host slots for blocks coming into host memory: free slots first, then the eviction policy's
     victims.  ``take_locked`` never does I/O; victims that must be written back first are returned
-    pinned, and ``write_back`` turns them into slots."""
+    held (an index reference, ``_writing``), and ``write_back`` turns them into slots."""
 
     def __init__(self, stack: TierStack):
         self.s = stack
 
     def take_locked(self, n: int) -> tuple[list[int], list[Victim]]:
-        """Up to ``n`` WRITING slots without I/O, plus the victims to write back (pinned) for the rest."""
+        """Up to ``n`` WRITING slots without I/O, plus the victims to write back (held) for the rest."""
         s, host = self.s, self.s.host
         slots = host.allocate(min(n, host.num_free)).slots if n > 0 else []
         need, dropped, wb = n - len(slots), 0, []
@@ -69,8 +70,6 @@ class HostRoom:
                     s.metrics.add("host", dropped=1)
                     dropped += 1
                 elif targets and s.write_policy.on_evict(key):
-                    if not s.host.pin([e.host], [key])[0]:
-                        continue
                     s.index.acquire(key)
                     s._writing.add(key)
                     wb.append((key, e.host, targets))
@@ -83,7 +82,7 @@ class HostRoom:
         return slots, wb
 
     def write_back(self, victims: Sequence[Victim]) -> list[int]:
-        """Copy victims down (no lock held), then free those a backend took and nobody pinned meanwhile;
+        """Copy victims down (no lock held), then free those a backend took and nobody referenced meanwhile;
         returns as many WRITING slots as were freed."""
         if not victims:
             return []
@@ -92,7 +91,6 @@ class HostRoom:
         freed = 0
         with s._lock:
             for key, slot, _ in victims:
-                s.host.unpin([slot])
                 s._writing.discard(key)
                 s.index.unpin(key)
                 e = s.index.get(key)
@@ -317,8 +315,7 @@ class Downward:
         s.room.release(slots)
         if wb:
             with s._lock:
-                for key, slot, _ in wb:
-                    s.host.unpin([slot])
+                for key, _, _ in wb:
                     s._writing.discard(key)
                     s.index.release(key)
         s.metrics.add("host", stores_skipped=len(new))
@@ -354,9 +351,9 @@ class Downward:
                 if e is None or e.host is None or key in s._writing:
                     continue
                 targets = [i for i in s._backends.writable if i not in e.backends]
-                # The slot pin keeps the bytes; no index reference, since a copy down is not a use and
-                # must not change the block's recency (``_writing`` keeps eviction away instead).
-                if not targets or not s.host.pin([e.host], [key])[0]:
+                # No index reference: a copy down is not a use and must not change the block's recency
+                # (an index reference takes it off the LRU list); ``_writing`` keeps eviction away.
+                if not targets:
                     continue
                 s._writing.add(key)
                 todo.append((key, e.host, targets))
@@ -375,13 +372,12 @@ class Downward:
     def _write_down_done(self, todo: list[Victim]) -> None:
         s = self.s
         with s._lock:
-            for key, slot, _ in todo:
-                s.host.unpin([slot])
+            for key, _, _ in todo:
                 s._writing.discard(key)
         s._pending.done()
 
     def copy_down(self, todo: Sequence[Victim]) -> dict[bytes, bool]:
-        """Write pinned host blocks to their target backends (no lock held during I/O); record which
+        """Write held host blocks to their target backends (no lock held during I/O); record which
         backends took them.  Returns {key: taken by at least one backend}.  With values of several
         blocks, each block's whole group is written instead."""
         s = self.s

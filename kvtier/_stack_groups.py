@@ -6,7 +6,8 @@ Invariants (beside the stack's):
   from the device in the same store), and under its last block's key; a partial group is never written;
 * a value read from a backend is verified as a whole (one header, one checksum) before any of its blocks
   becomes visible in host memory;
-* host slots written down are pinned (no index reference: a copy down is not a use) for the whole put;
+* the blocks of a value being written are in ``_writing`` for the whole put, which keeps eviction away (no
+  index reference: a copy down is not a use);
 * a block in host memory that belongs to a whole group known to the stack (stored or fetched as one) is
   found in ``TierStack._members``, so a write of any of its blocks (write-back on eviction, a selective
   write on a hit) writes the whole group; a group no longer whole in host memory is not written.
@@ -148,9 +149,9 @@ class Grouped:
         return members
 
     def _claim_locked(self, groups: Sequence[tuple[bytes, ...]], mine: frozenset[bytes] = frozenset()) -> list[Claim]:
-        """Pin the host slots of each group that is whole in host memory, not being written, and missing
-        from a writable backend; ``mine``: blocks the caller already holds for writing (a write-back
-        victim)."""
+        """Claim each group that is whole in host memory, not being written, and missing from a writable
+        backend: its blocks go into ``_writing`` (so none is evicted while the group is written);
+        ``mine``: blocks the caller already holds for writing (a write-back victim)."""
         s = self.s
         todo: list[Grouped.Claim] = []
         for members in dict.fromkeys(groups):
@@ -160,10 +161,6 @@ class Grouped:
             have = [int(slot) for slot in slots if slot is not None]
             targets = [b for b in s._backends.writable if not s.index.in_backends(members[-1], (b,))]
             if not targets:
-                continue
-            pinned = s.host.pin(have, list(members))
-            if not all(pinned):
-                s.host.unpin([slot for slot, ok in zip(have, pinned) if ok])
                 continue
             added = [k for k in members if k not in s._writing]
             s._writing.update(added)
@@ -221,8 +218,7 @@ class Grouped:
     def _release(self, todo: list[Claim]) -> None:
         s = self.s
         with s._lock:
-            for _, slots, _, added in todo:
-                s.host.unpin(slots)
+            for _, _, _, added in todo:
                 s._writing.difference_update(added)
 
 

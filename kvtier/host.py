@@ -10,21 +10,20 @@ Slot life cycle::
     FREE --allocate--> WRITING --commit--> READY --free--> FREE
                           |                                  ^
                           +---------------free---------------+
-    READY: pin / unpin (ref counted)
 
-The slab keeps slots and their states only.  Which block to evict, and when, is decided by whoever owns
-the recency of blocks (the stack's :class:`~kvtier.index.BlockIndex` and its eviction policy): there is
-no second LRU here.  Pins stay: they are the copy engine's own guarantee that a slot it reads or writes
-is not freed under it, whoever drives it.
+The slab keeps slots and their states only (and the key a READY slot was committed with, so a copy can
+check that a slot still holds what its caller looked up).  Which block to evict, and when, and whether
+a block's bytes are in use, is decided by the owner of the blocks (the stack's
+:class:`~kvtier.index.BlockIndex`, whose reference counts are the only pins, and its eviction policy):
+there is no second LRU and no second pin count here.
 
 Invariants:
 * nothing here waits: ``allocate`` returns what it can at once (``skipped`` counts the rest);
-* a pinned slot (pin count > 0) is never freed: pin a slot for as long as a transfer or a backend read
-  uses its bytes;
-* only READY slots hold a valid block; WRITING slots are being filled and are never readable.
+* only READY slots hold a valid block; WRITING slots are being filled and are never readable;
+* freeing a slot whose bytes a copy or a backend still uses is the caller's error: the stack frees a
+  host block only when the index says nobody references it and no copy down is in flight.
 
-"Pinned" has two meanings, kept apart: ``pin_memory`` is about page-locked memory; ``pin()`` /
-``unpin()`` are reference counts that protect a slot from eviction.  All methods are thread-safe.
+``pin_memory`` is about page-locked memory (fast GPU copies), nothing else.  All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ class HostTierStats:
     free: int
     writing: int
     ready: int
-    pinned_slots: int
     allocated: int  # slots handed out since start
     skipped: int  # slots asked for but not available
 
@@ -79,7 +77,7 @@ def resolve_pin_memory(pinned: bool | str) -> bool:
 
 class HostTier:
     """The slab, a free list (lowest slot first, so fresh allocations are contiguous runs that copy in
-    one piece), per-slot state, key and pin count.  No recency: see the module docstring."""
+    one piece), per-slot state and key.  No recency, no pins: see the module docstring."""
 
     def __init__(self, block_nbytes: int, *, capacity_bytes: int | None = None, num_slots: int | None = None,
                  pinned: bool | str = "auto", prefault: bool = True):
@@ -109,9 +107,8 @@ class HostTier:
         self._lock = threading.Lock()
         self._state = [FREE] * num_slots
         self._key: list[Hashable | None] = [None] * num_slots
-        self._pins = [0] * num_slots
         self._free = list(range(num_slots))  # a heap (sorted list is one)
-        self._n_writing = self._n_ready = self._n_pinned = 0
+        self._n_writing = self._n_ready = 0
         self._allocated = self._skipped = 0
 
     @classmethod
@@ -154,7 +151,7 @@ class HostTier:
             return Allocation(slots, n - len(slots))
 
     def commit(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> None:
-        """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``), unpinned.
+        """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``).
         Commit only slots whose bytes fully arrived."""
         if keys is not None and len(keys) != len(slots):
             raise ValueError(f"commit: {len(slots)} slots but {len(keys)} keys")
@@ -167,13 +164,10 @@ class HostTier:
             self._n_ready += len(slots)
 
     def free(self, slots: Sequence[int]) -> None:
-        """Back to FREE (a failed or abandoned write, an evicted block, a dropped one).  Raises for a
-        pinned slot or one already free; all or nothing."""
+        """Back to FREE (a failed or abandoned write, an evicted block, a dropped one).  Raises for a slot
+        already free; all or nothing."""
         with self._lock:
             self._expect(slots, (WRITING, READY), "free")
-            for s in slots:
-                if self._pins[s]:
-                    raise ValueError(f"free: slot {s} is pinned ({self._pins[s]} pins)")
             for s in slots:
                 st = self._state[s]
                 if st == WRITING:
@@ -184,34 +178,15 @@ class HostTier:
                 self._key[s] = None
                 heapq.heappush(self._free, s)
 
-    def pin(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
-        """Take a reference on each READY slot so it is not freed; per slot, whether it was pinned
-        (False: it was freed meanwhile - treat as a miss).  With ``keys``, a slot
-        is pinned only if it still holds that key (it may have been evicted and refilled since the
-        caller looked it up)."""
+    def holds(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
+        """Per slot, whether it is READY (and, with ``keys``, still holds that key: it may have been
+        evicted and refilled since the caller looked it up).  A check, not a claim: the caller keeps the
+        slot from being freed while it reads it (the stack: an index reference)."""
         if keys is not None and len(keys) != len(slots):
-            raise ValueError(f"pin: {len(slots)} slots but {len(keys)} keys")
+            raise ValueError(f"holds: {len(slots)} slots but {len(keys)} keys")
         with self._lock:
-            out = []
-            for i, s in enumerate(slots):
-                ok = self._state[self._check(s)] == READY and (keys is None or self._key[s] == keys[i])
-                if ok:
-                    if self._pins[s] == 0:
-                        self._n_pinned += 1
-                    self._pins[s] += 1
-                out.append(ok)
-            return out
-
-    def unpin(self, slots: Sequence[int]) -> None:
-        """Drop a reference."""
-        with self._lock:
-            for s in slots:
-                if self._pins[self._check(s)] <= 0:
-                    raise ValueError(f"unpin: slot {s} is not pinned")
-            for s in slots:
-                self._pins[s] -= 1
-                if self._pins[s] == 0:
-                    self._n_pinned -= 1
+            return [self._state[self._check(s)] == READY and (keys is None or self._key[s] == keys[i])
+                    for i, s in enumerate(slots)]
 
     # ------------------------------------------------------------------ queries
 
@@ -221,9 +196,6 @@ class HostTier:
     def key(self, slot: int) -> Hashable | None:
         return self._key[self._check(slot)]
 
-    def pins(self, slot: int) -> int:
-        return self._pins[self._check(slot)]
-
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -231,7 +203,7 @@ class HostTier:
     def stats(self) -> HostTierStats:
         with self._lock:
             return HostTierStats(self.num_slots, self.block_nbytes, len(self._free), self._n_writing,
-                                 self._n_ready, self._n_pinned, self._allocated, self._skipped)
+                                 self._n_ready, self._allocated, self._skipped)
 
     def close(self) -> None:
         """Release the slab (unregistering page-locked memory).  The tier is unusable afterwards."""

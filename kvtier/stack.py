@@ -262,6 +262,7 @@ class TierStack:
         with self._lock:
             out["index"] = {"entries": len(self.index), "device": self.index.count(Tier.DEVICE),
                             "host": self.index.count(Tier.HOST), "pinned": self.index.pinned,
+                            "writing_down": len(self._writing),
                             **{n: self.index.count(Tier.backend(i)) for i, n in enumerate(self._backends.names)}}
         out["transfer"] = self._xfer.stats() if self._xfer else None
         out["backends"] = self._backends.stats()
@@ -274,8 +275,10 @@ class TierStack:
         lines = [self.metrics.summary()]
         if self.host:
             s = self.host.stats()
-            lines.append(f"  host slots: {s.ready} ready ({s.pinned_slots} pinned), {s.writing} writing, "
-                         f"{s.free} free of {s.num_slots}")
+            with self._lock:
+                in_use = self.index.pinned
+            lines.append(f"  host slots: {s.ready} ready, {s.writing} writing, {s.free} free of {s.num_slots}; "
+                         f"{in_use} blocks in use")
         return "\n".join(lines)
 
     def _gauges(self) -> dict[str, float]:

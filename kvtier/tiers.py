@@ -5,7 +5,7 @@ The implementation lives in three small modules; this one gathers their public n
 * :mod:`kvtier.device` - :class:`DeviceTier`: registered KV tensors, gather / scatter of whole blocks or
   of some layers, between the KV device and payload rows (host slab or staging);
 * :mod:`kvtier.host` - :class:`HostTier`: the pre-allocated (page-locked when CUDA exists) slab, free
-  list, slot states, pins and LRU; never waits;
+  list and slot states (pins and recency are the block index's); never waits;
 * :mod:`kvtier.blockpool` - :class:`BlockPool`: device block ids for standalone use (free queue with LRU
   reuse of cached blocks and ref counts, as vLLM's KV cache manager).
 

@@ -14,8 +14,9 @@ Invariants:
   fails the affected blocks; it never raises in the caller's thread and never leaves a waiter hanging;
 * every wait takes a timeout and raises ``TimeoutError`` when it expires (the transfer keeps going: do not
   reuse its destination blocks or slots until ``done()``);
-* a load pins its host slots for its whole duration (:meth:`HostTier.pin`), so they cannot be evicted or
-  freed under it; a slot that is not READY at submission fails that block.
+* a slot that is not READY at submission (or, with keys, no longer holds its key) fails that block of a
+  load; keeping a load's slots from being freed until it is done is the caller's part (the stack holds
+  an index reference on every block it loads: the host tier keeps no pin count of its own).
 """
 
 from __future__ import annotations
@@ -341,22 +342,20 @@ class TransferEngine:
         h = TransferHandle(direction, ids.tolist(), sl.tolist(), self.device.layout.num_layers,
                            self.device.device)
         ok, errors = self._validate(direction, ids, sl)
-        pinned: list[int] = []
         if direction == "load" and ok.any():
-            # Pinning checks READY under the host tier's lock: a slot evicted or freed since the
-            # caller's lookup fails its block here instead of being read while it is reused.
+            # A slot evicted or refilled since the caller's lookup fails its block here instead of being
+            # read while it is reused.
             idx = np.flatnonzero(ok)
-            got = self.host.pin(sl[idx].tolist(), None if keys is None else [keys[i] for i in idx])
+            got = self.host.holds(sl[idx].tolist(), None if keys is None else [keys[i] for i in idx])
             lost = [int(sl[i]) for i, g in zip(idx, got) if not g]
             if lost:
                 errors.append(f"slots not {READY}" + (" with their keys" if keys else "") + f": {lost}")
                 ok[[i for i, g in zip(idx, got) if not g]] = False
-            pinned = [int(sl[i]) for i, g in zip(idx, got) if g]
         ready = None
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
-        batch = (h, ids, sl, ok, errors, layerwise, keys, pinned, ready, time.perf_counter())
+        batch = (h, ids, sl, ok, errors, layerwise, keys, ready, time.perf_counter())
         try:
             self._issue[direction].submit(self._run, batch)
         except RuntimeError as e:  # executor shut down
@@ -372,7 +371,7 @@ class TransferEngine:
         if not in_range.all():
             errors.append(f"slots out of range [0, {self.host.num_slots}): {sl[~in_range].tolist()}")
         ok &= in_range
-        if direction == "store":  # (a load's slots are checked when they are pinned)
+        if direction == "store":  # (a load's slots are checked against their keys in _submit)
             states = np.array([r and self.host.state(int(s)) == WRITING for s, r in zip(sl, in_range)],
                               dtype=bool)
             if (in_range & ~states).any():
@@ -389,7 +388,7 @@ class TransferEngine:
         return ok & keep, errors
 
     def _run(self, batch: tuple) -> None:
-        h, ids, sl, ok, errors, layerwise, keys, pinned, ready, t0 = batch
+        h, ids, sl, ok, errors, layerwise, keys, ready, t0 = batch
         good_ids, good_sl = ids[ok], sl[ok]
         try:
             if self._cuda:
@@ -406,7 +405,7 @@ class TransferEngine:
             ok = np.zeros_like(ok)
             if self._cuda:
                 # Copies issued before the fault may still be running: the slots and blocks are not
-                # released (unpinned, freed) until they have stopped.
+                # released (freed, reported done) until they have stopped.
                 try:
                     self._streams[h.direction].synchronize()
                 except Exception as e2:  # noqa: BLE001
@@ -475,10 +474,8 @@ class TransferEngine:
         self._finish(batch, np.zeros_like(batch[3]), batch[4])
 
     def _finish(self, batch: tuple, ok: np.ndarray, errors: list[str]) -> None:
-        h, ids, sl, _, _, _, keys, pinned, _, t0 = batch
+        h, ids, sl, _, _, _, keys, _, t0 = batch
         try:
-            if pinned:
-                self.host.unpin(pinned)
             if keys is not None and h.direction == "store":
                 good = np.flatnonzero(ok).tolist()
                 self.host.commit([int(sl[i]) for i in good], [keys[i] for i in good])

@@ -12,7 +12,7 @@ import torch
 
 import kvtier.device as device_mod
 from kvtier.layout import KVLayout
-from kvtier.tiers import DeviceTier, HostTier, memcpy2d_available
+from kvtier.tiers import READY, DeviceTier, HostTier, memcpy2d_available
 from kvtier.transfer import TransferEngine
 
 pytestmark = [pytest.mark.gpu,
@@ -116,7 +116,7 @@ def test_engine_store_and_layerwise_load_on_streams():
         assert torch.equal(dev.read_blocks(dst), want)
         for layer, c in enumerate(copies):
             assert torch.equal(c, dev.tensors[layer][dst])
-        assert all(host.pins(s) == 0 for s in slots)
+        assert all(host.state(s) == READY for s in slots)
 
 
 def test_store_is_ordered_after_compute_on_the_current_stream():

@@ -373,7 +373,7 @@ def _settled(stack: TierStack, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = stack.stats()
-        if (st["index"]["pinned"] == 0 and st["host"]["writing"] == 0 and st["host"]["pinned_slots"] == 0) \
+        if (st["index"]["pinned"] == 0 and st["host"]["writing"] == 0 and st["index"]["writing_down"] == 0) \
                 or time.monotonic() > deadline:
             return st
         time.sleep(0.02)
@@ -411,7 +411,7 @@ def test_s3_slow_every_call_returns_within_budget(moto_server_private, figures, 
         assert isinstance(got, BackendError), got  # a slow read is a failure, never partial bytes as a hit
         assert res.num_loaded == 0 and flushed is True
         st = _settled(r)
-        assert st["index"]["pinned"] == 0 and st["host"]["writing"] == 0 and st["host"]["pinned_slots"] == 0, st
+        assert st["index"]["pinned"] == 0 and st["host"]["writing"] == 0 and st["index"]["writing_down"] == 0, st
         # Healthy again: the blocks load, byte for byte.
         res = bounded(lambda: r.load(hashes, [12, 13, 14, 15]).wait(10), STEP_TIMEOUT, "load")
         assert res.num_loaded == 4 and torch.equal(r.device.read_blocks([12, 13, 14, 15]), rows)
@@ -454,8 +454,9 @@ def test_prefetch_policies_honour_deadlines_on_slow_s3(moto_server_private, figu
         # Healthy: the prefetch brings all 8 blocks up (so the slow case below is not vacuous).
         ph = healthy.prefetch(hashes)
         assert ph.started
-        bounded(lambda: ph.wait(5), STEP_TIMEOUT, "prefetch")
+        # The job first: best_effort's wait has a deadline of 0 and cancels what has not arrived yet.
         _until(ph.done, 5, "prefetch job")
+        bounded(lambda: ph.wait(5), STEP_TIMEOUT, "prefetch")
         assert healthy.leading_in_memory(hashes) == 8
 
         found = slow.lookup(hashes)  # while healthy: the blocks are known to be in S3
@@ -492,4 +493,4 @@ def test_prefetch_policies_honour_deadlines_on_slow_s3(moto_server_private, figu
     if policy == "timeout":
         assert waited >= deadline - 0.05, waited  # it did wait for its deadline
     assert job_left <= budget + 0.5, job_left
-    assert st["index"]["pinned"] == 0 and st["host"]["writing"] == 0 and st["host"]["pinned_slots"] == 0, st
+    assert st["index"]["pinned"] == 0 and st["host"]["writing"] == 0 and st["index"]["writing_down"] == 0, st

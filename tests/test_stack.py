@@ -486,7 +486,7 @@ def test_concurrent_requests_on_overlapping_prefixes(tmp_path, write):
         st.index.validate()
         assert st.index.pinned == 0
     hs = st.host.stats()
-    assert hs.pinned_slots == 0 and hs.writing == 0
+    assert not st._writing and hs.writing == 0
     assert st.metrics.snapshot()["tiers"]["host"]["evictions"] > 0
     st.close()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import Counter
 
 import pytest
 import torch
@@ -167,28 +166,22 @@ def test_host_full_allocate_returns_fewer_and_never_blocks():
     assert (st.free, st.writing, st.allocated, st.skipped) == (0, 4, 4, 7)
 
 
-def test_host_pins_guard_frees_and_there_is_no_second_lru():
-    """The slab keeps states and pins only: eviction order is the index's (one owner of recency)."""
+def test_host_keeps_slot_states_only_no_second_lru_and_no_pin_count():
+    """The slab keeps states (and keys) only: eviction order and pins are the index's (one owner each)."""
     h = HostTier(8, num_slots=4, pinned=False)
     slots = h.allocate(4).slots
     h.commit(slots, ["a", "b", "c", "d"])
-    assert not any(hasattr(h, name) for name in ("evict_lru", "touch", "lru_order", "restore"))
+    assert not any(hasattr(h, name) for name in ("evict_lru", "touch", "lru_order", "restore", "pin", "unpin",
+                                                "pins"))
     assert h.allocate(1) == type(h.allocate(0))([], 1)  # full: nothing is evicted behind the caller's back
-    assert h.pin([1, 2]) == [True, True]
-    assert h.pin([1]) == [True]  # ref counted
-    assert h.pin([0], ["x"]) == [False]  # slot 0 holds "a", not "x"
+    assert h.holds([1, 2]) == [True, True]
+    assert h.holds([0, 1], ["a", "x"]) == [True, False]  # slot 1 holds "b", not "x"
     h.free([3])
-    assert h.state(3) == FREE and h.key(3) is None
-    with pytest.raises(ValueError, match=r"free: slot 1 is pinned \(2 pins\)"):
-        h.free([1])
-    h.unpin([1])
-    assert h.pins(1) == 1
-    h.unpin([1])
-    h.free([1])
-    with pytest.raises(ValueError, match="unpin: slot 1 is not pinned"):
-        h.unpin([1])
+    assert h.state(3) == FREE and h.key(3) is None and h.holds([3]) == [False]
+    with pytest.raises(ValueError, match="holds: 1 slots but 2 keys"):
+        h.holds([0], ["a", "b"])
     st = h.stats()
-    assert (st.free, st.ready, st.pinned_slots) == (2, 2, 1)
+    assert (st.free, st.ready) == (1, 3)
 
 
 def test_host_state_errors():
@@ -200,7 +193,7 @@ def test_host_state_errors():
         h.commit([0, 0])
     with pytest.raises(ValueError, match="commit: 2 slots but 1 keys"):
         h.commit(s, ["x"])
-    assert h.pin(s) == [False, False]  # WRITING slots are not readable
+    assert h.holds(s) == [False, False]  # WRITING slots are not readable
     h.free(s)
     with pytest.raises(ValueError, match="free: slot 0 is free"):
         h.free([0])
@@ -221,36 +214,32 @@ def test_host_slot_view_is_a_writable_window_on_the_slab():
 
 def test_host_thread_safety_smoke():
     h = HostTier(8, num_slots=64, pinned=False)
-    writing: set[int] = set()  # slots some thread is filling: allocate must never hand them out again
-    pins: Counter[int] = Counter()  # pins the test holds: free must refuse them
+    owned: set[int] = set()  # slots some thread allocated and has not freed: allocate must never hand them out
     lock = threading.Lock()
     errors: list[str] = []
 
     def worker(tid: int) -> None:
         rng = random.Random(tid)
+        mine: list[int] = []
         for _ in range(300):
             a = h.allocate(rng.randint(1, 6))
             with lock:
-                errors.extend(f"slot {s} allocated twice" for s in a.slots if s in writing)
-                writing.update(a.slots)
-            with lock:
-                writing.difference_update(a.slots)
+                errors.extend(f"slot {s} allocated twice" for s in a.slots if s in owned)
+                owned.update(a.slots)
             h.commit(a.slots, [(tid, s) for s in a.slots])
-            cand = rng.sample(range(64), 4)
-            got = h.pin(cand)
-            held = [s for s, g in zip(cand, got) if g]
+            if not all(h.holds(a.slots, [(tid, s) for s in a.slots])):
+                errors.append(f"thread {tid}: a committed slot lost its key")
+            mine += a.slots
+            # Free some of this thread's own blocks, as the stack frees what its index evicts.
+            rng.shuffle(mine)
+            k = rng.randint(0, 4)
+            drop, mine = mine[:k], mine[k:]
             with lock:
-                pins.update(held)
-            # Free some of this thread's own unpinned blocks, as the stack frees what its index evicts.
-            mine = [s for s in a.slots if not pins[s]][:rng.randint(0, 3)]
-            try:
-                h.free(mine)
-            except ValueError as e:  # another thread pinned one meanwhile: refused, all or nothing
-                if "is pinned" not in str(e):
-                    errors.append(str(e))
-            with lock:
-                pins.subtract(held)
-            h.unpin(held)
+                owned.difference_update(drop)
+            h.free(drop)
+        with lock:
+            owned.difference_update(mine)
+        h.free(mine)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
@@ -261,7 +250,7 @@ def test_host_thread_safety_smoke():
     assert not errors, errors[:5]
     st = h.stats()
     assert st.free + st.writing + st.ready == 64
-    assert st.writing == 0 and st.pinned_slots == 0
+    assert st.writing == 0
     assert st.ready == sum(h.state(s) == READY for s in range(64))
 
 
@@ -334,14 +323,14 @@ def test_staged_copy_path_matches_direct(kind, inner):
     assert torch.equal(staged.read_blocks([0, 9, 10, 2, 11]), want)
 
 
-def test_host_pin_by_key_refuses_a_refilled_slot():
+def test_host_holds_by_key_refuses_a_refilled_slot():
     h = HostTier(8, num_slots=1, pinned=False)
     (s,) = h.allocate(1).slots
     h.commit([s], ["old"])
     h.free([s])  # the owner of recency evicted it
     h.commit(h.allocate(1).slots, ["new"])  # same slot, another block
-    assert h.pin([s], ["old"]) == [False]
-    assert h.pin([s], ["new"]) == [True]
+    assert h.holds([s], ["old"]) == [False]
+    assert h.holds([s], ["new"]) == [True]
 
 
 def test_cpu_copy_threads_are_serial_and_leave_torch_setting_alone():

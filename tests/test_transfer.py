@@ -56,7 +56,7 @@ def test_store_then_load_round_trip_bit_exact(tiers):
         r = h.wait(10)
         assert r.all_ok and r.failed_block_ids == [] and h.layers_done == LAYOUT.num_layers
         assert torch.equal(dev.read_blocks([0, 5, 6, 15]), want)
-        assert all(host.pins(s) == 0 for s in slots)  # pinned only while loading
+        assert all(host.state(s) == READY for s in slots)  # a load leaves its slots as they were
         assert eng.stats()["blocks_ok"] == 8
 
 
@@ -105,7 +105,6 @@ def test_load_reports_exactly_the_blocks_to_recompute(tiers):
     assert r.failed_block_ids == [5, 6, 7, 4]
     assert r.ok_block_ids == [4, 8]
     assert torch.equal(dev.read_blocks([4, 8]), want[1:])
-    assert all(host.pins(s) == 0 for s in (slots[1], slots[2]))
     assert eng.stats()["blocks_failed"] == 4
     eng.close()
 
@@ -157,7 +156,7 @@ def test_fault_inside_worker_fails_blocks_and_releases_waiters(tiers):
     r = h.wait(5)
     assert r.ok == (False, False) and r.failed_block_ids == [5, 6]
     assert any("injected fault" in e for e in r.errors)
-    assert all(host.pins(s) == 0 for s in slots)
+    assert all(host.state(s) == READY for s in slots)
     calls = []
     h.add_done_callback(calls.append)  # after the fact: called at once
     assert calls == [r]
@@ -203,7 +202,7 @@ def test_concurrent_transfers_from_many_threads(tiers):
 
     def client(tid: int) -> None:
         for i in range(20):
-            a = host.allocate(2, evict=True)
+            a = host.allocate(2)
             blocks = [(tid * 4 + i) % 8, (tid * 4 + i + 1) % 8]
             blocks = blocks[:len(a.slots)]
             keys = [(tid, i, j) for j in range(len(blocks))]
@@ -211,15 +210,10 @@ def test_concurrent_transfers_from_many_threads(tiers):
             if not r.all_ok:
                 errors.append(f"store {r.errors}")
                 continue
-            # The stack pins what it is about to load, by key: another thread may have evicted and
-            # refilled the slot since.
-            got = host.pin(a.slots, keys)
-            if not all(got):
-                host.unpin([s for s, g in zip(a.slots, got) if g])
-                continue
-            h = eng.load(a.slots, [8 + 2 * tid + j for j in range(len(blocks))])
+            # Loaded by key, as the stack does: a slot refilled since would fail its block.
+            h = eng.load(a.slots, [8 + 2 * tid + j for j in range(len(blocks))], keys=keys)
             r2 = h.wait(10)
-            host.unpin(a.slots)
+            host.free(a.slots)
             if not r2.all_ok:
                 errors.append(f"load {r2.errors}")
             elif not torch.equal(dev.read_blocks(r2.block_ids), want[blocks]):
@@ -257,5 +251,5 @@ def test_load_by_key_fails_a_refilled_slot(tiers):
     r = eng.load(slots, [5, 6], keys=["k1", "k9"]).wait(10)
     assert r.ok == (True, False) and r.failed_block_ids == [6]
     assert any("not ready with their keys" in e for e in r.errors)
-    assert host.pins(slots[0]) == 0 and host.state(slots[0]) == READY
+    assert host.state(slots[0]) == READY and host.key(slots[0]) == "k1"
     eng.close()
