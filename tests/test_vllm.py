@@ -184,6 +184,15 @@ def test_disk_prefill_then_decode(model_dir, stored_on_disk, warm, tmp_path, fig
     assert [r["cached"] for r in got["results"]] == [160, 288]
     assert "block keys differ" not in got["log"]
     figures("vllm startup s", round(got["startup_s"], 1))
+    # kvtier's threads run on every CPU this process may use, whatever core vLLM bound its worker thread to
+    # (vLLM's CPU worker binds it for OpenMP; threads inherit their starter's CPUs).
+    m = re.search(r"kvtier: threads run on CPUs (\S+) \(transfer.cpus: all\); vLLM's worker thread is bound to (\S+)",
+                  got["log"])
+    assert m, got["log"][-3000:]
+    from kvtier.threads import allowed_cpus, parse_cpus
+
+    assert parse_cpus(m.group(1)) == allowed_cpus()
+    figures("vllm worker thread CPUs / kvtier thread CPUs", f"{m.group(2)} / {m.group(1)}")
 
 
 def test_damaged_block_is_recomputed(model_dir, stored_on_disk, warm, cold, tmp_path):

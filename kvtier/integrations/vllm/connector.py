@@ -20,6 +20,7 @@ a cached block went missing would turn a cache miss into an error.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,14 @@ class KvtierStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def _own_cpus() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(map(str, sorted(cpus))) or "?"
+
+
 class KvtierConnector(KVConnectorBase_V1):
     """kvtier's tiers (host memory, local disk, Redis, S3, plugins) behind vLLM's KV connector API."""
 
@@ -121,6 +130,8 @@ class KvtierConnector(KVConnectorBase_V1):
                             pp_rank=get_pp_group().rank_in_group, layout=layout)
         self._worker = WorkerSide(cfg, tensors)
         log.info("kvtier: worker side up: %d layers, layout %s, %s", len(tensors), layout, cfg.summary())
+        log.info("kvtier: threads run on CPUs %s (transfer.cpus: %s); vLLM's worker thread is bound to %s",
+                 _cpu_list(self._worker.thread_cpus()), cfg.transfer.cpus, _cpu_list(_own_cpus()))
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None

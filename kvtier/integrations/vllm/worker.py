@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import time
 
@@ -65,6 +66,12 @@ class WorkerSide:
         self._started: dict[str, float] = {}
         self.stats = {"loads": 0, "loaded_blocks": 0, "failed_blocks": 0, "stored_blocks": 0,
                       "store_errors": 0}
+
+    def thread_cpus(self) -> set[int]:
+        """The CPUs a kvtier thread of this worker runs on (asked of one of the stack's pool threads)."""
+        if not hasattr(os, "sched_getaffinity"):
+            return set()
+        return self.stack._reads.submit(os.sched_getaffinity, 0).result(timeout=30)
 
     def start(self, plan: StepPlan) -> None:
         for lp in plan.loads:
