@@ -24,6 +24,7 @@ decoder's inter-token latency p50 / p99 / max before and while the arrivals are 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -106,6 +107,9 @@ def run(args) -> int:
             if not itl:
                 itl.append({"arrivals": "recompute", **pre[-1]})
             # decode: from the backend (empty memory), then from kvtier's host tier after a prefix-cache reset
+            # In P/D the decode host is not the one that wrote the blocks: let the kernel finish writing the
+            # prefill's files back first (else its writeback of GBs of dirty pages competes with the loads).
+            os.sync()
             # decode: from the backend (empty memory), then from kvtier's host tier after a prefix-cache reset,
             # then the same prompts again: vLLM's own cache in a process where kvtier writes nothing
             dec = _run(tmp, f"decode-{be['name']}", model, prompts,
