@@ -294,20 +294,25 @@ class Downward:
         """Write stored values whose payloads are ``rows`` (``[values, bytes]``, read from the device) to
         every writable backend; each value is the blocks it holds, stored under the last one's key, and
         all of them are marked where a backend took it.  Per value whether one did."""
-        s = self.s
-        took = [False] * len(values)
-        strs = s.namespace.keys([v[-1] for v in values])
         views = [rows[j].numpy() for j in range(len(values))]
-        for b in s._backends.writable:
-            ok = s._backends.put(b, strs, views)
-            with s._lock:
-                for j, good in enumerate(ok):
-                    if good:
-                        took[j] = True
-                        for key in values[j]:
-                            if key in s.index:
-                                s.index.add_backend(key, b)
+        took = [False] * len(values)
+        for b in self.s._backends.writable:
+            took = [t or good for t, good in zip(took, self.put_values(b, values, views))]
         return took
+
+    def put_values(self, b: int, values: Sequence[tuple[bytes, ...]], payloads: Sequence[Any]) -> list[bool]:
+        """Put stored values into backend ``b`` (each under its last block's key) and mark every block of
+        the values it took as stored there; per value whether it did.  Every write to a backend goes
+        through here (no lock held during the I/O)."""
+        s = self.s
+        ok = s._backends.put(b, s.namespace.keys([v[-1] for v in values]), payloads)
+        with s._lock:
+            for members, good in zip(values, ok):
+                if good:
+                    for key in members:
+                        if key in s.index:
+                            s.index.add_backend(key, b)
+        return ok
 
     def _abandon(self, handle: StoreHandle, hashes: list[bytes], new: list[int], status: list[str],
                  slots: list[int], wb: list[Victim]) -> None:
@@ -392,15 +397,10 @@ class Downward:
             part = [(key, slot) for key, slot, targets in todo if b in targets]
             if not part:
                 continue
-            ok = s._backends.put(b, s.namespace.keys([k for k, _ in part]),
-                                 [s.host.slot_view(slot) for _, slot in part])
-            n_ok = sum(ok)
-            s.metrics.add("host", bytes_out=n_ok * s.layout.block_nbytes)
+            ok = self.put_values(b, [(key,) for key, _ in part], [s.host.slot_view(slot) for _, slot in part])
+            s.metrics.add("host", bytes_out=sum(ok) * s.layout.block_nbytes)
+            for (key, _), good in zip(part, ok):
+                taken[key] = taken[key] or good
             with s._lock:
-                for (key, _), good in zip(part, ok):
-                    if good:
-                        taken[key] = True
-                        if key in s.index:
-                            s.index.add_backend(key, b)
                 s._trim_index_locked()
         return taken

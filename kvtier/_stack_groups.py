@@ -204,15 +204,9 @@ class Grouped:
             if not part:
                 continue
             payloads = [np.concatenate([s.host.slot_view(slot) for slot in slots]) for _, slots in part]
-            ok = s._backends.put(b, s.namespace.keys([m[-1] for m, _ in part]), payloads)
+            ok = s._down.put_values(b, [members for members, _ in part], payloads)
             s.metrics.add("host", bytes_out=sum(ok) * self.k * s.layout.block_nbytes)
-            with s._lock:
-                for (members, _), good in zip(part, ok):
-                    if good:
-                        written.add(members[-1])
-                        for key in members:
-                            if key in s.index:
-                                s.index.add_backend(key, b)
+            written.update(members[-1] for (members, _), good in zip(part, ok) if good)
         return written
 
     def _release(self, todo: list[Claim]) -> None:

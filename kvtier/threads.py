@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-_cpus: str = "all"
-_lock = threading.Lock()
+_cpus: str = "all"  # one str: assigning it is atomic
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -51,9 +49,7 @@ def check_cpus(spec: str) -> str:
 def configure(spec: str) -> None:
     """Set the CPUs for kvtier threads started from now on in this process."""
     global _cpus
-    check_cpus(spec)
-    with _lock:
-        _cpus = spec
+    _cpus = check_cpus(spec)
 
 
 def allowed_cpus() -> set[int]:

@@ -29,6 +29,15 @@ def stack_fb(tmp_path):
     st.close(timeout=TIMEOUT)
 
 
+@pytest.fixture
+def stack_fb8(tmp_path):
+    """``stack_fb`` with 8 host slots: room for a whole 6-block load."""
+    st, fb = make_stack(tmp_path, host_slots=8)
+    yield st, fb
+    fb.clear()
+    st.close(timeout=TIMEOUT)
+
+
 def test_store_lookup_load_round_trip(stack_fb):
     st, _ = stack_fb
     hs = chain(st, 4)
@@ -173,16 +182,8 @@ def test_corrupt_read_cuts_the_prefix_and_names_blocks_to_recompute(stack_fb):
     assert fb.stats().corrupt >= 1
 
 
-def test_load_copies_each_chunk_to_the_device_while_the_next_is_read(tmp_path):
-    st, fb = make_stack(tmp_path, host_slots=8)
-    try:
-        _test_load_copies_each_chunk_to_the_device_while_the_next_is_read(st, fb)
-    finally:
-        fb.clear()
-        st.close(timeout=TIMEOUT)
-
-
-def _test_load_copies_each_chunk_to_the_device_while_the_next_is_read(st, fb):
+def test_load_copies_each_chunk_to_the_device_while_the_next_is_read(stack_fb8):
+    st, fb = stack_fb8
     hs = chain(st, 6)
     rows = fill(st, list(range(6)), seed=12)
     st.store(hs, list(range(6))).wait(TIMEOUT)
@@ -204,16 +205,8 @@ def _test_load_copies_each_chunk_to_the_device_while_the_next_is_read(st, fb):
     assert torch.equal(read(st, list(range(10, 16))), rows)
 
 
-def test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(tmp_path):
-    st, fb = make_stack(tmp_path, host_slots=8)
-    try:
-        _test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(st, fb)
-    finally:
-        fb.clear()
-        st.close(timeout=TIMEOUT)
-
-
-def _test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(st, fb):
+def test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(stack_fb8):
+    st, fb = stack_fb8
     hs = chain(st, 6)
     rows = fill(st, list(range(6)), seed=13)
     st.store(hs, list(range(6))).wait(TIMEOUT)

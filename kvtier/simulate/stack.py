@@ -25,15 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._stack_backends import BackendSet
-from .._stack_results import LoadResult, LookupResult, StoreResult
+from .._stack_results import PRESENT, SKIPPED, STORED, LoadResult, LookupResult, StoreResult
 from ..config import KvtierConfig
 from ..groups import group_of, load_chunks, whole_groups
 from ..index import BlockIndex, Tier
 from ..manager import TierManager
 from ..metrics import StackMetrics
 from .ledger import LedgerBackend
-
-_PRESENT, _STORED, _SKIPPED = "present", "stored", "skipped"
 
 
 @dataclass
@@ -137,7 +135,7 @@ class SimulatedStack:
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
         """``_stack_down.Downward.store`` without the copies."""
         idx, n = self.index, len(hashes)
-        status = [_SKIPPED] * n
+        status = [SKIPPED] * n
         new: list[int] = []
         hits: list[bytes] = []
         seen: set[bytes] = set()
@@ -146,7 +144,7 @@ class SimulatedStack:
             self.index.place_on_device(key, int(b))
             held = host_slot(key) is not None if hosted else bool(writable) and idx.in_backends(key, writable)
             if key in seen or held:
-                status[i] = _PRESENT
+                status[i] = PRESENT
                 if key not in seen and held and self.write_policy.on_hit(key, self._hit(key)):
                     hits.append(key)
                 seen.add(key)
@@ -173,7 +171,7 @@ class SimulatedStack:
             if j < taken:
                 self._commit_host(key, slots[j])
                 self.counters["host"].written += 1
-                status[i] = _STORED
+                status[i] = STORED
                 if self.write_policy.on_store(key):
                     down.append(key)
             self.index.release(key)
@@ -386,7 +384,7 @@ class SimulatedStack:
         for (a, b), ok in zip(spans, took):
             for i in range(a, b + 1):
                 if i in fresh:
-                    status[i] = _STORED if ok else _SKIPPED
+                    status[i] = STORED if ok else SKIPPED
 
     def _write_down(self, keys: Sequence[bytes]) -> None:
         """``Downward.write_down``: host blocks to every writable backend lacking them (with values of

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ... import threads
 from ...config import KvtierConfig
 from ...plans import LoadPlan, StepPlan, WorkerReport
 from ...stack import LoadHandle, TierStack
@@ -68,10 +69,11 @@ class WorkerSide:
                       "store_errors": 0}
 
     def thread_cpus(self) -> set[int]:
-        """The CPUs a kvtier thread of this worker runs on (asked of one of the stack's pool threads)."""
+        """The CPUs a kvtier thread started from here runs on (asked of one, as the stack's pools start them)."""
         if not hasattr(os, "sched_getaffinity"):
             return set()
-        return self.stack._reads.submit(os.sched_getaffinity, 0).result(timeout=30)
+        with threads.pool(1, "kvtier-cpus") as pool:
+            return pool.submit(os.sched_getaffinity, 0).result(timeout=30)
 
     def start(self, plan: StepPlan) -> None:
         for lp in plan.loads:
