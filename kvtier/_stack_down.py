@@ -47,7 +47,7 @@ class HostRoom:
 
     def take_locked(self, n: int) -> tuple[list[int], list[Victim]]:
         """Up to ``n`` WRITING slots without I/O, plus the victims to write back (held) for the rest."""
-        s, host = self.s, self.s.host
+        s, host = self.s, self.s.host_tier()
         slots = host.allocate(min(n, host.num_free)).slots if n > 0 else []
         need, dropped, wb = n - len(slots), 0, []
         seen: set[bytes] = set()
@@ -103,7 +103,7 @@ class HostRoom:
                     freed += 1
                 else:
                     s.index.discard_if_unused(key)
-            return s.host.allocate(freed).slots if freed else []
+            return s.host_tier().allocate(freed).slots if freed else []
 
     def reserve(self, n: int) -> list[int]:
         """Up to ``n`` WRITING slots, writing victims back when the policy says (call without the lock,
@@ -116,7 +116,7 @@ class HostRoom:
     def release(self, slots: Sequence[int]) -> None:
         """Give back WRITING slots that were not used."""
         if slots:
-            self.s.host.free(list(slots))
+            self.s.host_tier().free(list(slots))
 
 
 class Downward:
@@ -200,7 +200,7 @@ class Downward:
             return
         keys = [hashes[i] for i in take]
         try:
-            xh = s._xfer.store(ids[take], slots, keys=keys)
+            xh = s.transfers().store(ids[take], slots, keys=keys)
         except Exception as e:  # noqa: BLE001 - e.g. the transfer engine is closed
             log.warning("store: transfer not submitted: %s", e)
             s.room.release(slots)
@@ -397,7 +397,8 @@ class Downward:
             part = [(key, slot) for key, slot, targets in todo if b in targets]
             if not part:
                 continue
-            ok = self.put_values(b, [(key,) for key, _ in part], [s.host.slot_view(slot) for _, slot in part])
+            host = s.host_tier()
+            ok = self.put_values(b, [(key,) for key, _ in part], [host.slot_view(slot) for _, slot in part])
             s.metrics.add("host", bytes_out=sum(ok) * s.layout.block_nbytes)
             for (key, _), good in zip(part, ok):
                 taken[key] = taken[key] or good

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ._load_plan import Source, Step
 from .groups import group_of
 
 if TYPE_CHECKING:
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.stack")
 
-HOST, TMP = "host", "tmp"
 Group = tuple[int, int]  # (first, last) indices into a chain slice; first may be < 0
 
 
@@ -58,19 +58,18 @@ class Grouped:
         return self.s._backends.locate(self.s.namespace.keys([hashes[last] for _, last in groups]))
 
     def fetch(self, hashes: Sequence[bytes], groups: Sequence[Group], where: Sequence[int], want: set[int], *,
-              allow_tmp: bool) -> dict[int, Any]:
+              allow_tmp: bool) -> dict[int, Step | None]:
         """Read the first ``len(where)`` groups and place their blocks at positions in ``want`` (pinned
-        by the caller): ``{position: (HOST, slot, backend) | (TMP, row, backend) | None}`` as
-        ``Upward.fetch`` answers per key."""
+        by the caller): ``{position: HOST step | TMP step | None}`` as ``Upward.fetch`` answers per key."""
         s, k, nb = self.s, self.k, self.s.layout.block_nbytes
-        out: dict[int, Any] = {}
+        out: dict[int, Step | None] = {}
         todo: list[int] = []  # indices into groups still to read
         with s._lock:
             for g, (first, last) in enumerate(groups[:len(where)]):
                 members = [i for i in range(max(first, 0), last + 1) if i in want]
                 for i in members:
                     slot = s.index.host_slot(hashes[i])
-                    out[i] = (HOST, slot, None) if slot is not None else None
+                    out[i] = Step(Source.HOST, slot) if slot is not None else None
                 if any(out[i] is None for i in members):
                     todo.append(g)
         for first, last in groups[len(where):]:
@@ -91,7 +90,8 @@ class Grouped:
                 for i in range(max(groups[g][0], 0), groups[g][1] + 1) if i in want and out[i] is None]
         slots = s.room.reserve(len(need)) if s.host is not None else []
         for (j, i), slot in zip(need, slots):
-            s.host.slot_view(slot)[:] = views[j][(i - groups[todo[j]][0]) * nb:(i - groups[todo[j]][0] + 1) * nb]
+            off = (i - groups[todo[j]][0]) * nb
+            s.host_tier().slot_view(slot)[:] = views[j][off:off + nb].data
         with s._lock:
             for j, g in enumerate(todo):
                 first, last = groups[g]
@@ -104,10 +104,10 @@ class Grouped:
                     s.index.remove_backend(hashes[last], where[g])  # read and not there: a stale hint
             for r, (j, i) in enumerate(need):
                 if r < len(slots):
-                    out[i] = (HOST, s._commit_host_locked(hashes[i], slots[r]), src[j])
+                    out[i] = Step(Source.HOST, s._commit_host_locked(hashes[i], slots[r]), src[j])
                 elif allow_tmp:
                     off = i - groups[todo[j]][0]
-                    out[i] = (TMP, buf[j, off], src[j])
+                    out[i] = Step(Source.TMP, buf[j, off], src[j])
             for j, g in enumerate(todo):
                 first, last = groups[g]
                 if src[j] >= 0 and first >= 0:
@@ -203,7 +203,8 @@ class Grouped:
             part = [(members, slots) for members, slots, targets, _ in todo if b in targets]
             if not part:
                 continue
-            payloads = [np.concatenate([s.host.slot_view(slot) for slot in slots]) for _, slots in part]
+            host = s.host_tier()
+            payloads = [np.concatenate([host.slot_view(slot) for slot in slots]) for _, slots in part]
             ok = s._down.put_values(b, [members for members, _ in part], payloads)
             s.metrics.add("host", bytes_out=sum(ok) * self.k * s.layout.block_nbytes)
             written.update(members[-1] for (members, _), good in zip(part, ok) if good)

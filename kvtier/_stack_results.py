@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .index import Tier, TierNames
+
 if TYPE_CHECKING:
     from .stack import TierStack
     from .transfer import TransferGroup, TransferHandle
@@ -20,11 +22,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LookupResult:
     """The longest prefix of the asked blocks available in some tier.  ``tiers[i]`` is where block ``i``
-    is best served from: ``"device"``, ``"host"`` or a backend's name (fastest first)."""
+    is best served from (fastest first); ``names`` says what this deployment calls each tier."""
 
-    tiers: tuple[str, ...]
+    tiers: tuple[Tier, ...]
     block_size: int
     num_requested: int
+    names: TierNames = TierNames()
 
     @property
     def num_blocks(self) -> int:
@@ -36,19 +39,20 @@ class LookupResult:
 
     @property
     def counts(self) -> dict[str, int]:
-        """{tier: blocks}, in the order tiers first appear."""
+        """{tier name: blocks}, in the order tiers first appear (for people: reports and logs)."""
         out: dict[str, int] = {}
         for t in self.tiers:
-            out[t] = out.get(t, 0) + 1
+            name = self.names(t)
+            out[name] = out.get(name, 0) + 1
         return out
 
     @property
     def device_tokens(self) -> int:
-        return self.tiers.count("device") * self.block_size
+        return self.tiers.count(Tier.DEVICE) * self.block_size
 
     @property
     def host_tokens(self) -> int:
-        return self.tiers.count("host") * self.block_size
+        return self.tiers.count(Tier.HOST) * self.block_size
 
     @property
     def storage_tokens(self) -> int:
@@ -69,7 +73,7 @@ class LoadResult:
     block_ids: tuple[int, ...]
     ok: tuple[bool, ...]
     copied: tuple[bool, ...]  # bytes landed (diagnostics: may be True after a failure, still not usable)
-    tiers: tuple[str | None, ...]  # where each block came from (None: not available / not tried)
+    tiers: tuple[Tier | None, ...]  # where each block came from (None: not available / not tried)
     errors: tuple[str, ...]
     block_size: int
 

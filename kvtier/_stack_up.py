@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ._load_plan import Source, Step, lost
 from ._stack_results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
 from .groups import load_chunks
+from .index import Tier
 from .transfer import TransferGroup
 
 if TYPE_CHECKING:
@@ -25,9 +27,6 @@ if TYPE_CHECKING:
     from .transfer import TransferHandle, TransferResult
 
 log = logging.getLogger("kvtier.stack")
-
-HOST, SAME, FETCH, TMP = "host", "same", "fetch", "tmp"
-
 
 class Upward:
     """``load``, ``prefetch`` and the backend fetches both use."""
@@ -41,28 +40,29 @@ class Upward:
         """For the longest prefix of ``keys`` present in some backend, the backend holding each block."""
         return self.s._backends.locate(self.s.namespace.keys(keys))
 
-    def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool) -> list[Any]:
+    def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool) -> list[Step | None]:
         """Bring the first ``len(where)`` keys (``where[j]``: the backend to try first) up from the
-        backends.  Per key: ``(HOST, slot, backend)`` (verified, now in host memory, or already there),
-        ``(TMP, row, backend)`` (no host room: a temporary buffer, only with ``allow_tmp``), or None.
-        The keys must be pinned by the caller."""
+        backends.  Per key: a HOST step (verified, now in host memory, or already there), a TMP step (no
+        host room: a temporary row, only with ``allow_tmp``), or None.  The keys must be pinned by the
+        caller."""
         s = self.s
         m = len(where)
-        out: list[Any] = [None] * len(keys)
+        out: list[Step | None] = [None] * len(keys)
         todo: list[int] = []
         with s._lock:
             for j in range(m):
                 e = s.index.get(keys[j])
                 if e is not None and e.host is not None:
-                    out[j] = (HOST, e.host, None)  # arrived meanwhile (a store, another fetch)
+                    out[j] = Step(Source.HOST, e.host)  # arrived meanwhile (a store, another fetch)
                 else:
                     todo.append(j)
         if not todo:
             return out
-        slots = s.room.reserve(len(todo)) if s.host is not None else []
+        host = s.host
+        slots = s.room.reserve(len(todo)) if host is not None else []
         n_tmp = len(todo) - len(slots) if allow_tmp else 0
-        tmp = torch.empty((n_tmp, s.layout.block_nbytes), dtype=torch.uint8) if n_tmp else None
-        bufs = {j: s.host.slot_view(sl) for j, sl in zip(todo, slots)}
+        tmp = torch.empty((n_tmp, s.layout.block_nbytes), dtype=torch.uint8)
+        bufs: dict[int, Any] = {j: host.slot_view(sl) for j, sl in zip(todo, slots)} if host is not None else {}
         bufs.update({j: tmp[r].numpy() for r, j in enumerate(todo[len(slots):len(slots) + n_tmp])})
         strs = s.namespace.keys(keys)
         src = {j: -1 for j in bufs}
@@ -80,11 +80,11 @@ class Upward:
                     s.index.remove_backend(key, where[j])  # read and not there: the hint was stale
                 if r < len(slots):
                     if b >= 0:
-                        out[j] = (HOST, s._commit_host_locked(key, slots[r]), b)
+                        out[j] = Step(Source.HOST, s._commit_host_locked(key, slots[r]), b)
                     else:
-                        s.host.free([slots[r]])
+                        s.room.release([slots[r]])
                 elif b >= 0:
-                    out[j] = (TMP, tmp[r - len(slots)], b)
+                    out[j] = Step(Source.TMP, tmp[r - len(slots)], b)
         n_host = sum(1 for r, j in enumerate(todo) if r < len(slots) and src.get(j, -1) >= 0)
         s.metrics.add("host", bytes_in=n_host * s.layout.block_nbytes)
         return out
@@ -101,30 +101,30 @@ class Upward:
     def load(self, hashes: list[bytes], ids: np.ndarray, layerwise: bool, start: int = 0) -> LoadHandle:
         s = self.s
         handle = LoadHandle(len(hashes), s.layout.num_layers, layerwise)
-        plan: list[list[Any]] = []  # per block of the planned prefix: [kind, slot or row, backend or None]
+        plan: list[Step] = []  # per block of the planned prefix
         with s._lock:
             for key, b in zip(hashes, ids.tolist()):
                 e = s.index.get(key)
                 if e is not None and e.host is not None and s.host is not None:
-                    plan.append([HOST, e.host, None])
+                    plan.append(Step(Source.HOST, e.host))
                 elif e is not None and e.device == b:
-                    plan.append([SAME, None, None])
+                    plan.append(Step(Source.SAME))
                 elif len(s._backends):
-                    plan.append([FETCH, None, None])
+                    plan.append(Step(Source.FETCH))
                 else:
                     break  # nowhere to get it from: the usable prefix ends here
                 s.index.acquire(key)
-            for (kind, _, _), b in zip(plan, ids.tolist()):
-                if kind != SAME:
+            for step, b in zip(plan, ids.tolist()):
+                if step.source is not Source.SAME:
                     s.index.free_device(b)  # about to be overwritten: whatever it held is gone
-        if any(p[0] == FETCH for p in plan):
+        if any(p.source is Source.FETCH for p in plan):
             if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan, start):
                 self._finish_load(handle, hashes, ids, plan, 0, None, [], ["stack closed"])
         else:
             self._scatter(handle, hashes, ids, plan, len(plan), [])
         return handle
 
-    def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]],
+    def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
                   start: int = 0) -> None:
         """Fetch the backend blocks a chunk at a time and start each chunk's host -> device copy as soon
         as the chunk is in host memory, so copies (transfer workers) overlap the reads (this thread);
@@ -139,15 +139,16 @@ class Upward:
         def advance() -> None:
             # Copy what is settled: the blocks before the first one still to fetch or failed, so no block
             # after the end of the usable prefix is ever written to the device.
-            stop = next((i for i, p in enumerate(plan) if p[0] in (FETCH, None)), len(plan))
+            stop = next((i for i, p in enumerate(plan) if p.source in (Source.FETCH, Source.LOST)), len(plan))
             part = range(done[0], stop)
-            self._write_tmp([i for i in part if plan[i][0] == TMP], ids, plan, errors)
-            self._copy([i for i in part if plan[i][0] == HOST], handle, hashes, ids, plan, copies, order, errors)
+            self._write_tmp([i for i in part if plan[i].source is Source.TMP], ids, plan, errors)
+            self._copy([i for i in part if plan[i].source is Source.HOST], handle, hashes, ids, plan, copies, order,
+                       errors)
             done[0] = max(done[0], stop)
 
         try:
             advance()
-            pos = [i for i, p in enumerate(plan) if p[0] == FETCH]
+            pos = [i for i, p in enumerate(plan) if p.source is Source.FETCH]
             if s.storage_blocks > 1:
                 self._fetch_groups(hashes, start, pos, plan, advance)
             else:
@@ -156,14 +157,14 @@ class Upward:
                 for a, b in load_chunks(len(where), s.layout.block_nbytes, s.load_chunk_bytes):
                     got = self.fetch(keys[a:b], where[a:b], allow_tmp=True)
                     for i, g in zip(pos[a:b], got):
-                        plan[i] = list(g) if g is not None else [None, None, None]
+                        plan[i] = g or lost()
                     advance()
                     if any(g is None for g in got):
                         break  # the chain is broken here: later blocks are of no use
             for i in pos:
-                if plan[i][0] == FETCH:
-                    plan[i] = [None, None, None]  # never read (an earlier chunk ended the chain)
-            cut = next((i for i, p in enumerate(plan) if p[0] is None), len(plan))
+                if plan[i].source is Source.FETCH:
+                    plan[i] = lost()  # never read (an earlier chunk ended the chain)
+            cut = next((i for i, p in enumerate(plan) if p.source is Source.LOST), len(plan))
         except Exception as e:  # noqa: BLE001 - a fault fails the blocks, never the engine
             log.exception("load: fetch failed")
             errors.append(f"fetch: {type(e).__name__}: {e}")
@@ -176,63 +177,63 @@ class Upward:
         handle._stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
 
-    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[list[Any]],
+    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[Step],
                       advance: Any) -> None:
         """``_load_job``'s reads when stored values hold several blocks: whole values, a chunk of them at
         a time, each block placed where the plan wants it."""
         grouped = self.s._grouped
-        groups, lost = grouped.groups_of(start, pos, len(hashes))
-        for i in lost:
-            plan[i] = [None, None, None]
+        groups, gone = grouped.groups_of(start, pos, len(hashes))
+        for i in gone:
+            plan[i] = lost()
         where = grouped.locate(hashes, groups)
         want = set(pos)
         for a, b in load_chunks(len(where), self.s.layout.block_nbytes * grouped.k, self.s.load_chunk_bytes):
             got = grouped.fetch(hashes, groups[a:b], where[a:b], want, allow_tmp=True)
             for i, g in got.items():
-                plan[i] = list(g) if g is not None else [None, None, None]
+                plan[i] = g or lost()
             advance()
             if any(g is None for g in got.values()):
                 break  # the chain is broken here: later blocks are of no use
 
     def _copy(self, part: list[int], handle: LoadHandle, hashes: list[bytes], ids: np.ndarray,
-              plan: list[list[Any]], copies: list[TransferHandle], order: list[int], errors: list[str]) -> None:
+              plan: list[Step], copies: list[TransferHandle], order: list[int], errors: list[str]) -> None:
         """Submit the host -> device copy of the plan positions ``part`` (blocks in host slots)."""
         if not part:
             return
         try:
-            copies.append(self.s._xfer.load([plan[i][1] for i in part], ids[part], layerwise=handle.layerwise,
-                                            keys=[hashes[i] for i in part]))
+            copies.append(self.s.transfers().load([plan[i].at for i in part], ids[part],
+                                                  layerwise=handle.layerwise, keys=[hashes[i] for i in part]))
             order += part
         except Exception as e:  # noqa: BLE001 - those blocks are not loaded; the engine recomputes them
             errors.append(f"transfer: {type(e).__name__}: {e}")
             for i in part:
-                plan[i][0] = None
+                plan[i].source = Source.LOST
 
-    def _write_tmp(self, part: list[int], ids: np.ndarray, plan: list[list[Any]], errors: list[str]) -> None:
+    def _write_tmp(self, part: list[int], ids: np.ndarray, plan: list[Step], errors: list[str]) -> None:
         """Blocks that found no host room were read into temporary rows: write them to the device now."""
         if not part:
             return
         try:
-            self.s.device.write_blocks(torch.stack([plan[i][1] for i in part]), ids[part])
+            self.s.device.write_blocks(torch.stack([plan[i].at for i in part]), ids[part])
             self.s.metrics.add("device", bytes_in=len(part) * self.s.layout.block_nbytes)
         except Exception as e:  # noqa: BLE001 - those blocks fail, the rest goes on
             errors.append(f"device write: {type(e).__name__}: {e}")
             self.s.metrics.add("device", failures=1)
             for i in part:
-                plan[i][0] = None
+                plan[i].source = Source.LOST
 
-    def _scatter(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]],
+    def _scatter(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
                  cut: int, errors: list[str]) -> None:
         """Host -> device for the planned blocks before ``cut`` that sit in host memory."""
         s = self.s
-        hp = [i for i in range(cut) if plan[i][0] == HOST]
+        hp = [i for i in range(cut) if plan[i].source is Source.HOST]
         if not hp:
             handle._stage(None)
             self._finish_load(handle, hashes, ids, plan, cut, None, hp, errors)
             return
         try:
-            xh = s._xfer.load([plan[i][1] for i in hp], ids[hp], layerwise=handle.layerwise,
-                              keys=[hashes[i] for i in hp])
+            xh = s.transfers().load([plan[i].at for i in hp], ids[hp], layerwise=handle.layerwise,
+                                    keys=[hashes[i] for i in hp])
         except Exception as e:  # noqa: BLE001
             errors.append(f"transfer: {type(e).__name__}: {e}")
             self._finish_load(handle, hashes, ids, plan, cut, None, hp, errors)
@@ -240,22 +241,20 @@ class Upward:
         handle._stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, hp, errors))
 
-    def _finish_load(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[list[Any]],
+    def _finish_load(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
                      cut: int, r: TransferResult | None, hp: list[int], errors: list[str]) -> None:
         s = self.s
         n = len(hashes)
         copied = [False] * n
-        tiers: list[str | None] = [None] * n
+        tiers: list[Tier | None] = [None] * n
         down: list[bytes] = []
         try:
-            names = s._backends.names
             for i in range(min(cut, len(plan))):
-                kind, _, b = plan[i]
-                tiers[i] = "device" if kind == SAME else (names[b] if b is not None else "host")
-                copied[i] = kind in (SAME, TMP)
+                tiers[i] = plan[i].tier
+                copied[i] = plan[i].source in (Source.SAME, Source.TMP)
             if r is not None:
-                for i, ok in zip(hp, r.ok):
-                    copied[i] = ok
+                for i, landed in zip(hp, r.ok):
+                    copied[i] = landed
                 errors = [*errors, *r.errors]
             num = next((i for i in range(n) if not copied[i]), n)
             with s._lock:
@@ -278,10 +277,10 @@ class Upward:
         if down:
             s._down.write_down(down)
 
-    def _count(self, served: list[list[Any]], n: int, r: TransferResult | None) -> None:
+    def _count(self, served: list[Step], n: int, r: TransferResult | None) -> None:
         m = self.s.metrics
-        same = sum(1 for p in served if p[0] == SAME)
-        from_host = sum(1 for p in served if p[0] == HOST and p[2] is None)
+        same = sum(1 for p in served if p.source is Source.SAME)
+        from_host = sum(1 for p in served if p.source is Source.HOST and p.backend is None)
         m.hit("device", same)
         m.add("device", misses=n - same)
         m.hit("host", from_host)
@@ -299,8 +298,7 @@ class Upward:
             return PrefetchHandle(s, hashes, 0, 0.0, started=False)
         res = lookup if lookup is not None and lookup.num_requested == len(hashes) else \
             s.lookup(hashes, record=False, start=start)
-        names = {n: i for i, n in enumerate(s._backends.names)}
-        pos = [i for i, t in enumerate(res.tiers) if t in names]
+        pos = [i for i, t in enumerate(res.tiers) if t.is_backend]
         tokens = len(pos) * s.block_size
         if not pos or tokens < s.prefetch_threshold_tokens:
             return PrefetchHandle(s, hashes, 0, 0.0, started=False)
@@ -313,7 +311,7 @@ class Upward:
             ok = s._submit(s._reads, self._prefetch_groups_job, handle, prefix, hashes, start, pos)
         else:
             ok = s._submit(s._reads, self._prefetch_job, handle, prefix, [hashes[i] for i in pos],
-                           [names[res.tiers[i]] for i in pos])
+                           [res.tiers[i].as_backend_index() for i in pos])
         if not ok:
             self._prefetch_done(handle, prefix)
         return handle

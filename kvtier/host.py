@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import enum
 import heapq
 import threading
 import weakref
@@ -38,7 +39,16 @@ from typing import Any
 
 import torch
 
-FREE, WRITING, READY = "free", "writing", "ready"
+
+class SlotState(enum.Enum):
+    """The state of one host slot (the life cycle above)."""
+
+    FREE = "free"
+    WRITING = "writing"
+    READY = "ready"
+
+
+FREE, WRITING, READY = SlotState.FREE, SlotState.WRITING, SlotState.READY
 
 
 @dataclass
@@ -83,13 +93,13 @@ class HostTier:
                  pinned: bool | str = "auto", prefault: bool = True):
         if block_nbytes < 1:
             raise ValueError(f"block_nbytes: expected >= 1, got {block_nbytes}")
-        if (capacity_bytes is None) == (num_slots is None):
-            raise ValueError("HostTier: give exactly one of capacity_bytes and num_slots")
-        if num_slots is None:
+        if capacity_bytes is not None and num_slots is None:
             num_slots = int(capacity_bytes) // block_nbytes
             if num_slots < 1:
                 raise ValueError(f"host capacity {capacity_bytes} B holds no block of {block_nbytes} B "
                                  "(raise host.capacity)")
+        elif num_slots is None or capacity_bytes is not None:
+            raise ValueError("HostTier: give exactly one of capacity_bytes and num_slots")
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         self.block_nbytes = block_nbytes
@@ -190,7 +200,7 @@ class HostTier:
 
     # ------------------------------------------------------------------ queries
 
-    def state(self, slot: int) -> str:
+    def state(self, slot: int) -> SlotState:
         return self._state[self._check(slot)]
 
     def key(self, slot: int) -> Hashable | None:
@@ -216,11 +226,12 @@ class HostTier:
             raise IndexError(f"slot {s} out of range [0, {self.num_slots})")
         return s
 
-    def _expect(self, slots: Sequence[int], states: tuple[str, ...], what: str) -> None:
+    def _expect(self, slots: Sequence[int], states: tuple[SlotState, ...], what: str) -> None:
         seen = set()
         for s in slots:
             if self._state[self._check(s)] not in states:
-                raise ValueError(f"{what}: slot {s} is {self._state[s]}, expected {' or '.join(states)}")
+                raise ValueError(f"{what}: slot {s} is {self._state[s].value}, expected "
+                                 f"{' or '.join(x.value for x in states)}")
             if s in seen:
                 raise ValueError(f"{what}: slot {s} given twice")
             seen.add(s)

@@ -34,30 +34,73 @@ _HITS_MAX = 2**32 - 1
 
 
 class Tier(enum.IntEnum):
-    """Where a block is: an int enum, so codes pack into an ``int8`` column; lower is faster to serve
-    from.  Backend ``i`` is the plain code ``Tier.backend(i)`` = ``2 + i`` (backends are configured, not
-    enumerable); ``Tier.label(code)`` names any code."""
+    """Where a block is, the one word for it everywhere (index columns, lookups, load results): an int
+    enum, so tiers pack into an ``int8`` column; lower is faster to serve from.  Backend ``i`` of a
+    deployment is the member ``Tier.backend(i)`` (``BACKEND_i`` = ``2 + i``); what a deployment *calls*
+    its tiers (a backend's configured name) is :class:`TierNames`, for people and metric labels."""
 
+    _ignore_ = ["_members", "_i"]
     MISSING = -1
     DEVICE = 0
     HOST = 1
+    _members = vars()
+    for _i in range(MAX_BACKENDS):
+        _members[f"BACKEND_{_i}"] = 2 + _i
 
     @staticmethod
-    def backend(i: int) -> int:
-        """Code of backend index ``i`` (0 <= i < 32)."""
+    def backend(i: int) -> Tier:
+        """The tier of backend index ``i`` (0 <= i < 32)."""
         _check_backend(i)
-        return 2 + i
+        return Tier(2 + i)
 
     @staticmethod
     def backend_index(code: int) -> int | None:
-        """Backend index of a tier code, or None for DEVICE / HOST / MISSING."""
+        """Backend index of a tier, or None for DEVICE / HOST / MISSING."""
         return code - 2 if code >= 2 else None
+
+    @property
+    def is_backend(self) -> bool:
+        return self >= 2
+
+    def as_backend_index(self) -> int:
+        """The backend index of a backend tier (``ValueError`` for DEVICE / HOST / MISSING)."""
+        if self < 2:
+            raise ValueError(f"{self.name} is not a backend tier")
+        return int(self) - 2
 
     @staticmethod
     def label(code: int) -> str:
-        """"missing", "device", "host" or "backend[i]"."""
+        """"missing", "device", "host" or "backend[i]" (a deployment's own names: :class:`TierNames`)."""
         code = int(code)
         return {-1: "missing", 0: "device", 1: "host"}.get(code) or f"backend[{code - 2}]"
+
+
+# Tier of an index column code (int8, -1..33), without Tier()'s per-call lookup.
+TIER_OF_CODE: tuple[Tier, ...] = tuple(Tier(c) for c in range(-1, 2 + MAX_BACKENDS))
+
+
+def tier_of(code: int) -> Tier:
+    return TIER_OF_CODE[code + 1]
+
+
+@dataclass(frozen=True)
+class TierNames:
+    """What one deployment calls its tiers: ``"device"``, ``"host"`` and each backend's configured name
+    by index.  For reports, logs and metric labels; code compares :class:`Tier` members."""
+
+    backends: tuple[str, ...] = ()
+
+    def __call__(self, tier: int) -> str:
+        i = Tier.backend_index(tier)
+        return Tier.label(tier) if i is None or i >= len(self.backends) else self.backends[i]
+
+    def tier(self, name: str) -> Tier:
+        """The tier a name means (``ValueError`` naming the known ones when there is none)."""
+        if name in ("device", "host"):
+            return Tier.DEVICE if name == "device" else Tier.HOST
+        if name in self.backends:
+            return Tier.backend(self.backends.index(name))
+        raise ValueError(f"no tier named {name!r}: expected device, host or one of {list(self.backends)}")
 
 
 @dataclass(frozen=True)

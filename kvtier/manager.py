@@ -33,7 +33,7 @@ from ._stack_backends import BackendSet
 from .backend_api import StorageBackend
 from .config import KvtierConfig
 from .groups import group_ends
-from .index import BlockIndex, Tier
+from .index import BlockIndex, Tier, TierNames, tier_of
 from .keys import Namespace
 from .metrics import StackMetrics
 from .plans import Lookup, LookupState, WorkerReport
@@ -70,6 +70,7 @@ class TierManager:
             cfg_write = {b.name: b.write for b in config.backends}
             self.backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
                                        self.namespace.layout_id, 0)
+        self.tier_names = TierNames(tuple(self.backends.names))
         self.index = index if index is not None else BlockIndex(capacity=1024)
         self.max_hints = max_hints
         self.probe_ttl_s = probe_ttl_s
@@ -122,7 +123,7 @@ class TierManager:
         n = len(hashes)
         with self._lock:
             m = self.index.lookup_prefix(hashes)
-            p, tiers = m.length, [self._tier_name(int(t)) for t in m.tiers]
+            p, tiers = m.length, [tier_of(t) for t in m.tiers.tolist()]
         if p == n or not len(self.backends):
             return _answer(p, tiers), None
         got = self._probe_result(hashes[p:], start + p)
@@ -132,20 +133,21 @@ class TierManager:
         if found:
             with self._lock:
                 self._remember_backend(hashes[p:p + found], who)
-        return _answer(p + found, tiers + [self.backends.names[who]] * found), None
+        return _answer(p + found, tiers + [Tier.backend(who)] * found), None
 
-    def resolve(self, hashes: Sequence[bytes], start: int = 0) -> tuple[str, ...]:
+    def resolve(self, hashes: Sequence[bytes], start: int = 0) -> tuple[Tier, ...]:
         """The in-process lookup (it may wait on I/O): where each block of the longest available prefix
         is best served from.  Memory tiers come from the index; backends are *asked* for the rest
         (never trusted from hints, since another process may have stored or evicted), and within a
         backend's run a block that is also in memory is served from memory.  ``start``: the chain
         position of ``hashes[0]``."""
-        n, p, out = len(hashes), 0, []
+        n, p = len(hashes), 0
+        out: list[Tier] = []
         keys: list[str] | None = None
         while p < n:
             with self._lock:
                 m = self.index.lookup_prefix(hashes[p:])
-                mem = [self._tier_name(int(t)) for t in m.tiers[:m.in_memory]]
+                mem = [tier_of(t) for t in m.tiers[:m.in_memory].tolist()]
             out += mem
             p += len(mem)
             if p == n or not len(self.backends):
@@ -157,7 +159,7 @@ class TierManager:
             with self._lock:
                 m = self.index.lookup_prefix(hashes[p:p + best])
                 run = m.tiers.tolist() + [-1] * (best - m.length)
-            out += [self._tier_name(t) if t in (Tier.DEVICE, Tier.HOST) else self.backends.names[who] for t in run]
+            out += [tier_of(t) if t in (Tier.DEVICE, Tier.HOST) else Tier.backend(who) for t in run]
             p += best
         return tuple(out)
 
@@ -246,10 +248,6 @@ class TierManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _tier_name(self, code: int) -> str:
-        i = Tier.backend_index(code)
-        return Tier.label(code) if i is None else self.backends.names[i]
-
     def _remember_backend(self, hashes: Sequence[bytes], who: int) -> None:
         new = [h for h in hashes if h not in self.index]
         if new:
@@ -277,7 +275,7 @@ class TierManager:
         self.backends.close([self._owned] * len(self.backends))
 
 
-def _answer(n: int, tiers: list[str]) -> Lookup:
+def _answer(n: int, tiers: list[Tier]) -> Lookup:
     return Lookup(LookupState.HIT, n, tuple(tiers[:n])) if n else Lookup(LookupState.MISS, 0)
 
 

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from .index import Tier
+
 COUNTERS = ("hits", "misses", "hit_tokens", "bytes_in", "bytes_out", "stores_skipped", "failures", "evictions",
             "unavailable", "dropped")
 OPS = ("read", "write", "lookup")
@@ -147,10 +149,10 @@ class StackMetrics:
         with self._lock:
             t.latency[op].observe(seconds)
 
-    def record_request(self, tiers: Sequence[str], num_blocks: int) -> RequestSummary:
+    def record_request(self, tiers: Sequence[Tier], num_blocks: int) -> RequestSummary:
         """One lookup: ``tiers[i]`` is where block ``i`` of the matched prefix lives."""
-        dev = sum(1 for t in tiers if t == "device")
-        host = sum(1 for t in tiers if t == "host")
+        dev = sum(1 for t in tiers if t == Tier.DEVICE)
+        host = sum(1 for t in tiers if t == Tier.HOST)
         b = self.block_size
         s = RequestSummary(num_blocks * b, dev * b, host * b, (len(tiers) - dev - host) * b)
         with self._lock:

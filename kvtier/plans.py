@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .index import Tier
+
 
 class LookupState(enum.Enum):
     """What a non-blocking lookup knows now."""
@@ -23,13 +25,13 @@ class LookupState(enum.Enum):
 
 @dataclass(frozen=True)
 class Lookup:
-    """A lookup answer: the leading ``num_blocks`` blocks are available, ``tiers[i]`` names where block
-    ``i`` is best served from ("host" or a backend name).  A hint, never a promise: a load may still
-    fail (evicted, corrupt, backend down) and then the engine recomputes."""
+    """A lookup answer: the leading ``num_blocks`` blocks are available, ``tiers[i]`` is where block
+    ``i`` is best served from.  A hint, never a promise: a load may still fail (evicted, corrupt,
+    backend down) and then the engine recomputes."""
 
     state: LookupState
     num_blocks: int = 0
-    tiers: tuple[str, ...] = ()
+    tiers: tuple[Tier, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_blocks < 0 or (self.state is LookupState.HIT) != (self.num_blocks > 0):

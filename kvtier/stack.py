@@ -61,7 +61,7 @@ from ._stack_up import Upward
 from .backend_api import StorageBackend
 from .config import KvtierConfig, load_config
 from .device import int_array
-from .host import HostTier
+from .host import WRITING, HostTier
 from .index import BlockIndex, Tier
 from .keys import Namespace
 from .layout import KVLayout, LayoutError
@@ -154,6 +154,7 @@ class TierStack:
 
         # The scheduler half: the same index and lock, the same backend probing the vLLM connector uses.
         self.manager = TierManager(config, backends=self._backends, index=self.index, lock=self._lock)
+        self.tier_names = self.manager.tier_names  # what this deployment calls its tiers (reports, logs)
         self._backends.put_manifests(self.namespace)
         self.metrics_port: int | None = None
         if config.metrics.prometheus_port:
@@ -197,7 +198,7 @@ class TierStack:
         hashes = self.manager.check_hashes(hashes)
         n = len(hashes)
         tiers = self.manager.resolve(hashes, _start(start))
-        res = LookupResult(tuple(tiers), self.block_size, n)
+        res = LookupResult(tiers, self.block_size, n, self.manager.tier_names)
         if record:
             self.metrics.record_request(res.tiers, n)
         return res
@@ -347,15 +348,28 @@ class TierStack:
             self.eviction_policy.on_access(Tier.HOST, [key])
         return e.hits
 
+    def host_tier(self) -> HostTier:
+        """The host tier, on the paths that run only when there is one (``host.capacity`` > 0)."""
+        if self.host is None:
+            raise RuntimeError("this stack has no host tier (host.capacity: 0)")
+        return self.host
+
+    def transfers(self) -> TransferEngine:
+        """The host <-> device transfer engine: it exists exactly when the host tier does."""
+        if self._xfer is None:
+            raise RuntimeError("this stack has no host tier (host.capacity: 0), so no host <-> device transfers")
+        return self._xfer
+
     def _commit_host_locked(self, key: bytes, slot: int) -> int:
         """Record ``key`` in host ``slot`` (READY or WRITING, unpinned) unless another slot already holds
         it (a concurrent store or fetch won): then ``slot`` is freed.  Returns the slot holding ``key``."""
         e = self.index.get(key)
+        host = self.host_tier()
         if e is not None and e.host is not None and e.host != slot:
-            self.host.free([slot])
+            host.free([slot])
             return e.host
-        if self.host.state(slot) == "writing":
-            self.host.commit([slot], [key])
+        if host.state(slot) == WRITING:
+            host.commit([slot], [key])
         if key not in self.index:
             self.index.insert(key)
         self.index.set_host(key, slot)
@@ -371,7 +385,7 @@ class TierStack:
         self._unwritten.pop(key, None)
         self._members.pop(key, None)
         if slot is not None:
-            self.host.free([slot])
+            self.host_tier().free([slot])
             self.eviction_policy.on_remove(Tier.HOST, [key])
             self.metrics.add("host", evictions=1)
             if self._report is not None:

@@ -14,7 +14,7 @@ Moving bytes asynchronously between the two tiers is :mod:`kvtier.transfer`.
 
 from .blockpool import BlockPool, PoolExhausted
 from .device import DeviceTier, memcpy2d_available
-from .host import FREE, READY, WRITING, Allocation, HostTier, HostTierStats, resolve_pin_memory
+from .host import FREE, READY, WRITING, Allocation, HostTier, HostTierStats, SlotState, resolve_pin_memory
 
-__all__ = ["FREE", "READY", "WRITING", "Allocation", "BlockPool", "DeviceTier", "HostTier",
+__all__ = ["FREE", "READY", "WRITING", "Allocation", "BlockPool", "DeviceTier", "HostTier", "SlotState",
            "HostTierStats", "PoolExhausted", "memcpy2d_available", "resolve_pin_memory"]

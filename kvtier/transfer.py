@@ -291,7 +291,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ public API
 
-    def store(self, block_ids: Sequence[int], slots: Sequence[int], *,
+    def store(self, block_ids: Sequence[int] | np.ndarray, slots: Sequence[int], *,
               keys: Sequence[Hashable] | None = None) -> TransferHandle:
         """Copy device blocks into host slots that are WRITING (from ``HostTier.allocate``).  With
         ``keys``, on completion the ok slots are committed with their keys and the failed ones freed, so
@@ -300,7 +300,7 @@ class TransferEngine:
             raise ValueError(f"store: {len(block_ids)} block ids but {len(keys)} keys")
         return self._submit("store", block_ids, slots, False, keys)
 
-    def load(self, slots: Sequence[int], block_ids: Sequence[int], *, layerwise: bool = True,
+    def load(self, slots: Sequence[int], block_ids: Sequence[int] | np.ndarray, *, layerwise: bool = True,
              keys: Sequence[Hashable] | None = None) -> TransferHandle:
         """Copy READY host slots into device blocks; with ``layerwise`` each layer is signalled as soon as
         it lands (``handle.wait_layer``).  With ``keys``, a slot that no longer holds its key (evicted
@@ -331,7 +331,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _submit(self, direction: str, block_ids: Sequence[int], slots: Sequence[int], layerwise: bool,
+    def _submit(self, direction: str, block_ids: Sequence[int] | np.ndarray, slots: Sequence[int], layerwise: bool,
                 keys: Sequence[Hashable] | None) -> TransferHandle:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")
@@ -349,7 +349,7 @@ class TransferEngine:
             got = self.host.holds(sl[idx].tolist(), None if keys is None else [keys[i] for i in idx])
             lost = [int(sl[i]) for i, g in zip(idx, got) if not g]
             if lost:
-                errors.append(f"slots not {READY}" + (" with their keys" if keys else "") + f": {lost}")
+                errors.append(f"slots not {READY.value}" + (" with their keys" if keys else "") + f": {lost}")
                 ok[[i for i, g in zip(idx, got) if not g]] = False
         ready = None
         if self._cuda:
@@ -375,7 +375,7 @@ class TransferEngine:
             states = np.array([r and self.host.state(int(s)) == WRITING for s, r in zip(sl, in_range)],
                               dtype=bool)
             if (in_range & ~states).any():
-                errors.append(f"slots not {WRITING}: {sl[in_range & ~states].tolist()}")
+                errors.append(f"slots not {WRITING.value}: {sl[in_range & ~states].tolist()}")
             ok &= states
         # The destination of each block must be unique, or which copy wins is undefined: the first
         # valid occurrence is kept.

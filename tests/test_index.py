@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import pickle
 import random
 
 import numpy as np
 import pytest
 
-from kvtier.index import MAX_BACKENDS, BlockIndex, Tier
+from kvtier.index import MAX_BACKENDS, BlockIndex, Tier, TierNames, tier_of
 
 DEV, HOST, B = Tier.DEVICE, Tier.HOST, Tier.backend
 
@@ -59,6 +60,25 @@ def test_prefix_interleaved_and_entry_present_nowhere():
     assert m.tiers.tolist() == [HOST, DEV, B(31), DEV]
     assert m.runs() == [(HOST, 0, 1), (DEV, 1, 2), (B(31), 2, 3), (DEV, 3, 4)]
     assert Tier.label(B(31)) == "backend[31]" and Tier.label(DEV) == "device"
+
+
+def test_every_tier_is_a_tier_member_and_names_are_the_deployments():
+    # Backend tiers are members too (one type for "tier" everywhere), and they round-trip through pickle
+    # (lookups cross into plans) and through the int8 column codes.
+    assert [type(Tier.backend(i)) for i in (0, 31)] == [Tier, Tier] and Tier.backend(3).name == "BACKEND_3"
+    assert pickle.loads(pickle.dumps(Tier.backend(31))) is Tier.backend(31)
+    assert [tier_of(c) for c in (-1, 0, 1, 2, 33)] == [Tier.MISSING, DEV, HOST, B(0), B(31)]
+    assert Tier.backend(5).as_backend_index() == 5 and Tier.backend(5).is_backend and not HOST.is_backend
+    with pytest.raises(ValueError, match="HOST is not a backend tier"):
+        HOST.as_backend_index()
+    with pytest.raises(ValueError, match="backend index"):
+        Tier.backend(32)
+    names = TierNames(("local_disk", "redis"))
+    assert [names(t) for t in (DEV, HOST, B(0), B(1), B(2))] == ["device", "host", "local_disk", "redis",
+                                                                 "backend[2]"]
+    assert [names.tier(n) for n in ("device", "host", "redis")] == [DEV, HOST, B(1)]
+    with pytest.raises(ValueError, match=r"no tier named 's3': expected device, host or one of \['local_disk', 'redis'\]"):
+        names.tier("s3")
 
 
 def test_prefix_empty_and_first_miss_and_long_chain():

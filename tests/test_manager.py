@@ -13,10 +13,12 @@ import pytest
 
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.config import parse_config
+from kvtier.index import Tier
 from kvtier.manager import TierManager
 from kvtier.plans import LoadPlan, Lookup, LookupState, StepPlan, StorePlan, WorkerReport
 from kvtier.testing.faults import FaultyBackend
 
+DISK = Tier.backend(0)  # the one backend of _manager, named "disk"
 MODEL = {"id": "m", "kv_dtype": "float32", "num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "block_size": 4}
 
 
@@ -56,9 +58,9 @@ def test_lookup_is_pending_while_backends_are_asked_then_answers(tmp_path):
         assert m.lookup(h) == Lookup(LookupState.PENDING)  # asked again: the same probe, still running
         gate.release()
         got = _eventually(lambda: m.lookup(h))
-        assert got == Lookup(LookupState.HIT, 3, ("disk",) * 3)
+        assert got == Lookup(LookupState.HIT, 3, (DISK,) * 3)
         # What the probe found is remembered: asked again, no backend call is needed for those blocks.
-        assert m.lookup(h[:3]) == Lookup(LookupState.HIT, 3, ("disk",) * 3)
+        assert m.lookup(h[:3]) == Lookup(LookupState.HIT, 3, (DISK,) * 3)
     finally:
         m.close()
 
@@ -71,7 +73,7 @@ def test_lookup_may_wait_for_its_probe_when_the_caller_can_block(tmp_path):
         gate = fb.gate("contains", times=1)
         threading.Timer(0.2, gate.release).start()
         t0 = time.monotonic()
-        assert m.lookup(h, wait_s=10) == Lookup(LookupState.HIT, 2, ("disk",) * 2)  # no polling
+        assert m.lookup(h, wait_s=10) == Lookup(LookupState.HIT, 2, (DISK,) * 2)  # no polling
         assert 0.15 < time.monotonic() - t0 < 5
         gate = fb.gate("contains", times=1)  # a probe that outlives the wait: still PENDING
         m.forget_probes()
@@ -92,7 +94,7 @@ def test_backend_fault_is_a_miss_and_worker_reports_are_the_truth(tmp_path):
         m.apply(WorkerReport(in_host={h[0]: 5, h[1]: 6}))
         assert m.index.lookup_prefix(h).in_memory == 2
         got = _eventually(lambda: m.lookup(h))
-        assert got == Lookup(LookupState.HIT, 2, ("host", "host"))  # the backend has none of the rest
+        assert got == Lookup(LookupState.HIT, 2, (Tier.HOST, Tier.HOST))  # the backend has none of the rest
         m.apply(WorkerReport(left_host={h[1]}))
         assert m.index.lookup_prefix(h).in_memory == 1
         m.apply(WorkerReport(lost={h[0]}))

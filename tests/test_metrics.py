@@ -10,6 +10,7 @@ import pytest
 from _stack_helpers import BLOCK, BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack
 
 from kvtier.backend_api import BackendUnavailable
+from kvtier.index import Tier
 from kvtier.metrics import BUCKETS, LatencyStats, StackMetrics
 from kvtier.stack import TierStack
 
@@ -73,7 +74,7 @@ def test_request_summary_device_host_storage(tmp_path):
         st.store(hs[:1], [0]).wait(TIMEOUT)  # block 0 on device again
         st.flush(TIMEOUT)
         res = st.lookup(hs + chain(st, 2, start=999))
-        assert res.tiers[0] == "device" and res.num_blocks == 6
+        assert res.tiers[0] is Tier.DEVICE and res.num_blocks == 6
         summary = st.metrics.recent_requests()[-1]
         assert summary.num_tokens == 8 * BLOCK
         assert summary.device_tokens == res.device_tokens == BLOCK

@@ -193,7 +193,7 @@ def test_prefetch_wait_complete_waits_for_everything(tmp_path):
         assert h.wait_s is None and h.wait() == 6
         assert where(st, hs) == ["HD"] * 6
         lr = st.load(hs, [10, 11, 12, 13, 14, 15]).wait(TIMEOUT)
-        assert lr.num_loaded == 6 and lr.tiers == ("host",) * 6
+        assert lr.num_loaded == 6 and lr.tiers == (Tier.HOST,) * 6
     finally:
         st.close()
 

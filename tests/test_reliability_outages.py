@@ -74,7 +74,7 @@ def _load_after_lookup_then(pd: PD, hashes: list[bytes], fault, backend: str) ->
     loaded and the counter deltas of the backend and of the device tier."""
     dec = pd.dec
     found = dec.stack.lookup(hashes)
-    assert found.num_blocks == len(hashes) and set(found.tiers) == {backend}, found
+    assert found.num_blocks == len(hashes) and set(found.counts) == {backend}, found
     before, dev0 = counters(dec, backend), counters(dec, "device")
     fault()
     ids = dec.pool.allocate(len(hashes))

@@ -46,11 +46,12 @@ def test_store_lookup_load_round_trip(stack_fb):
     assert res.num_stored == 4
     assert st.flush(TIMEOUT)
     lk = st.lookup(hs)
-    assert lk.num_blocks == 4 and lk.counts == {"device": 4} and lk.num_tokens == 16
+    assert lk.num_blocks == 4 and lk.tiers == (Tier.DEVICE,) * 4 and lk.num_tokens == 16
+    assert lk.counts == {"device": 4}  # by the deployment's names, for people
     st.on_device_freed([0, 1, 2, 3])
     assert st.lookup(hs).counts == {"host": 4}
     lr = st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT)
-    assert lr.ok == (True,) * 4 and lr.num_loaded == 4 and lr.recompute == [] and lr.tiers == ("host",) * 4
+    assert lr.ok == (True,) * 4 and lr.num_loaded == 4 and lr.recompute == [] and lr.tiers == (Tier.HOST,) * 4
     assert torch.equal(read(st, [10, 11, 12, 13]), rows)
     assert where(st, hs) == ["HD"] * 4
     # The index now says the blocks are in device blocks 10..13.
@@ -85,7 +86,7 @@ def test_load_promotes_backend_blocks_into_host(stack_fb):
     assert where(st, hs) == ["D"] * 3
     assert st.lookup(hs).counts == {"disk": 3}
     lr = st.load(hs, [20, 21, 22]).wait(TIMEOUT)
-    assert lr.num_loaded == 3 and lr.tiers == ("disk",) * 3
+    assert lr.num_loaded == 3 and lr.tiers == (Tier.backend(0),) * 3
     assert torch.equal(read(st, [20, 21, 22]), rows)
     assert where(st, hs) == ["HD"] * 3  # promoted: now also in host
     st.on_device_freed(range(32))
@@ -361,11 +362,11 @@ def test_without_host_tier_blocks_go_straight_to_backends(tmp_path):
         assert st.lookup(hs).counts == {"device": 3}
         # Same block ids: already there, no copy.
         lr = st.load(hs, [0, 1, 2]).wait(TIMEOUT)
-        assert lr.num_loaded == 3 and lr.tiers == ("device",) * 3
+        assert lr.num_loaded == 3 and lr.tiers == (Tier.DEVICE,) * 3
         st.on_device_freed([0, 1, 2])
         assert st.lookup(hs).counts == {"disk": 3}
         lr = st.load(hs, [7, 8, 9]).wait(TIMEOUT)
-        assert lr.num_loaded == 3 and lr.tiers == ("disk",) * 3
+        assert lr.num_loaded == 3 and lr.tiers == (Tier.backend(0),) * 3
         assert torch.equal(read(st, [7, 8, 9]), rows)
         assert not st.prefetch(hs).started
     finally:

@@ -125,7 +125,8 @@ class CachedEngine:
                 loaded = out.num_loaded
                 res.failed_blocks = k - loaded
                 for tier in found.tiers[:loaded]:
-                    res.loaded_blocks[tier] = res.loaded_blocks.get(tier, 0) + 1
+                    name = found.names(tier)
+                    res.loaded_blocks[name] = res.loaded_blocks.get(name, 0) + 1
             res.load_s = time.perf_counter() - t1
             cached_tokens = (len(dev) + loaded) * B
             res.computed_tokens = len(prompt) - cached_tokens

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .._load_plan import Source
 from .._stack_backends import BackendSet
 from .._stack_results import PRESENT, SKIPPED, STORED, LoadResult, LookupResult, StoreResult
 from ..config import KvtierConfig
@@ -91,28 +92,29 @@ class SimulatedStack:
     # ------------------------------------------------------------------ what the engine calls
 
     def lookup(self, hashes: Sequence[bytes], *, start: int = 0) -> LookupResult:
-        return LookupResult(self.manager.resolve(hashes, start), self.block_size, len(hashes))
+        return LookupResult(self.manager.resolve(hashes, start), self.block_size, len(hashes),
+                            self.manager.tier_names)
 
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
         """``_stack_up.Upward.load`` without the copies: plan (host, same device block, fetch), pin the
         plan, fetch what is only in backends into host slots, then record the device copies."""
         idx, ids = self.index, [int(b) for b in block_ids]
-        plan: list[str] = []
+        plan: list[Source] = []
         for key, b in zip(hashes, ids):
             if self.host_slots and idx.host_slot(key) is not None:
-                plan.append("host")
+                plan.append(Source.HOST)
             elif idx.key_at_device(b) == key:
-                plan.append("same")
+                plan.append(Source.SAME)
             elif len(self.ledgers):
-                plan.append("fetch")
+                plan.append(Source.FETCH)
             else:
                 break
             self.index.acquire(key)
-        for kind, b in zip(plan, ids):
-            if kind != "same":
+        for source, b in zip(plan, ids):
+            if source is not Source.SAME:
                 idx.free_device(b)
         cut = len(plan)
-        pos = [i for i, k in enumerate(plan) if k == "fetch"]
+        pos = [i for i, source in enumerate(plan) if source is Source.FETCH]
         if pos:
             got = (self._fetch_groups(hashes, start, pos) if self.storage_blocks > 1
                    else self._fetch([hashes[i] for i in pos]))

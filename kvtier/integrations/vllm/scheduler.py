@@ -36,7 +36,7 @@ class _Request:
     stored_blocks: int = 0  # leading prompt blocks already stored (or planned) by this instance
     local_tokens: int = 0  # tokens vLLM had computed itself when the connector's hit was counted
     external_tokens: int = 0
-    loaded_from: dict[str, int] = field(default_factory=dict)
+    loaded_from: dict[str, int] = field(default_factory=dict)  # tier name -> tokens (for people: stats)
 
 
 class SchedulerSide:
@@ -100,8 +100,9 @@ class SchedulerSide:
         st.local_tokens, st.external_tokens = num_computed_tokens, ext
         first = num_computed_tokens // self.block_size
         st.loaded_from = {}
+        name = self.manager.tier_names
         for tier in found.tiers[first:]:
-            st.loaded_from[tier] = st.loaded_from.get(tier, 0) + self.block_size
+            st.loaded_from[name(tier)] = st.loaded_from.get(name(tier), 0) + self.block_size
         return ext, True
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:

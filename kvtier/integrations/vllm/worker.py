@@ -108,7 +108,7 @@ class WorkerSide:
             self.stats["loaded_blocks"] += res.num_loaded
             took = time.perf_counter() - self._started.pop(req_id, time.perf_counter())
             log.debug("kvtier: request %s: %d blocks loaded (%s) in %.3f s", req_id, res.num_loaded,
-                      ",".join(sorted({t for t in res.tiers if t})), took)
+                      ",".join(sorted({self.stack.tier_names(t) for t in res.tiers if t is not None})), took)
             if res.recompute:
                 self.stats["failed_blocks"] += len(res.recompute)
                 self._errors.update(res.recompute)
