@@ -115,8 +115,10 @@ class _Ledger:
     def read(cls, fd: int) -> _Ledger | None:
         """The ledger in ``fd``; None if it is empty or unreadable (then it is recounted)."""
         size = os.fstat(fd).st_size
+        if not size:
+            return None
         try:
-            doc = json.loads(os.pread(fd, size, 0)) if size else None
+            doc = json.loads(os.pread(fd, size, 0))
             led = cls(int(doc["bytes"]), {str(w): [int(n), float(t)] for w, (n, t) in doc["held"].items()},
                       size)
         except (ValueError, TypeError, KeyError, AttributeError):
@@ -232,13 +234,13 @@ class LocalDiskBackend(StorageBackend):
             if not (_NS.fullmatch(ns.name) and ns.is_dir(follow_symlinks=False)):
                 continue
             for shard in _scandir(ns.path):
-                if _TMP.fullmatch(shard.name):  # a manifest's temp file
-                    self._maybe_remove_tmp(shard, now)
+                if m := _TMP.fullmatch(shard.name):  # a manifest's temp file
+                    self._maybe_remove_tmp(shard, m, now)
                 elif _SHARD.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
                     shards.append((ns.name, shard))
         # stat() releases the GIL: shards are listed in parallel (a cold cache makes this I/O bound).
         with kvthreads.pool(self.options.threads, "kvtier-disk-put") as pool:
-            parts = list(pool.map(lambda s: self._scan_shard(*s, now), shards))
+            parts = list(pool.map(lambda s: self._scan_shard(s[0], s[1], now), shards))
         found = [e for part in parts for e in part]
         found.sort(key=itemgetter(0))
         return found
@@ -248,8 +250,8 @@ class LocalDiskBackend(StorageBackend):
         prefix = shard.name
         for f in _scandir(shard.path):
             name = f.name
-            if name[0] == "." and _TMP.fullmatch(name):
-                self._maybe_remove_tmp(f, now)
+            if name[0] == "." and (m := _TMP.fullmatch(name)):
+                self._maybe_remove_tmp(f, m, now)
             elif _HASH.fullmatch(name) and name.startswith(prefix):
                 try:
                     st = f.stat(follow_symlinks=False)
@@ -261,8 +263,8 @@ class LocalDiskBackend(StorageBackend):
                     found.append((max(st.st_atime, st.st_mtime), f"{ns}/{name}", st.st_size))
         return found
 
-    def _maybe_remove_tmp(self, entry: os.DirEntry, now: float) -> None:
-        m = _TMP.fullmatch(entry.name)
+    def _maybe_remove_tmp(self, entry: os.DirEntry, m: re.Match[str], now: float) -> None:
+        """Remove a temp file (``m``: its name matched by ``_TMP``) if its writer is dead or it is too old."""
         try:
             age = now - entry.stat(follow_symlinks=False).st_mtime
         except FileNotFoundError:
@@ -370,7 +372,7 @@ class LocalDiskBackend(StorageBackend):
         """End a batch's reservations: rename each written temp file into place and account it, all under
         one lock session, so a replaced file's bytes are freed in the same step.  Per key whether it is
         stored, and the rename errors (their temp files removed)."""
-        written = [i for i in range(len(keys)) if granted[i] and tmps[i] is not None]
+        written = {i: tmp for i, tmp in enumerate(tmps) if granted[i] and tmp is not None}  # index -> temp file
         # A key twice in one batch: only its last value is renamed (as if written in order), so that no
         # two threads rename over one path at once and each rename's replaced size is exact.
         last = {keys[i]: i for i in written}
@@ -382,7 +384,7 @@ class LocalDiskBackend(StorageBackend):
             on the session's behalf: replacing a file frees its pages, which is worth spreading."""
             out: list[int | OSError] = []
             for j in idx:
-                tmp, path = tmps[todo[j]], where[todo[j]][1]
+                tmp, path = written[todo[j]], where[todo[j]][1]
                 try:
                     old = _regular_size(path)
                     os.replace(tmp, path)
@@ -396,7 +398,7 @@ class LocalDiskBackend(StorageBackend):
         errors: list[OSError] = []
         released = 0
         for i in superseded:
-            _unlink(tmps[i])
+            _unlink(written[i])
             stored[i] = True
         with self._shared() as led:
             try:

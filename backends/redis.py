@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Iterator, Sequence
+from typing import cast
 from urllib.parse import quote, unquote, urlsplit
 
 from pydantic import Field, SecretStr, model_validator
@@ -114,11 +115,13 @@ class RedisBackend(StorageBackend):
 
     Options = RedisOptions
 
-    def __init__(self, options=None, *, name: str | None = None):
+    options: RedisOptions
+
+    def __init__(self, options: RedisOptions | dict | None = None, *, name: str | None = None):
         super().__init__(options, name=name or "redis")
-        o: RedisOptions = self.options
+        o = self.options
         u = urlsplit(o.url)
-        seed = (u.hostname, u.port or 6379)
+        seed: Addr = (cast(str, u.hostname), u.port or 6379)  # the validated url always has a host
         self._db = int(u.path.strip("/") or 0)
         self._prefix = o.key_prefix.encode()
         self._tls = _tls_context(o) if u.scheme == "rediss" else None

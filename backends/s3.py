@@ -340,8 +340,10 @@ class S3Backend(StorageBackend):
             return None
         body = resp["Body"]
         size = int(resp["ContentLength"])  # S3 always announces it; its absence fails loudly
-        raw = getattr(body, "_raw_stream", None)
-        fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse: its readinto fills our buffer in place
+        # Untyped botocore / urllib3 internals (None where absent): urllib3's response under the body, and
+        # the http.client.HTTPResponse under that, whose readinto fills our buffer in place.
+        raw: Any = getattr(body, "_raw_stream", None)
+        fp: Any = getattr(raw, "_fp", None)
         direct = fp is not None and hasattr(fp, "readinto") and not raw.headers.get("content-encoding")
         readinto = fp.readinto if direct else _copying_readinto(body)
         # Fill what fits; a longer value is left unread (its length alone makes it a miss upstream).
@@ -406,7 +408,7 @@ class S3Backend(StorageBackend):
                 guard.cancel(self.options.timeout_s)
             for f in pending:
                 f.cancel()
-        errors = [f.exception() for f in futures if f in done and f.exception() is not None]
+        errors = [exc for f in futures if f in done and (exc := f.exception()) is not None]
         failed = len(errors) + len(pending)
         if failed and (not writes or failed == len(futures)):
             if errors:

@@ -140,7 +140,7 @@ class StorageBackend(ABC):
 
     def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
         if options is None or isinstance(options, dict):
-            options = strict_options(self.Options).model_validate(options or {})  # type: ignore[attr-defined]
+            options = strict_options(self.Options).model_validate(options or {})
         self.options = options
         self.name = name or type(self).__name__
         self._stats = BackendStats()

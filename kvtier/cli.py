@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `kvtier ... | head`: the reader left, which is not an error
-        sys.stdout = None  # type: ignore[assignment]  # keep the interpreter from flushing again
+        sys.stdout = None  # keep the interpreter from flushing again
         return 0
 
 

@@ -34,7 +34,7 @@ import copy
 import os
 from collections.abc import Mapping
 from importlib import resources
-from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, cast, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -54,7 +54,8 @@ from .keys import Namespace
 from .units import ByteSize, format_size
 
 DEFAULT_CONFIG = "local.yaml"
-KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 
 
 class ConfigError(ValueError):
@@ -129,7 +130,7 @@ class ModelSection(_Section):
     deployments that differ in any of them never read each other's blocks."""
 
     id: str = Field(min_length=1, description="Model id, e.g. a Hugging Face repo id.")
-    kv_dtype: Literal[KV_DTYPES] = Field("bfloat16", description="dtype of the KV cache tensors.")
+    kv_dtype: KvDtype = Field("bfloat16", description="dtype of the KV cache tensors.")
     num_layers: int = Field(ge=1, description="Attention layers whose KV is stored.")
     num_kv_heads: int = Field(ge=1, description="KV heads per layer on this rank (after TP split).")
     head_dim: int = Field(ge=1, description="Head dimension (MLA: the latent dimension).")
@@ -455,28 +456,32 @@ def parse_config(data: Any, *, source: str = "<dict>", env: Mapping[str, str] | 
         cfg = KvtierConfig.model_validate(data)
     except ValidationError as e:
         problems += [f"{p}: {m}" for p, m in problems_of(e, KvtierConfig)]
-    resolved: dict[tuple[str, int | str], Any] = {}
+    backend_options: dict[int, Any] = {}  # backends[i] -> its plugin's validated options
+    policy_options: dict[str, Any] = {}  # policies.<section> -> its plugin's validated options
     if resolve_plugins:
         backends = data.get("backends")
         for i, b in enumerate(backends if isinstance(backends, list) else ()):
             if isinstance(b, dict) and isinstance(b.get("type"), str):
-                resolved["b", i] = _resolve_plugin("backend", b["type"], b.get("options"), f"backends[{i}]",
-                                                   "type", problems)
+                backend_options[i] = _resolve_plugin("backend", b["type"], b.get("options"), f"backends[{i}]",
+                                                     "type", problems)
         pols = data.get("policies") or {}
-        for sect, model in PoliciesSection.model_fields.items():
+        for sect, info in PoliciesSection.model_fields.items():
+            model = cast("type[_PolicyConfig]", info.annotation)
             p = (pols.get(sect) if isinstance(pols, dict) else None) or {}
-            name = p.get("name", model.annotation.model_fields["name"].default) if isinstance(p, dict) else None
+            name = p.get("name", model.model_fields["name"].default) if isinstance(p, dict) else None
             if isinstance(name, str):
-                resolved["p", sect] = _resolve_plugin(model.annotation.KIND, name, p.get("options"),
-                                                      f"policies.{sect}", "name", problems)
+                policy_options[sect] = _resolve_plugin(model.KIND, name, p.get("options"), f"policies.{sect}",
+                                                       "name", problems)
     if cfg is not None:
         problems += _cross_checks(cfg)
     if problems:
         raise ConfigError([_blame(line, sources) for line in problems], source)
     assert cfg is not None
-    for (what, at), opts in resolved.items():
-        target = cfg.backends[at] if what == "b" else getattr(cfg.policies, at)
-        target.options = opts  # the plugin's validated Options model replaces the raw mapping
+    # The plugins' validated Options models replace the raw mappings.
+    for i, opts in backend_options.items():
+        cfg.backends[i].options = opts
+    for sect, opts in policy_options.items():
+        getattr(cfg.policies, sect).options = opts
     return cfg
 
 
@@ -491,7 +496,7 @@ def _cross_checks(cfg: KvtierConfig) -> list[str]:
         out.append(f"storage.block_tokens: expected a multiple of model.block_size ({m.block_size}), got {bt}")
     first: dict[str, int] = {}
     for i, b in enumerate(cfg.backends):
-        j = first.setdefault(b.name, i)
+        j = first.setdefault(b.name or b.type, i)  # (validated: a name defaults to the type)
         if j != i:
             out.append(f"backends[{i}].name: duplicate backend name {describe(b.name)} (also backends[{j}]); "
                        "give each instance a unique name")

@@ -30,7 +30,8 @@ def describe(v: Any) -> str:
         return repr(v)
     text = _short_json(v, 61)
     text = text if len(text) <= 60 else text[:57] + "..."
-    kind = {dict: "a mapping", list: "a list", tuple: "a list"}.get(type(v), type(v).__name__)
+    kinds: dict[type, str] = {dict: "a mapping", list: "a list", tuple: "a list"}
+    kind = kinds.get(type(v), type(v).__name__)
     return f"{kind} {text}"
 
 
@@ -165,14 +166,14 @@ _EXPECT = {
 }
 
 
-def _message(err: dict, owner: type[BaseModel] | None, field: Any, tp: Any) -> str:
+def _message(err: Mapping[str, Any], owner: type[BaseModel] | None, field: Any, tp: Any) -> str:
     kind, got, ctx = err["type"], err.get("input"), err.get("ctx") or {}
     if kind == "missing":
         return "missing required " + ("section" if is_model(tp) else "key")
     if kind == "extra_forbidden":
-        allowed = list(owner.model_fields) if owner else []
+        keys = list(owner.model_fields) if owner else []
         key = err["loc"][-1]
-        return "unknown key" + (suggest(key, allowed) or f"; allowed keys: {', '.join(allowed)}")
+        return "unknown key" + (suggest(key, keys) or f"; allowed keys: {', '.join(keys)}")
     if kind in ("size", "kvtier"):
         return err["msg"]
     if kind == "invalid_key":
@@ -209,7 +210,7 @@ def problems_of(exc: ValidationError, root: type[BaseModel], prefix: tuple[str, 
         if tp is SecretStr and "input" in err:  # a password typed as a number is still a password
             err = {**err, "input": _HIDDEN}
         out.setdefault(path, []).append(_URL_PASSWORD.sub(r"\1***@", _message(err, owner, field, tp)))
-    merged = []
+    merged: list[tuple[str, str]] = []
     for path, msgs in out.items():
         if len(msgs) > 1 and all(m.startswith("expected ") for m in msgs):
             got = msgs[0].rsplit(", got ", 1)[-1]

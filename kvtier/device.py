@@ -219,6 +219,7 @@ class _Codec:
         self.layout = layout
         self.copy_dtype = copy_dtype or layout.copy_dtype(tensors)
         self.device = _as_list(tensors)[0].device
+        self.np_views: list[list[np.ndarray]] | None
         if layout.head_major:
             if self.device.type != "cpu":
                 raise LayoutError("cpu_attn is vLLM's CPU layout: its tensors must be on the CPU, found "
@@ -281,28 +282,24 @@ class _Codec:
         src = self.layout.payload_view(payload, self.copy_dtype)
         if rows is None:
             rows = self.rows(ids.numel(), slots, payload.shape[0])
-        runs = rows if isinstance(rows, list) else None
         if self.layout.head_major:
             self._scatter_head_major(ids, src, rows, layers)
             return
         if self.np_views is not None:
-            src_np, ids_np = src.numpy(), ids.numpy()
-            # numpy wraps negative indices around: -1 would silently overwrite the last block.
-            _check_range(ids_np, self.views[0][0].shape[0], "block id")
-            parts = [(ids_np[p:p + k], slice(first, first + k)) for p, first, k in runs] if runs else \
-                [(ids_np, rows.numpy())]
+            np_views, src_np = self.np_views, src.numpy()
+            parts = self._row_parts(ids, rows)
 
             def run(chunk: list[tuple[int, int]]) -> None:
                 for li, c in chunk:
-                    dst = self.np_views[li][c]
+                    dst = np_views[li][c]
                     for part, sel in parts:
                         dst[part] = src_np[sel, li, c]
         else:
             def run(chunk: list[tuple[int, int]]) -> None:
                 for li, c in chunk:
                     dst = self.views[li][c]
-                    if runs:
-                        for p, first, k in runs:
+                    if isinstance(rows, list):
+                        for p, first, k in rows:
                             dst.index_copy_(0, ids[p:p + k], src[first:first + k, li, c])
                     else:
                         dst.index_copy_(0, ids, src[:, li, c].index_select(0, rows))
@@ -313,8 +310,14 @@ class _Codec:
     # copy transposes (one strided torch / numpy copy per layer-component and run of rows, no loop per
     # block).  Payload rows are viewed as [n, L, C, B, H, D].
 
-    def _head_major_parts(self, ids: torch.Tensor, rows: Rows) -> list[tuple[np.ndarray, Any]]:
-        """(block ids, payload rows: a slice or an index array) per run of rows, ids range-checked."""
+    def _cpu_views(self) -> list[list[np.ndarray]]:
+        if self.np_views is None:
+            raise LayoutError("numpy views of the KV tensors exist only on the CPU")
+        return self.np_views
+
+    def _row_parts(self, ids: torch.Tensor, rows: Rows) -> list[tuple[np.ndarray, Any]]:
+        """(block ids, payload rows: a slice or an index array) per run of rows, ids range-checked (numpy
+        wraps negative indices around: -1 would silently overwrite the last block)."""
         ids_np = ids.numpy()
         _check_range(ids_np, self.layout.num_blocks, "block id")
         if isinstance(rows, list):
@@ -325,12 +328,12 @@ class _Codec:
                            layers: Sequence[int] | None) -> None:
         lay = self.layout
         shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        parts = self._head_major_parts(ids, rows)
+        parts, np_views = self._row_parts(ids, rows), self._cpu_views()
         dst_np = dst.numpy()
 
         def run(chunk: list[tuple[int, int]]) -> None:
             for li, c in chunk:
-                src = self.np_views[li][c]  # [N, H, B, D]
+                src = np_views[li][c]  # [N, H, B, D]
                 for part, sel in parts:
                     block = src[part].transpose(0, 2, 1, 3)  # [k, B, H, D]
                     if isinstance(sel, slice):
@@ -344,12 +347,12 @@ class _Codec:
                             layers: Sequence[int] | None) -> None:
         lay = self.layout
         shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        parts = self._head_major_parts(ids, rows)
+        parts, np_views = self._row_parts(ids, rows), self._cpu_views()
         src_np = src.numpy()
 
         def run(chunk: list[tuple[int, int]]) -> None:
             for li, c in chunk:
-                dst = self.np_views[li][c]  # [N, H, B, D]
+                dst = np_views[li][c]  # [N, H, B, D]
                 for part, sel in parts:
                     dst[part] = src_np[sel, li, c].reshape(-1, *shape).transpose(0, 2, 1, 3)
 

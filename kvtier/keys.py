@@ -37,7 +37,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import cbor2
 import numpy as np
@@ -385,7 +385,7 @@ class BlockHasher:
         if arr.dtype != np.uint32 and arr.size and int(arr.max()) >= 1 << 32:
             return self._sha256_cbor_reference(arr, parent, extras)
         buf, starts, ends = sha256_cbor_frames(arr, self.block_size, extras)
-        mv = memoryview(buf)
+        mv = buf.data
         sha = hashlib.sha256
         out: list[bytes] = []
         append = out.append
@@ -672,8 +672,9 @@ def invalid_key(keys: Sequence[object], *, manifest: bool = False) -> tuple[int,
     paths) asks this."""
     if not keys:
         return None
+    strs = cast("Sequence[str]", keys)  # if the join below succeeds they are
     try:
-        joined = "".join(keys)
+        joined: str | None = "".join(strs)
     except TypeError:  # not all str
         joined = None
     # Fast path, C-level passes over the whole batch (~100 ns a key; a regex per key costs ~500 ns, on
@@ -681,7 +682,7 @@ def invalid_key(keys: Sequence[object], *, manifest: bool = False) -> tuple[int,
     # at index 32 of a key of 65 or 97 characters.
     if (joined is not None and joined.isascii()
             and joined.encode().translate(None, _HEX) == b"/" * len(keys)
-            and set(map(len, keys)) <= {65, 97} and set(map(_CHAR_32, keys)) == {"/"}):
+            and set(map(len, strs)) <= {65, 97} and set(map(_CHAR_32, strs)) == {"/"}):
         return None
     for i, key in enumerate(keys):
         why = key_problem(key, manifest=manifest)

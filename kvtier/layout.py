@@ -232,10 +232,15 @@ class KVLayout:
 
     def layer_shape(self) -> tuple[int, ...]:
         """Expected shape of one layer's tensor (for ``stacked``: of ``tensor[layer]``)."""
-        k = self.inner if self.kind == "stacked" else self.kind
+        k = self.layer_kind
         n, b, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
         return {"flash_attn": (2, n, b, h, d), "flashinfer": (n, 2, b, h, d), "mla": (n, b, d),
                 "cpu_attn": (n, h, b, 2 * d)}[k]
+
+    @property
+    def layer_kind(self) -> str:
+        """The kind of one layer's tensor: ``inner`` for ``stacked`` (set by construction), else ``kind``."""
+        return (self.inner or "flash_attn") if self.kind == "stacked" else self.kind
 
     def tensor_shapes(self) -> list[tuple[int, ...]]:
         """Expected shape of every tensor the engine registers."""
@@ -244,8 +249,7 @@ class KVLayout:
         return [self.layer_shape()] * self.num_layers
 
     def describe(self) -> str:
-        k = self.inner if self.kind == "stacked" else self.kind
-        doc = _SHAPE_DOC[k]
+        doc = _SHAPE_DOC[self.layer_kind]
         return f"stacked [num_layers, {doc[1:]}" if self.kind == "stacked" else f"{self.kind}: {doc}"
 
     # ------------------------------------------------------------------ validation
@@ -291,7 +295,7 @@ class KVLayout:
         if len(got) != len(want):
             return f": {len(got)} dims, expected {len(want)}"
         off = 1 if self.kind == "stacked" else 0
-        k = self.inner if self.kind == "stacked" else self.kind
+        k = self.layer_kind
         blocks_dim = off + (1 if k == "flash_attn" else 0)
         diff = [i for i in range(len(want)) if got[i] != want[i]]
         if diff == [blocks_dim]:
@@ -330,7 +334,7 @@ class KVLayout:
         since validate() checked the within-block dims are contiguous)."""
         ts = _as_list(tensors)
         per_layer = list(ts[0].unbind(0)) if self.kind == "stacked" else ts
-        k = self.inner if self.kind == "stacked" else self.kind
+        k = self.layer_kind
         if k == "cpu_attn":
             raise LayoutError("cpu_attn components are head-major, not rows: use head_major_views()")
         out = []

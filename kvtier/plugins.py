@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
+
+M = TypeVar("M")
 
 GROUPS = {
     "backend": "kvtier.backends",
@@ -85,7 +87,7 @@ def load(kind: str, name: str) -> Any:
 
 
 @functools.cache
-def strict_options(model: type) -> type:
+def strict_options(model: type[M]) -> type[M]:
     """The model kvtier validates a plugin's ``options`` with: ``model`` itself when it forbids unknown
     keys (kvtier's own bases do) or explicitly allows them (``extra="allow"``: the plugin keeps them), else
     a subclass that forbids them.  Pydantic's default is to drop an unknown key silently, so a plain

@@ -35,6 +35,9 @@ from . import threads as kvthreads
 from .device import DeviceTier, int_array
 from .host import READY, WRITING, HostTier
 
+# Device block ids as callers have them: a list, a numpy array or a CPU tensor (device.int_array reads all).
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
 log = logging.getLogger("kvtier.transfer")
 _POLL_S = 0.0001  # CUDA event polling step of a host wait with a timeout
 
@@ -291,7 +294,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ public API
 
-    def store(self, block_ids: Sequence[int] | np.ndarray, slots: Sequence[int], *,
+    def store(self, block_ids: BlockIds, slots: Sequence[int], *,
               keys: Sequence[Hashable] | None = None) -> TransferHandle:
         """Copy device blocks into host slots that are WRITING (from ``HostTier.allocate``).  With
         ``keys``, on completion the ok slots are committed with their keys and the failed ones freed, so
@@ -300,7 +303,7 @@ class TransferEngine:
             raise ValueError(f"store: {len(block_ids)} block ids but {len(keys)} keys")
         return self._submit("store", block_ids, slots, False, keys)
 
-    def load(self, slots: Sequence[int], block_ids: Sequence[int] | np.ndarray, *, layerwise: bool = True,
+    def load(self, slots: Sequence[int], block_ids: BlockIds, *, layerwise: bool = True,
              keys: Sequence[Hashable] | None = None) -> TransferHandle:
         """Copy READY host slots into device blocks; with ``layerwise`` each layer is signalled as soon as
         it lands (``handle.wait_layer``).  With ``keys``, a slot that no longer holds its key (evicted
@@ -331,7 +334,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _submit(self, direction: str, block_ids: Sequence[int] | np.ndarray, slots: Sequence[int], layerwise: bool,
+    def _submit(self, direction: str, block_ids: BlockIds, slots: Sequence[int], layerwise: bool,
                 keys: Sequence[Hashable] | None) -> TransferHandle:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")

@@ -44,6 +44,8 @@ class Timeout(PrefetchPolicy):
                 raise ValueError(f"max_s ({self.max_s}) must be >= base_s ({self.base_s})")
             return self
 
+    options: Options
+
     def wait_seconds(self, num_tokens: int) -> float | None:
         o = self.options
         return min(o.max_s, o.base_s + o.per_1k_tokens_s * num_tokens / 1000)

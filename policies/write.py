@@ -31,6 +31,8 @@ class WriteThroughSelective(WritePolicy):
     class Options(PolicyOptions):
         threshold: int = Field(2, ge=1, description="hits before a block is copied down")
 
+    options: Options
+
     def on_store(self, key: bytes) -> bool:
         return False
 

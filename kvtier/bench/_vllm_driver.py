@@ -13,6 +13,10 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM, PoolingRequestOutput
 
 
 def main(spec_path: str) -> None:
@@ -21,13 +25,13 @@ def main(spec_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 4)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
 
-    kw = {}
-    if spec.get("kv_transfer"):
-        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer"])
+    # None is EngineArgs' own default: no connector, exactly as when the argument is left out.
+    kv_transfer = KVTransferConfig(**spec["kv_transfer"]) if spec.get("kv_transfer") else None
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=spec.get("block_size", 32),
               dtype="bfloat16", max_model_len=spec.get("max_model_len", 8192), enable_prefix_caching=True,
-              prefix_caching_hash_algo="sha256_cbor", seed=0, **kw)
+              prefix_caching_hash_algo="sha256_cbor", seed=0, kv_transfer_config=kv_transfer)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     prompts, rows = spec["prompts"], []
     for step in spec["steps"]:
@@ -39,29 +43,31 @@ def main(spec_path: str) -> None:
                 time.sleep(0.05)
             continue
         t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompts[step[1]]}], params, use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompts[step[1]])], params, use_tqdm=False)[0]
         rows.append({"prompt": step[1], "ttft_s": time.perf_counter() - t0, "cached": out.num_cached_tokens})
     with open(spec["out"], "w") as f:
         json.dump(rows, f)
 
 
-def _itl(llm, arriving: list, vocab_hint: int) -> dict:
+def _itl(llm: LLM, arriving: list[list[int]], vocab_hint: int) -> dict[str, Any]:
     """Inter-token gaps of one decoding request: 24 tokens alone, then while ``arriving`` prompts are
     admitted and served (their KV computed or loaded), then alone again."""
-    from vllm import SamplingParams
+    from vllm import RequestOutput, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     eng = llm.llm_engine
     dec = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, detokenize=False)
     one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    eng.add_request("itl-decoder", {"prompt_token_ids": list(range(1, 65))}, dec)
+    eng.add_request("itl-decoder", TokensPrompt(prompt_token_ids=list(range(1, 65))), dec)
     stamps: list[float] = []
     seen = 0
 
-    def step() -> list:
+    def step() -> list[RequestOutput | PoolingRequestOutput]:
         nonlocal seen
         outs = eng.step()
         for o in outs:
-            if o.request_id == "itl-decoder" and len(o.outputs[0].token_ids) > seen:
+            # A generate engine yields only RequestOutputs; the check narrows the engine's declared union.
+            if isinstance(o, RequestOutput) and o.request_id == "itl-decoder" and len(o.outputs[0].token_ids) > seen:
                 seen = len(o.outputs[0].token_ids)
                 stamps.append(time.perf_counter())
         return outs
@@ -71,7 +77,7 @@ def _itl(llm, arriving: list, vocab_hint: int) -> dict:
     base_end = len(stamps)
     t0 = time.perf_counter()
     for k, p in enumerate(arriving):
-        eng.add_request(f"itl-arrival-{k}", {"prompt_token_ids": p}, one)
+        eng.add_request(f"itl-arrival-{k}", TokensPrompt(prompt_token_ids=p), one)
     pending = {f"itl-arrival-{k}" for k in range(len(arriving))}
     while pending:
         for o in step():

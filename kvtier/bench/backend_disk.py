@@ -57,7 +57,7 @@ def random_payloads(total: int, block: int, seed: int = 0) -> tuple[np.ndarray, 
         chunk = words[i : i + base.size]
         np.bitwise_xor(base[: chunk.size], np.uint64(rng.integers(1, 2**63)), out=chunk)
     raw = words.view(np.uint8)[: n * block]
-    mv = memoryview(raw)
+    mv = raw.data  # memoryview(raw): numpy types ndarray as a Buffer only for Python >= 3.12
     return raw, [mv[i * block : (i + 1) * block] for i in range(n)]
 
 
@@ -259,8 +259,8 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
             for op in ("put", "get"):
                 for j, sl in enumerate(batches):
                     fns = list(contenders(op, sl).items())
-                    r = (j + rep) % len(fns)
-                    for name, fn in fns[r:] + fns[:r]:
+                    rot = (j + rep) % len(fns)
+                    for name, fn in fns[rot:] + fns[:rot]:
                         if cold and op == "get":
                             drop_cached(files(name, sl))
                         t = _timed(fn)
@@ -273,9 +273,9 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
     for d in (*(os.path.join(root, f"{c}-{block}-{mode}") for c in raw), backend.root):
         shutil.rmtree(d, ignore_errors=True)
     rows = []
-    for op, t in times.items():
-        med = {"backend": _best(t, "backend"), "raw": _best(t, "raw", "raw O_DIRECT"),
-               "xxh3": _best(t, "xxh3", "xxh3 O_DIRECT")}
+    for op, op_times in times.items():
+        med = {"backend": _best(op_times, "backend"), "raw": _best(op_times, "raw", "raw O_DIRECT"),
+               "xxh3": _best(op_times, "xxh3", "xxh3 O_DIRECT")}
         how = "open/readv/close" if op == "get" else "open/write/close"
         if op == "get" and direct:
             how += ", best of buffered and O_DIRECT per batch"

@@ -49,6 +49,7 @@ class _ChildMoto:
     def __enter__(self) -> str:
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None  # stdout=PIPE
         line = self._proc.stdout.readline().strip()
         if not line.isdigit():
             self._proc.kill()
@@ -56,6 +57,7 @@ class _ChildMoto:
         return f"http://127.0.0.1:{line}"
 
     def __exit__(self, *exc: Any) -> None:
+        assert self._proc.stdin is not None  # stdin=PIPE
         self._proc.stdin.close()
         try:
             self._proc.wait(10)
@@ -126,7 +128,8 @@ def _case(backend: Any, raw: Any, pool: ThreadPoolExecutor, bucket: str, bs: int
         for sl in batches:
             list(pool.map(lambda k: raw.get_object(Bucket=bucket, Key=k)["Body"].read(), raw_keys[sl]))
 
-    put_backend(), put_raw(), get_backend(), get_raw()  # warm up connections and moto's buckets
+    for warm_up in (put_backend, put_raw, get_backend, get_raw):  # warm up connections and moto's buckets
+        warm_up()
     rows = []
     for op, mine, ceiling in (("put", put_backend, put_raw), ("get", get_backend, get_raw)):
         # Paired and interleaved (alternating which goes first), so drift on a noisy, shared machine hits

@@ -13,6 +13,7 @@ import gc
 import os
 import time
 import tracemalloc
+from typing import Any
 
 from ..index import BlockIndex, Tier
 from ._util import median_time, print_table, write_json
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     lookup_ms = lookup_s * 1e3
     ok_lookup = lookup_ms <= GOAL_LOOKUP_MS
     ok_mem = per_entry <= GOAL_BYTES_PER_ENTRY
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"metric": f"prefix lookup, {chain_len} blocks", "value": lookup_ms, "unit": "ms",
          "goal": f"<= {GOAL_LOOKUP_MS}", "result": "pass" if ok_lookup else "FAIL"},
         {"metric": "  ceiling: bare dict.get loop", "value": ceiling_s * 1e3, "unit": "ms",

@@ -136,8 +136,11 @@ def run(args: argparse.Namespace) -> int:
     if cuda:
         # Layer-wise loads through the host tier compare with per-layer copies, which only a GPU makes
         # different from whole-block ones (2-D DMA per layer).
-        fns["scatter layerwise"] = lambda: [dev.scatter(host.slab, ids, slots, layers=[i])
-                                            for i in range(layout.num_layers)]
+        def scatter_layerwise() -> None:
+            for i in range(layout.num_layers):
+                dev.scatter(host.slab, ids, slots, layers=[i])
+
+        fns["scatter layerwise"] = scatter_layerwise
     secs = _interleaved(fns, args.repeats, sync)
     gbps = {k: nbytes / s / GiB for k, s in secs.items()}
 

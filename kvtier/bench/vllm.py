@@ -58,7 +58,12 @@ def _model(d: Path, layers: int) -> str:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=16384)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    model = LlamaForCausalLM(cfg)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy cannot bind as a method; call it
+    # through the Module type it overrides (same method at run time; it casts in place and returns the model).
+    module: torch.nn.Module = model
+    module.to(torch.bfloat16)
+    model.save_pretrained(d)
     return str(d)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from ..cli import UserError
 
@@ -59,7 +60,8 @@ def run(args) -> int:
     reqs = read_requests(args.requests)
     engine = CachedEngine.from_config(args.config, seed=args.seed)
     prefill = args.role == "prefill"
-    out, logits = [], []
+    out: list[dict[str, Any]] = []
+    logits: list[Any] = []
     t0 = time.perf_counter()
     try:
         for i, r in enumerate(reqs):

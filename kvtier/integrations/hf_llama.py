@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,7 +70,8 @@ class PagedLlama:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.spec.seed)
             self.model = LlamaForCausalLM(self.spec.hf_config())
-        self.model = self.model.to(device=self.device, dtype=dtype).eval()
+        # transformers types PreTrainedModel.to through a decorator mypy reads as unbound
+        self.model = self.model.to(device=self.device, dtype=dtype).eval()  # type: ignore[call-arg]
         s = self.spec
         self.kv_caches = [
             torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device)
@@ -79,7 +81,7 @@ class PagedLlama:
     def namespace(self, **overrides) -> Namespace:
         """The namespace this engine's blocks belong to (model, dtype, layout)."""
         s = self.spec
-        fields = dict(model=self.model_id, kv_dtype=dtype_name(self.dtype),
+        fields: dict[str, Any] = dict(model=self.model_id, kv_dtype=dtype_name(self.dtype),
                       num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       block_size=self.block_size)
         fields.update(overrides)

@@ -91,12 +91,18 @@ class BackendConformance:
         assert backend._write([key], [(b"", memoryview(value))]) == [True]
 
     def corrupt(self, backend: StorageBackend, key: str, offset: int) -> None:
-        raw = bytearray(self.read_raw(backend, key))
+        raw = bytearray(self._stored(backend, key))
         raw[offset] ^= 0x5A
         self.write_raw(backend, key, bytes(raw))
 
     def truncate(self, backend: StorageBackend, key: str, length: int) -> None:
-        self.write_raw(backend, key, self.read_raw(backend, key)[:length])
+        self.write_raw(backend, key, self._stored(backend, key)[:length])
+
+    def _stored(self, backend: StorageBackend, key: str) -> bytes:
+        raw = self.read_raw(backend, key)
+        if raw is None:
+            raise KeyError(f"{backend.name}: nothing stored under {key!r} to damage")
+        return raw
 
     # ---------------------------------------------------------------- helpers
 

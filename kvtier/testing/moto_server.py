@@ -146,6 +146,7 @@ class MotoServer(ThreadedMotoServer):
         if self._server is None:
             return
         server = self._server
+        assert isinstance(server, _TrackingServer)  # start() makes only these
         self._woken.set()
         server.shutdown()
         server.server_close()
