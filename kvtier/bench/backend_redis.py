@@ -258,20 +258,22 @@ def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
                 ceiling.get(v, wire_keys[lo:hi], bufs[lo:hi])
         return w_put, w_get
 
-    def r_put():
-        for lo, hi in spans:
-            p = rp.pipeline(transaction=False)
-            for k, v in zip(wire_keys[lo:hi], payloads[lo:hi]):
-                p.set(k, v)
-            p.execute()
-
-    def r_get():
-        for lo, hi in spans:
-            if any(v is None for v in rp.mget(wire_keys[lo:hi])):
-                raise RuntimeError("redis-py MGET missed")
-
     contenders = {"backend": (b_put, b_get), **{f"wire{v}": wire(v) for v in range(len(Ceiling.VARIANTS))}}
     if rp is not None:
+        client = rp
+
+        def r_put():
+            for lo, hi in spans:
+                p = client.pipeline(transaction=False)
+                for k, v in zip(wire_keys[lo:hi], payloads[lo:hi]):
+                    p.set(k, v)
+                p.execute()
+
+        def r_get():
+            for lo, hi in spans:
+                if any(v is None for v in client.mget(wire_keys[lo:hi])):
+                    raise RuntimeError("redis-py MGET missed")
+
         contenders["redis-py"] = (r_put, r_get)
     names = list(contenders)
     times: dict[tuple[str, str], list[float]] = {(c, op): [] for c in names for op in ("put", "get")}
