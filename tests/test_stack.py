@@ -72,6 +72,25 @@ def test_lookup_is_a_prefix_and_unknown_blocks_miss(stack_fb):
     assert lr.num_loaded == 0 and lr.recompute == [5, 6, 7] and lr.tiers == (None,) * 3
 
 
+def test_load_bigger_than_host_memory_goes_through_temporary_rows(stack_fb):
+    # 4 host slots hold blocks 2..5; blocks 0 and 1 are only on disk.  Loading all 6 pins 2..5, so 0 and 1
+    # find no host slot: they are read into temporary rows and written to the device from there, and say
+    # they came from the disk.  Nothing fails for lack of host room.
+    st, _ = stack_fb
+    hs = chain(st, 6)
+    rows = fill(st, list(range(6)), seed=7)
+    st.store(hs[:4], [0, 1, 2, 3]).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    st.store(hs[4:], [4, 5], start=4).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    st.on_device_freed(range(32))
+    assert where(st, hs) == ["D", "D", "HD", "HD", "HD", "HD"]
+    lr = st.load(hs, [20, 21, 22, 23, 24, 25]).wait(TIMEOUT)
+    assert lr.num_loaded == 6 and lr.tiers == (Tier.backend(0),) * 2 + (Tier.HOST,) * 4
+    assert torch.equal(read(st, [20, 21, 22, 23, 24, 25]), rows)
+    assert where(st, hs)[:2] == ["D", "D"]  # read through temporary rows, not kept in host memory
+
+
 def test_load_promotes_backend_blocks_into_host(stack_fb):
     st, _ = stack_fb
     hs = chain(st, 3)
