@@ -27,7 +27,8 @@ import socket
 import ssl
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 CRLF = b"\r\n"
 _SEND_CHUNK_BYTES = 64 << 20  # bytes handed to one sendmsg call
@@ -60,6 +61,14 @@ class ReplyError:
 
     def __repr__(self) -> str:
         return f"ReplyError({self.message!r})"
+
+
+# One RESP2 reply as ``Connection.read_reply`` returns it (simple strings as bytes, nil as None).
+Reply: TypeAlias = "bytes | int | list[Reply] | None | ReplyError"
+# A buffer handed to ``Connection.sendv`` (a command's framing, or a view of the caller's value).
+Buf: TypeAlias = bytes | memoryview
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class RedisReplyError(Exception):
@@ -161,7 +170,7 @@ class Connection:
 
     # ------------------------------------------------------------------ sending
 
-    def sendv(self, bufs: list) -> None:
+    def sendv(self, bufs: list[Buf]) -> None:
         """Send every buffer in order without joining them (sendmsg scatter-gather; TLS: sendall each)."""
         sock = self.sock
         if self.tls:  # SSLSocket has no sendmsg
@@ -249,7 +258,7 @@ class Connection:
             self._into(scratch[:k])
             n -= k
 
-    def read_bulk_into(self, header: memoryview, payload: memoryview, hint: int = 64):
+    def read_bulk_into(self, header: memoryview, payload: memoryview, hint: int = 64) -> int | ReplyError | None:
         """Read one GET reply into ``header`` then ``payload``.  Returns the value's length (bytes past
         the two buffers are read and dropped), None for nil, or a ReplyError.  ``hint`` is how many bytes
         to ask the socket for when looking for the reply line: the expected line length, so a reply is
@@ -276,7 +285,7 @@ class Connection:
         self._crlf = True
         return size
 
-    def read_reply(self):
+    def read_reply(self) -> Reply:
         """One reply of any type: bytes / int / list / None / ReplyError (simple strings as bytes)."""
         line = self._line()
         t, rest = line[:1], line[1:]
@@ -299,8 +308,9 @@ class Connection:
             return ReplyError(rest.decode(errors="replace"))
         raise ConnectionError(f"redis {self.addr[0]}:{self.addr[1]}: bad reply line {line[:40]!r}")
 
-    def call(self, *args):
-        """Send one command and return its reply, raising on an error reply."""
+    def call(self, *args: bytes | str | int) -> Any:
+        """Send one command and return its reply, raising on an error reply.  Typed ``Any``: which
+        ``Reply`` comes back depends on the command, which the caller knows."""
         self.sock.sendall(command(*args))
         r = self.read_reply()
         if isinstance(r, ReplyError):
@@ -316,7 +326,8 @@ class Pool:
     ``clear()`` (after a server restart) closes the idle ones and bumps a generation, so connections
     handed out before it are closed when they come back instead of being reused."""
 
-    def __init__(self, factory, addr: tuple[str, int], max_connections: int, wait_s: float):
+    def __init__(self, factory: Callable[[tuple[str, int]], Connection], addr: tuple[str, int],
+                 max_connections: int, wait_s: float):
         self._factory, self.addr, self._wait_s = factory, addr, wait_s
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
@@ -357,7 +368,8 @@ class Pool:
             c.close()
 
 
-def pipeline(conn: Connection, items: Sequence, build, read, window_bytes: int) -> list:
+def pipeline(conn: Connection, items: Sequence[_T], build: Callable[[_T], tuple[list[Buf], int]],
+             read: Callable[[Connection, _T], _R], window_bytes: int) -> list[_R]:
     """Send the commands of ``items`` and read one reply each, keeping about ``window_bytes`` in flight.
 
     ``build(item) -> (list of buffers, expected reply bytes)`` is called lazily, window by window, so a
@@ -367,7 +379,7 @@ def pipeline(conn: Connection, items: Sequence, build, read, window_bytes: int) 
     n = len(items)
     pos = 0
 
-    def window() -> tuple[list, int, int]:
+    def window() -> tuple[list[Buf], int, int]:
         nonlocal pos
         lo, size, bufs = pos, 0, []
         while pos < n and (size < window_bytes or pos == lo):
@@ -377,7 +389,7 @@ def pipeline(conn: Connection, items: Sequence, build, read, window_bytes: int) 
             pos += 1
         return bufs, lo, pos
 
-    out: list = []
+    out: list[_R] = []
     bufs, lo, hi = window()
     if hi > lo:
         conn.sendv(bufs)

@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from kvtier import threads as kvthreads
 
@@ -27,6 +28,7 @@ log = logging.getLogger("kvtier.backends.redis")
 Addr = tuple[str, int]
 # run(conn, idxs, asking) -> replies aligned with idxs; asking: the idxs to send with ASKING first.
 Run = Callable[[Connection, list[int], "set[int] | tuple"], list]
+_T = TypeVar("_T")
 
 
 class Router:
@@ -59,7 +61,7 @@ class Router:
                     self._pools[addr] = pool
         return pool
 
-    def on_node(self, addr: Addr, fn):
+    def on_node(self, addr: Addr, fn: Callable[[Connection], _T]) -> _T:
         """``fn(conn)`` on a pooled connection to ``addr``."""
         pool = self._pool(addr)
         for attempt in (0, 1):
@@ -78,6 +80,7 @@ class Router:
             except OSError:  # timeouts: the caller's time is spent
                 self._mark_failed(addr)
                 raise
+        raise AssertionError("unreachable: the second attempt returns or raises")  # for the type checker
 
     def _mark_failed(self, addr: Addr) -> None:
         self._last_failed = addr
@@ -149,7 +152,7 @@ class Router:
 
     # ------------------------------------------------------------------ batches
 
-    def batch(self, rkeys: Sequence[bytes], run: Run, failed, stripes: int = 1) -> list:
+    def batch(self, rkeys: Sequence[bytes], run: Run, failed: object, stripes: int = 1) -> list:
         """Route ``rkeys`` to their nodes and ``run`` each node's share (in parallel threads when there
         are several), following MOVED / ASK redirects for a few rounds.  One reply per key.
 
@@ -200,12 +203,13 @@ class Router:
                         self._name, len(errors), errors[0], len(lost))
         return [failed if i in lost else results[i] for i in range(len(rkeys))]
 
-    def _fan_out(self, groups, asking, run, stripes: int = 1):
+    def _fan_out(self, groups: dict[Addr, list[int]], asking: dict[Addr, set[int]], run: Run,
+                 stripes: int = 1) -> list[tuple[Addr, list | BaseException]]:
         """``[(addr, replies aligned with groups[addr] | the exception)]``, one per node."""
         tasks = [(addr, j, idxs[j::stripes]) for addr, idxs in groups.items()
                  for j in range(max(1, min(stripes, len(idxs))))]
 
-        def one(task):
+        def one(task: tuple[Addr, int, list[int]]) -> list | Exception:
             addr, _, idxs = task
             try:
                 return self.on_node(addr, lambda c: run(c, idxs, asking.get(addr, ())))

@@ -559,18 +559,19 @@ class LocalDiskBackend(StorageBackend):
             raise errors[0]
         log.warning("local_disk %s: %d of %d keys failed, first: %s", what, len(errors), n, errors[0])
 
-    def _put_blocks(self, keys, payloads, layout_id):
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
         where = self._check_keys(keys)
         sizes = [blockformat.HEADER_SIZE + p.nbytes for p in payloads]
         # Framed in the workers: each payload is checksummed right before it is written.
         return self._store(keys, where, sizes, lambda i: (frame(keys[i], payloads[i], layout_id), payloads[i]),
                            "put")
 
-    def _write(self, keys, values):
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         where = self._check_keys(keys)
         return self._store(keys, where, [len(h) + p.nbytes for h, p in values], values.__getitem__, "write")
 
-    def _get_blocks(self, keys, payloads, layout_id):
+    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
+                    layout_id: int) -> list[bool | str]:
         """Read and verify a batch, each payload straight into the caller's buffer (one ``preadv`` per file:
         header, payload and a one-byte probe; no copy), its checksum taken right after its read while the
         bytes are still in cache (one pass).  Batches worth splitting run in the pool's threads; file reads
@@ -625,7 +626,8 @@ class LocalDiskBackend(StorageBackend):
         self._report(errors, len(keys), "get")
         return out
 
-    def _read_into(self, keys, headers, payloads):
+    def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
+                   payloads: Sequence[memoryview]) -> list[int | None]:
         where = self._check_keys(keys)
         sizes = [self._read_file(w[1], h, p) for w, h, p in zip(where, headers, payloads)]
         for (_, path), size in zip(where, sizes):
@@ -634,13 +636,13 @@ class LocalDiskBackend(StorageBackend):
         # A special file is a value of no bytes: every reader (kvtier verify) sees it fail its checks.
         return [0 if isinstance(size, str) else size for size in sizes]
 
-    def _exists(self, keys):
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
         where = self._check_keys(keys)
         index = self._index
         # Known keys answer from memory; unknown ones may have been written by another process.
         return [k in index or os.path.isfile(w[1]) for k, w in zip(keys, where)]
 
-    def _delete(self, keys) -> int:
+    def _delete(self, keys: Sequence[str]) -> int:
         where = self._check_keys(keys)
         n = 0
         with self._shared() as led:  # unlinked under the lock: a put cannot reuse room not yet freed

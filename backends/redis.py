@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 from urllib.parse import quote, unquote, urlsplit
 
@@ -36,7 +36,7 @@ from pydantic import Field, SecretStr, model_validator
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
 from kvtier.blockformat import HEADER_SIZE
 
-from ._resp import NODE_ERRORS, Connection, RedisNodeError, ReplyError, command, pipeline
+from ._resp import NODE_ERRORS, Buf, Connection, RedisNodeError, Reply, ReplyError, command, pipeline
 from ._router import Addr, Router
 
 _ASKING = command("ASKING")
@@ -147,18 +147,19 @@ class RedisBackend(StorageBackend):
         p = self._prefix
         return [p + k.encode() for k in keys]
 
-    def _pipelined(self, rkeys: list[bytes], build, read, failed, stripes: int = 1) -> list:
+    def _pipelined(self, rkeys: list[bytes], build: Callable[[int], tuple[list[Buf], int]],
+                   read: Callable[[Connection, int], object], failed: object, stripes: int = 1) -> list:
         """One pipelined command per key over the nodes that own the keys; replies in key order.
         ``stripes``: connections per node the keys are spread over (data path only)."""
         window = self.options.window_bytes
 
-        def run(conn, idxs, asking):
+        def run(conn: Connection, idxs: list[int], asking: set[int] | tuple) -> list:
             if asking:
-                def b(i):
+                def b(i: int) -> tuple[list[Buf], int]:
                     bufs, n = build(i)
                     return ([_ASKING, *bufs], n + 5) if i in asking else (bufs, n)
 
-                def r(c, i):
+                def r(c: Connection, i: int) -> object:
                     if i in asking:
                         c.read_reply()
                     return read(c, i)
@@ -166,7 +167,7 @@ class RedisBackend(StorageBackend):
             return _checked(pipeline(conn, idxs, build, read, window), conn)
         return self._router.batch(rkeys, run, failed, stripes)
 
-    def _simple(self, keys: Sequence[str], name: bytes, failed) -> list:
+    def _simple(self, keys: Sequence[str], name: bytes, failed: object) -> list:
         """A one-key command (EXISTS / UNLINK / GET) per key, pipelined."""
         rkeys = self._rkeys(keys)
         return self._pipelined(
@@ -175,24 +176,26 @@ class RedisBackend(StorageBackend):
 
     # ------------------------------------------------------------------ the data path
 
-    def _set(self, keys, header_of, payloads) -> list[bool]:
+    def _set(self, keys: Sequence[str], header_of: Callable[[int], bytes],
+             payloads: Sequence[memoryview]) -> list[bool]:
         rkeys, argc, tail = self._rkeys(keys), self._set_argc, self._set_tail
 
-        def build(i):
+        def build(i: int) -> tuple[list[Buf], int]:
             k, header, payload = rkeys[i], header_of(i), payloads[i]
             n = len(header) + payload.nbytes
             head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(k), k, n) + header
             return ([head, payload, tail] if n > len(header) else [head, tail]), 5
         return [r == b"OK" for r in self._pipelined(rkeys, build, lambda c, i: c.read_reply(), False, self._stripes)]
 
-    def _get(self, keys, headers, payloads, on_value=None) -> list[int | None]:
+    def _get(self, keys: Sequence[str], headers: Sequence[memoryview], payloads: Sequence[memoryview],
+             on_value: Callable[[int, int], None] | None = None) -> list[int | None]:
         rkeys = self._rkeys(keys)
 
-        def build(i):
+        def build(i: int) -> tuple[list[Buf], int]:
             k = rkeys[i]
             return [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)], len(headers[i]) + len(payloads[i]) + 16
 
-        def read(c, i):
+        def read(c: Connection, i: int) -> int | ReplyError | None:
             h, p = headers[i], payloads[i]
             size = c.read_bulk_into(h, p, len(b"$%d\r\n" % (len(h) + len(p))))
             if on_value is not None and isinstance(size, int):
@@ -200,19 +203,21 @@ class RedisBackend(StorageBackend):
             return size
         return [r if isinstance(r, int) else None for r in self._pipelined(rkeys, build, read, None, self._stripes)]
 
-    def _write(self, keys, values) -> list[bool]:
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         return self._set(keys, lambda i: values[i][0], [memoryview(v[1]).cast("B") for v in values])
 
-    def _read_into(self, keys, headers, payloads) -> list[int | None]:
+    def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
+                   payloads: Sequence[memoryview]) -> list[int | None]:
         return self._get(keys, headers, payloads)
 
-    def _put_blocks(self, keys, payloads, layout_id) -> list[bool]:
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
         """Frame each block just before its SET is sent, not the whole batch up front: the server is
         still draining the socket buffer while the next checksum runs, and the payload is then in
         cache for the kernel's copy."""
         return self._set(keys, lambda i: frame(keys[i], payloads[i], layout_id), payloads)
 
-    def _get_blocks(self, keys, payloads, layout_id) -> list[bool | str]:
+    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
+                    layout_id: int) -> list[bool | str]:
         """Verify each block right after it arrived (hot in cache), while the server keeps filling the
         socket buffer with the next ones; no verification pass over the whole batch at the end."""
         headers = [memoryview(bytearray(HEADER_SIZE)) for _ in keys]
@@ -225,10 +230,10 @@ class RedisBackend(StorageBackend):
 
     # ------------------------------------------------------------------ the rest of the contract
 
-    def _exists(self, keys) -> list[bool]:
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
         return [r == 1 for r in self._simple(keys, b"EXISTS", 0)]
 
-    def _delete(self, keys) -> int:
+    def _delete(self, keys: Sequence[str]) -> int:
         return sum(r for r in self._simple(keys, b"UNLINK", 0) if isinstance(r, int))
 
     def _read_small(self, key: str) -> bytes | None:
@@ -244,7 +249,7 @@ class RedisBackend(StorageBackend):
         for addr in list(self._router.masters):
             cursor = b"0"
             while True:
-                def page(c, cursor=cursor):
+                def page(c: Connection, cursor: bytes = cursor) -> tuple[bytes, list[tuple[bytes, Reply]]]:
                     nxt, found = c.call("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
                     c.sendv([command("STRLEN", k) for k in found])
                     return nxt, [(k, c.read_reply()) for k in found]

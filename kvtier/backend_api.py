@@ -30,13 +30,18 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from . import blockformat
 from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
 from .plugins import strict_options
+
+if TYPE_CHECKING:
+    from .keys import Namespace
+
+T = TypeVar("T")
 
 _BISECT_MIN = 8  # shorter chains are probed whole: a few parallel requests beat a sequential search
 
@@ -114,7 +119,8 @@ def frame(key: str, payload: memoryview, layout_id: int) -> bytes:
     return blockformat.encode_header(ns, h, layout_id, payload)
 
 
-def verify(key: str, size: int, header, payload: memoryview, layout_id: int) -> str | None:
+def verify(key: str, size: int, header: bytes | bytearray | memoryview, payload: memoryview,
+           layout_id: int) -> str | None:
     """Why a stored value of ``size`` bytes, read as (header, payload), is not ``key``'s block; None if it is."""
     expected = blockformat.HEADER_SIZE + payload.nbytes
     if size != expected:
@@ -368,7 +374,7 @@ class StorageBackend(ABC):
                 seen.add(ns)
         return sorted(seen)
 
-    def put_manifest(self, namespace) -> None:
+    def put_manifest(self, namespace: Namespace) -> None:
         """Store a namespace's fields so tools can say what a namespace id means."""
         import json
 
@@ -429,10 +435,10 @@ class StorageBackend(ABC):
     def close(self) -> None:
         self._call(self._close)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ internals
@@ -450,7 +456,7 @@ class StorageBackend(ABC):
         logging.getLogger("kvtier.backend_api").warning("backend %r: corrupt block %s (%s); deleting",
                                                     self.name, key, why)
 
-    def _call(self, fn, *args):
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a hook, turning any exception into a typed BackendError naming backend and key."""
         try:
             return fn(*args)

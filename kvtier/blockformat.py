@@ -22,8 +22,12 @@ is frozen: a change is a new version number, and readers keep accepting the vers
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12 on
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
@@ -33,11 +37,11 @@ HEADER_SIZE = _HEADER.size + _HCHECK.size
 assert HEADER_SIZE == 88
 
 
-def payload_checksum(payload) -> int:
+def payload_checksum(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload) -> bytes:
+def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload: Buffer) -> bytes:
     """The 88-byte header for ``payload`` (any buffer; it is only hashed, never copied)."""
     mv = memoryview(payload).cast("B")
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, mv.nbytes, namespace_digest,
@@ -45,7 +49,7 @@ def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, pa
     return head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def check_header(header, namespace_digest: bytes, block_hash: bytes, layout_id: int,
+def check_header(header: Buffer, namespace_digest: bytes, block_hash: bytes, layout_id: int,
                  payload_len: int) -> str | None:
     """Why ``header`` does not describe the expected block, or None if it does (payload not checked)."""
     header = bytes(header)
@@ -71,11 +75,11 @@ def check_header(header, namespace_digest: bytes, block_hash: bytes, layout_id: 
     return None
 
 
-def stored_checksum(header) -> int:
+def stored_checksum(header: Buffer) -> int:
     return _HEADER.unpack_from(bytes(header))[8]
 
 
-def check_block(header, payload, namespace_digest: bytes, block_hash: bytes, layout_id: int) -> str | None:
+def check_block(header: Buffer, payload: Buffer, namespace_digest: bytes, block_hash: bytes, layout_id: int) -> str | None:
     """Why (header, payload) is not the expected block, or None if every field and the checksum hold.
 
     One pass over the payload (its xxh3-64, computed once, also on the failure path); the header is

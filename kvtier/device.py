@@ -413,7 +413,7 @@ def _serial_torch_thread() -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _omp_set_num_threads():
+def _omp_set_num_threads() -> Any:
     try:
         with open("/proc/self/maps") as f:
             paths = sorted({line.split()[-1] for line in f
@@ -522,7 +522,7 @@ def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _memcpy2d_fn():
+def _memcpy2d_fn() -> Any:
     if not torch.cuda.is_available():
         return None
     try:

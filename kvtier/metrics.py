@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,7 +247,7 @@ class _Collector:
     def __init__(self, metrics: StackMetrics):
         self.metrics = metrics
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         m = self.metrics

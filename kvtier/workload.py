@@ -16,7 +16,7 @@ requests it served in this format (tokens include the generated answers of earli
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ class ChatWorkload:
     def num_requests(self) -> int:
         return self.users * self.turns
 
-    def replay(self, serve) -> None:
+    def replay(self, serve: Callable[[Request], list[int]]) -> None:
         """Call ``serve(request)`` for every request in order; it must return the tokens generated for
         the request, since the next turn's history depends on them."""
         rng = np.random.default_rng(self.seed)

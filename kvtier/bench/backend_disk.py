@@ -34,6 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -71,7 +72,7 @@ class RawFiles:
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
 
-    def _each(self, sl: slice, fn) -> None:
+    def _each(self, sl: slice, fn: Callable[[int], object]) -> None:
         idx = range(len(self.paths))[sl]
         list(self.pool.map(lambda j: [fn(i) for i in idx[j :: self.threads]], range(self.threads)))
 
@@ -150,7 +151,7 @@ def direct_io_works(path: str, block: int) -> bool:
         buf.close()
 
 
-def _timed(fn) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

@@ -27,27 +27,32 @@ a rotating order (flush, put, get its own blocks); the first round is a warm-up;
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvtier.testing.redis_server import RedisServer
 
 HELP = "redis put/get GiB/s beside the raw RESP wire loop (same as `bench backends --backends redis`)"
 BATCH_BYTES = 64 << 20  # bytes per put/get_into call: a long prompt's worth of blocks
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from .backends import add_arguments as common
 
     common(p)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from .backends import run as run_all
 
     args.backends = "redis"
@@ -165,7 +170,7 @@ class WireThreads:
         self.wires = [Wire(port) for _ in range(conns)]
         self.pool = ThreadPoolExecutor(conns, thread_name_prefix="wire")
 
-    def _each(self, n: int, fn) -> None:
+    def _each(self, n: int, fn: Callable[[Wire, int], object]) -> None:
         it = iter(range(n))
         lock = threading.Lock()
 
@@ -210,13 +215,13 @@ class Ceiling:
             loop.close()
 
 
-def _timed(fn) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
+def _case(srv: RedisServer, block: int, total_bytes: int, repeats: int) -> list[dict]:
     redis_py: Any
     try:  # context rows only; the backend itself does not use redis-py
         import redis as redis_py
@@ -238,22 +243,22 @@ def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
     rp = redis_py.Redis(host="127.0.0.1", port=srv.port) if redis_py else None
     spans = [(i, min(n, i + per)) for i in range(0, n, per)]
 
-    def b_put():
+    def b_put() -> None:
         for lo, hi in spans:
             if not all(backend.put(keys[lo:hi], payloads[lo:hi], ns.layout_id)):
                 raise RuntimeError("redis put refused a block")
 
-    def b_get():
+    def b_get() -> None:
         for lo, hi in spans:
             if not all(backend.get_into(keys[lo:hi], bufs[lo:hi], ns.layout_id)):
                 raise RuntimeError("redis get missed a block")
 
-    def wire(v: int):
-        def w_put():
+    def wire(v: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        def w_put() -> None:
             for lo, hi in spans:
                 ceiling.put(v, wire_keys[lo:hi], payloads[lo:hi])
 
-        def w_get():
+        def w_get() -> None:
             for lo, hi in spans:
                 ceiling.get(v, wire_keys[lo:hi], bufs[lo:hi])
         return w_put, w_get
@@ -262,14 +267,14 @@ def _case(srv, block: int, total_bytes: int, repeats: int) -> list[dict]:
     if rp is not None:
         client = rp
 
-        def r_put():
+        def r_put() -> None:
             for lo, hi in spans:
                 p = client.pipeline(transaction=False)
                 for k, v in zip(wire_keys[lo:hi], payloads[lo:hi]):
                     p.set(k, v)
                 p.execute()
 
-        def r_get():
+        def r_get() -> None:
             for lo, hi in spans:
                 if any(v is None for v in client.mget(wire_keys[lo:hi])):
                     raise RuntimeError("redis-py MGET missed")

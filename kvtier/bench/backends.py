@@ -13,6 +13,7 @@ and 256 KiB.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import pkgutil
 import statistics
@@ -43,7 +44,7 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(discover()),
                    help=f"comma-separated (default: all = {','.join(discover())})")
     p.add_argument("--block-sizes", default="2MiB,256KiB",
@@ -54,7 +55,7 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     sizes = [_size(s.strip()) for s in args.block_sizes.split(",") if s.strip()]
     total = _size(args.total)

@@ -8,7 +8,10 @@ Both run on the same token list in the same process, and the run fails if their 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import cbor2
 import numpy as np
@@ -19,7 +22,7 @@ from ._util import median_time, print_table, write_json
 HELP = "block hashing tokens/s: sha256_cbor (vs vLLM's construction, byte-identical) and xxh3_128"
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=128 * 1024, help="prompt length (default 131072)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--vocab", type=int, default=128_256, help="token ids drawn from [0, vocab)")
@@ -30,12 +33,13 @@ def add_arguments(p) -> None:
 # ----- the reference: vLLM's per-block construction, kept in vLLM's shape (one call per step) -------
 
 
-def _vllm_sha256_cbor(obj) -> bytes:
+def _vllm_sha256_cbor(obj: Any) -> bytes:
     input_bytes = cbor2.dumps(obj, canonical=True)
     return hashlib.sha256(input_bytes).digest()
 
 
-def _vllm_extra_keys(start: int, end: int, mm_idx: int, lora=None, mm=(), salt=None):
+def _vllm_extra_keys(start: int, end: int, mm_idx: int, lora: Any = None, mm: Sequence[Any] = (),
+                     salt: str | None = None) -> tuple[tuple[Any, ...] | None, int]:
     lora_keys = [lora] if lora else []
     mm_keys: list = []
     for it in mm[mm_idx:]:  # empty in this benchmark, as for a text-only request
@@ -45,7 +49,8 @@ def _vllm_extra_keys(start: int, end: int, mm_idx: int, lora=None, mm=(), salt=N
     return (tuple(extra) if extra else None), mm_idx
 
 
-def _vllm_hash_block_tokens(hash_fn, parent, block_tokens, extra_keys, none_hash):
+def _vllm_hash_block_tokens(hash_fn: Callable[[Any], bytes], parent: bytes | None, block_tokens: Sequence[int],
+                            extra_keys: tuple[Any, ...] | None, none_hash: bytes) -> bytes:
     if not parent:
         parent = none_hash
     return hash_fn((parent, tuple(block_tokens), extra_keys))
@@ -65,7 +70,7 @@ def vllm_reference(tokens: list[int], block_size: int, none_hash: bytes) -> list
     return out
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab, size=args.tokens).tolist()
     B = args.block_size

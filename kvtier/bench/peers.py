@@ -30,6 +30,7 @@ Without lmcache this prints how to install it (a venv that sees kvtier) and exit
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import importlib.util
@@ -42,11 +43,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._util import print_table, write_json
+
+if TYPE_CHECKING:
+    from kvtier.testing.redis_server import RedisServer
 
 HELP = "kvtier vs LMCache's own storage backends (lmcache==0.5.6), same payloads, same run"
 BATCH_BYTES = 64 << 20  # bytes per put / get call, as in `bench backends`
@@ -70,7 +74,7 @@ def lmcache_missing() -> str | None:
     return None if found else INSTALL_HINT.format(python=sys.executable)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stores", default=",".join(STORES), help=f"comma-separated (default: {','.join(STORES)})")
     p.add_argument("--block-sizes", default="2MiB,256KiB", help='comma-separated (default "2MiB,256KiB")')
     p.add_argument("--total", default="1GiB", help='bytes moved per contender and round (default "1GiB")')
@@ -78,7 +82,7 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..units import parse_size
 
     missing = lmcache_missing()
@@ -256,7 +260,8 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _contenders(store: str, data: _Payloads, stack: contextlib.ExitStack):
+def _contenders(store: str, data: _Payloads,
+                stack: contextlib.ExitStack) -> tuple[dict[str, Contender], str, list[str], list[str]]:
     """({name: contender}, kvtier's name, the peers' names, the ceilings' names)."""
     if store == "redis":
         from kvtier.testing.redis_server import redis_available, start_redis
@@ -299,7 +304,8 @@ def _contenders(store: str, data: _Payloads, stack: contextlib.ExitStack):
     raise ValueError(store)
 
 
-def _s3_contenders(data: _Payloads, stack: contextlib.ExitStack):
+def _s3_contenders(data: _Payloads,
+                   stack: contextlib.ExitStack) -> tuple[dict[str, Contender], str, list[str], list[str]]:
     from kvtier.testing.moto_server import dummy_credentials, start_moto
 
     stack.enter_context(dummy_credentials())
@@ -431,7 +437,7 @@ class _LMCacheBackend(Contender):
         self.got: list = []
         self._round = 0
 
-    def _key(self, i: int):
+    def _key(self, i: int) -> Any:
         import torch
         from lmcache.utils import CacheEngineKey
 
@@ -505,7 +511,7 @@ class _Countdown:
 class _RedisWire(Contender):
     """One of ``bench backends``' raw wire loops (``backend_redis.Ceiling``) on the same server."""
 
-    def __init__(self, data: _Payloads, srv, variant: int):
+    def __init__(self, data: _Payloads, srv: RedisServer, variant: int):
         from .backend_redis import Ceiling
 
         self.data, self.srv, self.variant = data, srv, variant

@@ -12,19 +12,25 @@ engine's cache cost on top."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
 from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._util import print_table, write_json
 
+if TYPE_CHECKING:
+    from ..config import KvtierConfig
+    from ..stack import TierStack
+
 HELP = "load a 4k-token prefix from each backend vs recomputing it with the same model"
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--backends", default="disk,redis,s3")
     p.add_argument("--layers", type=int, default=4)
@@ -63,7 +69,7 @@ def backend_section(name: str, stack: ExitStack, tmp: str, *, capacity: str = "4
     raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
 
 
-def _config(args, backend: dict, block_tokens: int = 16):
+def _config(args: argparse.Namespace, backend: dict, block_tokens: int = 16) -> KvtierConfig:
     from ..config import parse_config
 
     blocks = args.tokens // 16 + 8
@@ -77,7 +83,7 @@ def _config(args, backend: dict, block_tokens: int = 16):
     })
 
 
-def bench_one(args, backend: dict, block_tokens: int = 16) -> dict:
+def bench_one(args: argparse.Namespace, backend: dict, block_tokens: int = 16) -> dict:
     from ..integrations.engine import CachedEngine
 
     prompt = torch.randint(0, 2048, (args.tokens + 1,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -116,7 +122,7 @@ def bench_one(args, backend: dict, block_tokens: int = 16) -> dict:
             "ratio_recompute_over_load": compute / load}
 
 
-def _raw_read(stack, hashes: list[bytes]) -> float:
+def _raw_read(stack: TierStack, hashes: list[bytes]) -> float:
     """Seconds the raw ceiling takes to read the stored values of ``hashes`` (one per group of
     ``storage_blocks`` blocks, as stored) from the stack's backend into buffers."""
     import mmap
@@ -126,7 +132,7 @@ def _raw_read(stack, hashes: list[bytes]) -> float:
     from ..blockformat import HEADER_SIZE
 
     k = stack.storage_blocks
-    be = stack.backends[0]
+    be: Any = stack.backends[0]  # each backend type's own internals, picked by its class name below
     keys = stack.namespace.keys(hashes[k - 1::k])
     size = HEADER_SIZE + k * stack.layout.block_nbytes
     mem = mmap.mmap(-1, len(keys) * size)  # page aligned, as the disk ceiling wants
@@ -167,7 +173,7 @@ def _raw_read(stack, hashes: list[bytes]) -> float:
         mem.close()
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     rows = []
     for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
         with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:

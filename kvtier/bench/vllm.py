@@ -23,6 +23,7 @@ decoder's inter-token latency p50 / p99 / max before and while the arrivals are 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -39,7 +40,7 @@ from .prefix import backend_section
 HELP = "TTFT inside a real vLLM: recompute, vLLM's own cache, kvtier host / disk / Redis / S3, ExampleConnector"
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3, help="distinct prompts per row (median)")
     p.add_argument("--backends", default="disk,redis,s3")
@@ -85,7 +86,7 @@ def _kvtier(role: str, cfg_path: Path) -> dict:
             "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path)}}
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import yaml
 
     rng = random.Random(0)

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -41,7 +42,7 @@ def mask_secrets(text: str) -> str:
     return _URL_PASSWORD.sub(r"\1***@", text)
 
 
-def add_common_arguments(p) -> None:
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, metavar="FILE",
                    help="deployment YAML; its backends are the ones examined (KVTIER_... overrides apply)")
     p.add_argument("--backend", action="append", metavar="NAME",
@@ -51,7 +52,7 @@ def add_common_arguments(p) -> None:
                    help="no progress bar (it is shown on stderr only when stderr is a terminal)")
 
 
-def load(args) -> KvtierConfig:
+def load(args: argparse.Namespace) -> KvtierConfig:
     """The validated config, or a UserError listing every problem (exit 2, no traceback)."""
     try:
         cfg = load_config(args.config)
@@ -193,7 +194,7 @@ def header_layout_id(header: bytes | bytearray | memoryview) -> int:
 assert _LAYOUT_OFFSET + _LAYOUT_FIELD.size <= HEADER_SIZE
 
 
-def progress(args, iterable: Iterable | None = None, **kw):
+def progress(args: argparse.Namespace, iterable: Iterable | None = None, **kw: Any) -> Any:
     """A tqdm bar on stderr; hidden with ``--no-progress`` or ``--json``, and when stderr is not a terminal."""
     from tqdm import tqdm
 
@@ -205,7 +206,7 @@ def emit_json(doc: dict) -> None:
     sys.stdout.write(mask_secrets(json.dumps(doc, indent=2, sort_keys=False, default=str)) + "\n")
 
 
-def say(bar, text: str) -> None:
+def say(bar: Any, text: str) -> None:
     """Print a line to stdout without tearing a progress bar."""
     if bar is not None and not getattr(bar, "disable", True):
         bar.write(mask_secrets(text), file=sys.stdout)

@@ -4,11 +4,12 @@ per-backend cases of ``kvtier bench backends``, so neither is a command of its o
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import pkgutil
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from .. import bench
 
     p = sub.add_parser("bench", help="benchmarks: throughput beside the raw ceiling of the same run")

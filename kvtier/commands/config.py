@@ -7,7 +7,7 @@ import json
 import sys
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("config", help="validate a config file, or print its JSON Schema",
                        description="Validate a kvtier YAML config, or print the JSON Schema editors use.")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)

@@ -10,6 +10,7 @@ config or flag."""
 
 from __future__ import annotations
 
+import argparse
 from collections import defaultdict
 
 from ..backend_api import BackendError, StoredBlock
@@ -17,7 +18,7 @@ from ..units import format_size
 from . import _storage_tools as st
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("gc", help="evict least recently used blocks down to each backend's capacity",
                        description=__doc__)
     st.add_common_arguments(p)
@@ -44,7 +45,7 @@ def _usage(ob: st.OpenedBackend) -> tuple[int, int]:
     return n, nbytes
 
 
-def gc_backend(ob: st.OpenedBackend, args) -> dict:
+def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict:
     entry = ob.header()
     if ob.backend is None:
         return entry
@@ -92,7 +93,7 @@ def gc_backend(ob: st.OpenedBackend, args) -> dict:
     return entry
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = st.load(args)
     with st.open_backends(cfg, args.backend) as opened:
         entries = []

@@ -7,6 +7,7 @@ read (the others are still shown), 2 for a bad config or flag."""
 
 from __future__ import annotations
 
+import argparse
 from collections import defaultdict
 
 from ..backend_api import BackendError
@@ -15,7 +16,7 @@ from ..units import format_size
 from . import _storage_tools as st
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("inspect", help="namespaces, block counts and bytes per backend",
                        description=__doc__)
     st.add_common_arguments(p)
@@ -58,7 +59,7 @@ def _fields(manifest: dict | None) -> list[str]:
     return [f"      {k}: {v}" for k, v in sorted(manifest.items(), key=lambda kv: (order.get(kv[0], 99), kv[0]))]
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = st.load(args)
     own = cfg.namespace()
     with st.open_backends(cfg, args.backend) as opened:

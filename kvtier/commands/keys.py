@@ -7,6 +7,7 @@ namespace prefix)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from ..keys import BlockHasher
 _FIELDS = {"tokens", "block_size", "algo", "seed", "mm", "lora", "cache_salt"}
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("keys", help="print the block hashes of a JSON request (file or stdin)",
                        description=__doc__)
     p.add_argument("file", nargs="?", default="-", help="JSON request file ('-' or omitted: stdin)")
@@ -38,7 +39,7 @@ def request_hashes(req: object) -> list[bytes]:
                               cache_salt=req.get("cache_salt"))
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
     except OSError as e:

@@ -8,6 +8,7 @@ greedily.  Requests are JSONL: ``{"tokens": [...], "mm": [...], "cache_salt": ".
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from ..cli import UserError
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("pd", help="prefill / decode instance sharing persisted prefixes", description=__doc__)
     p.add_argument("role", choices=["prefill", "decode"])
     p.add_argument("--config", required=True, metavar="FILE", help="deployment YAML (pd-prefill.yaml ...)")
@@ -52,7 +53,7 @@ def read_requests(path: str) -> list[dict]:
     return reqs
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..integrations.engine import CachedEngine

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
+
 from .. import plugins
 from ..bench._util import print_table
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plugins", help="list installed backends and policies (entry points)",
                        description=__doc__)
     p.add_argument("--check", action="store_true", help="also import each plugin and report failures")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     rows = []
     failed = 0
     for info in plugins.available():

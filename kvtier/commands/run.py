@@ -6,15 +6,22 @@ tier over the run); the summary is printed."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..cli import UserError
 
+if TYPE_CHECKING:
+    from ..integrations.engine import RequestResult
+    from ..stack import TierStack
+    from ..workload import Request
 
-def add_parser(sub) -> None:
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="replay a workload through the tier stack with a real model",
                        description=__doc__)
     p.add_argument("--config", metavar="FILE", help="deployment YAML (default: the embedded configs/local.yaml)")
@@ -38,7 +45,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..config import load_config
@@ -52,7 +59,7 @@ def run(args) -> int:
     t_start = time.perf_counter()
     recorder = TraceRecorder(args.record_trace) if args.record_trace else None
 
-    def serve(req) -> list[int]:
+    def serve(req: Request) -> list[int]:
         if req.hashes is not None:
             raise UserError(f"trace row {req.user + 1}: 'hashes' rows can only be simulated (kvtier simulate); "
                             "kvtier run needs token ids")
@@ -93,7 +100,7 @@ def run(args) -> int:
     return 0
 
 
-def _row(i: int, req, r, block_size: int) -> dict:
+def _row(i: int, req: Request, r: RequestResult, block_size: int) -> dict:
     row = {"request": i, "user": req.user, "turn": req.turn, "prompt_tokens": r.num_prompt_tokens,
            "prompt_blocks": r.num_prompt_blocks, "device_blocks": r.device_blocks,
            "computed_tokens": r.computed_tokens, "saved_tokens": r.saved_tokens,
@@ -117,7 +124,7 @@ def _tiers(results: list[dict]) -> list[str]:
     return first + [t for t in seen if t not in first]
 
 
-def summarize(results: list[dict], stats: dict, wall: float, stack) -> str:
+def summarize(results: list[dict], stats: dict, wall: float, stack: TierStack) -> str:
     if not results:
         raise UserError("the workload had no requests")
     tiers = _tiers(results)

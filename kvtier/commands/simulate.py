@@ -14,16 +14,20 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cli import UserError
 
+if TYPE_CHECKING:
+    from ..simulate import SimResult
 
-def add_parser(sub) -> None:
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("simulate", help="replay a trace through the tiers for a grid of configs (no bytes moved)",
                        description=__doc__, formatter_class=_raw())
     p.add_argument("--config", metavar="FILE", help="deployment YAML (default: the embedded configs/local.yaml)")
@@ -49,13 +53,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _raw():
+def _raw() -> type[argparse.RawDescriptionHelpFormatter]:
     import argparse
 
     return argparse.RawDescriptionHelpFormatter
 
 
-def _workload(args) -> Any:
+def _workload(args: argparse.Namespace) -> Any:
     from ..workload import ChatWorkload, iter_trace
 
     if args.trace:
@@ -66,7 +70,7 @@ def _workload(args) -> Any:
                         seed=args.seed)
 
 
-def _point(args, i: int):
+def _point(args: argparse.Namespace, i: int) -> SimResult:
     """Simulate grid point ``i`` (in a worker process: everything is rebuilt from the arguments)."""
     from ..simulate import simulate
     from ..simulate.grid import grid_points, parse_axes
@@ -76,7 +80,7 @@ def _point(args, i: int):
                     seed=args.seed)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..simulate.grid import grid_points, parse_axes
     from ..simulate.report import plot, rows, table, write_parquet
 

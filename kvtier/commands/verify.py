@@ -14,7 +14,9 @@ every backend was read, 1 otherwise, 2 for a bad config or flag."""
 
 from __future__ import annotations
 
+import argparse
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..backend_api import BackendError, StorageBackend, StoredBlock, verify
@@ -26,7 +28,7 @@ BATCH_BLOCKS = 64
 BATCH_BYTES = 64 << 20
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("verify", help="read and check every stored block; --fix deletes corrupt ones",
                        description=__doc__)
     st.add_common_arguments(p)
@@ -91,7 +93,7 @@ class Checker:
         return found
 
 
-def _batches(blocks: list[StoredBlock]):
+def _batches(blocks: list[StoredBlock]) -> Iterator[list[StoredBlock]]:
     batch: list[StoredBlock] = []
     nbytes = 0
     for blk in blocks:
@@ -104,7 +106,7 @@ def _batches(blocks: list[StoredBlock]):
         yield batch
 
 
-def verify_backend(ob: st.OpenedBackend, args) -> dict:
+def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict:
     entry = ob.header()
     if ob.backend is None:
         return entry
@@ -165,7 +167,7 @@ def verify_backend(ob: st.OpenedBackend, args) -> dict:
     return entry
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = st.load(args)
     with st.open_backends(cfg, args.backend) as opened:
         entries = []

@@ -38,7 +38,7 @@ class TinyLlamaSpec:
     # streams then compares something (at 0.02 every step repeats one token).
     init_std: float = 0.1
 
-    def hf_config(self):
+    def hf_config(self) -> Any:
         from transformers import LlamaConfig
 
         return LlamaConfig(
@@ -78,7 +78,7 @@ class PagedLlama:
             for _ in range(s.num_layers)
         ]
 
-    def namespace(self, **overrides) -> Namespace:
+    def namespace(self, **overrides: Any) -> Namespace:
         """The namespace this engine's blocks belong to (model, dtype, layout)."""
         s = self.spec
         fields: dict[str, Any] = dict(model=self.model_id, kv_dtype=dtype_name(self.dtype),
@@ -128,7 +128,8 @@ class PagedLlama:
                 kv[i].view(-1, *kv.shape[3:])[slots] = t[0, :, start:end].transpose(0, 1).to(self.dtype)
         return out.logits[0].float()
 
-    def _read_pages(self, kv: torch.Tensor, table: torch.Tensor, length: int):
+    def _read_pages(self, kv: torch.Tensor, table: torch.Tensor,
+                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
         flat = kv[:, table].reshape(2, -1, *kv.shape[3:])[:, :length]  # [2, length, heads, dim]
         k = flat[0].transpose(0, 1).unsqueeze(0).contiguous()
         v = flat[1].transpose(0, 1).unsqueeze(0).contiguous()

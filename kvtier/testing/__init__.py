@@ -16,10 +16,12 @@ pytest.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["BackendConformance"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Lazy, so that importing kvtier.testing.redis_server does not require pytest.
     if name == "BackendConformance":
         from .conformance import BackendConformance

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -76,7 +78,7 @@ class BackendConformance:
         raise NotImplementedError("override the `backend` fixture: return a fresh, empty backend")
 
     @pytest.fixture
-    def kv(self, backend):
+    def kv(self, backend: StorageBackend) -> Iterator[StorageBackend]:
         yield backend
         backend.close()
 
@@ -106,21 +108,21 @@ class BackendConformance:
 
     # ---------------------------------------------------------------- helpers
 
-    def put1(self, kv, key: str, data: bytes, ns: Namespace = NS_A) -> None:
+    def put1(self, kv: StorageBackend, key: str, data: bytes, ns: Namespace = NS_A) -> None:
         assert kv.put([key], [data], ns.layout_id) == [True]
 
-    def get1(self, kv, key: str, size: int, ns: Namespace = NS_A) -> bytes | None:
+    def get1(self, kv: StorageBackend, key: str, size: int, ns: Namespace = NS_A) -> bytes | None:
         buf = bytearray(size)
         return bytes(buf) if kv.get_into([key], [buf], ns.layout_id) == [True] else None
 
     # ---------------------------------------------------------------- round trips
 
-    def test_round_trip(self, kv):
+    def test_round_trip(self, kv: StorageBackend) -> None:
         k, data = keys(NS_A, 1)[0], rand(SIZE)
         self.put1(kv, k, data)
         assert self.get1(kv, k, SIZE) == data
 
-    def test_batch_round_trip(self, kv):
+    def test_batch_round_trip(self, kv: StorageBackend) -> None:
         ks = keys(NS_A, 24) + keys(NS_A, 8, hash_bytes=32)
         data = [rand(SIZE) for _ in ks]
         assert kv.put(ks, data, NS_A.layout_id) == [True] * len(ks)
@@ -130,12 +132,12 @@ class BackendConformance:
         assert [bytes(b) for b in bufs] == [data[i] for i in order]
 
     @pytest.mark.parametrize("size", [1, 4096, 2 * 2**20, 8 * 2**20 + 3])
-    def test_block_sizes(self, kv, size):
+    def test_block_sizes(self, kv: StorageBackend, size: int) -> None:
         k, data = keys(NS_A, 1)[0], rand(size)
         self.put1(kv, k, data)
         assert self.get1(kv, k, size) == data
 
-    def test_buffer_types(self, kv):
+    def test_buffer_types(self, kv: StorageBackend) -> None:
         ks = keys(NS_A, 3)
         arr = np.frombuffer(rand(SIZE), dtype=np.uint16).copy()  # a typed, non-byte buffer
         payloads = [rand(SIZE), bytearray(rand(SIZE)), arr]
@@ -146,12 +148,12 @@ class BackendConformance:
         assert bytes(out[0]) == bytes(payloads[0]) and bytes(out[1]) == bytes(payloads[1])
         assert np.array_equal(into, arr)
 
-    def test_empty_batches(self, kv):
+    def test_empty_batches(self, kv: StorageBackend) -> None:
         assert kv.put([], [], NS_A.layout_id) == []
         assert kv.get_into([], [], NS_A.layout_id) == []
         assert kv.contains_prefix([]) == 0 and kv.delete([]) == 0
 
-    def test_overwrite(self, kv):
+    def test_overwrite(self, kv: StorageBackend) -> None:
         k = keys(NS_A, 1)[0]
         self.put1(kv, k, rand(SIZE))
         newer = rand(SIZE)
@@ -163,7 +165,7 @@ class BackendConformance:
 
     # ---------------------------------------------------------------- misses and lookups
 
-    def test_missing_keys(self, kv):
+    def test_missing_keys(self, kv: StorageBackend) -> None:
         present, absent = keys(NS_A, 2)
         data = rand(SIZE)
         self.put1(kv, present, data)
@@ -175,7 +177,7 @@ class BackendConformance:
         s = kv.stats()
         assert (s.gets, s.hits, s.misses, s.corrupt) == (2, 1, 1, 0)
 
-    def test_contains_prefix_and_exists(self, kv):
+    def test_contains_prefix_and_exists(self, kv: StorageBackend) -> None:
         chain = keys(NS_A, 6)
         assert kv.put(chain[:3] + chain[4:], [rand(64) for _ in range(5)], NS_A.layout_id) == [True] * 5
         assert kv.contains_prefix(chain) == 3
@@ -183,12 +185,12 @@ class BackendConformance:
         assert kv.contains_prefix(chain[3:]) == 0
         assert kv.exists(chain) == [True, True, True, False, True, True]
 
-    def test_wrong_buffer_size_is_a_miss(self, kv):
+    def test_wrong_buffer_size_is_a_miss(self, kv: StorageBackend) -> None:
         k = keys(NS_A, 1)[0]
         self.put1(kv, k, rand(SIZE))
         assert self.get1(kv, k, SIZE - 1) is None
 
-    def test_wrong_layout_id_is_a_miss(self, kv):
+    def test_wrong_layout_id_is_a_miss(self, kv: StorageBackend) -> None:
         k = keys(NS_A, 1)[0]
         self.put1(kv, k, rand(SIZE), ns=NS_A)
         assert self.get1(kv, k, SIZE, ns=NS_B) is None
@@ -197,7 +199,7 @@ class BackendConformance:
     # ---------------------------------------------------------------- corruption
 
     @pytest.mark.parametrize("field", list(FIELDS))
-    def test_corrupted_value(self, kv, field):
+    def test_corrupted_value(self, kv: StorageBackend, field: str) -> None:
         k, other = keys(NS_A, 2)
         data = rand(SIZE)
         self.put1(kv, k, data)
@@ -210,7 +212,7 @@ class BackendConformance:
         assert self.get1(kv, other, SIZE) == data
 
     @pytest.mark.parametrize("length", [0, 1, H - 1, H, H + SIZE // 2, H + SIZE - 1])
-    def test_truncated_value(self, kv, length):
+    def test_truncated_value(self, kv: StorageBackend, length: int) -> None:
         k = keys(NS_A, 1)[0]
         self.put1(kv, k, rand(SIZE))
         self.truncate(kv, k, length)
@@ -218,13 +220,13 @@ class BackendConformance:
         assert kv.stats().corrupt == 1
         assert kv.exists([k]) == [False]
 
-    def test_value_with_trailing_bytes(self, kv):
+    def test_value_with_trailing_bytes(self, kv: StorageBackend) -> None:
         k = keys(NS_A, 1)[0]
         self.put1(kv, k, rand(SIZE))
         self.write_raw(kv, k, self._stored(kv, k) + b"\x01")
         assert self.get1(kv, k, SIZE) is None and kv.stats().corrupt == 1
 
-    def test_value_of_another_key(self, kv):
+    def test_value_of_another_key(self, kv: StorageBackend) -> None:
         a, b = keys(NS_A, 2)
         self.put1(kv, a, rand(SIZE))
         self.write_raw(kv, b, self._stored(kv, a))  # a misplaced value, intact but not b's
@@ -232,7 +234,7 @@ class BackendConformance:
 
     # ---------------------------------------------------------------- namespaces, scan, delete
 
-    def test_namespace_isolation(self, kv):
+    def test_namespace_isolation(self, kv: StorageBackend) -> None:
         h = os.urandom(16)
         ka, kb = NS_A.key(h), NS_B.key(h)
         da, db = rand(SIZE), rand(SIZE)
@@ -245,7 +247,7 @@ class BackendConformance:
         assert kv.delete([ka]) == 1
         assert self.get1(kv, kb, SIZE, NS_B) == db
 
-    def test_scan(self, kv):
+    def test_scan(self, kv: StorageBackend) -> None:
         ks = keys(NS_A, 5)
         sizes = [1, 10, 100, 1000, SIZE]
         assert kv.put(ks, [rand(n) for n in sizes], NS_A.layout_id) == [True] * 5
@@ -258,7 +260,7 @@ class BackendConformance:
         assert list(kv.scan("f" * 32)) == []
         assert set(kv.namespaces()) >= {NS_A.id, NS_B.id}
 
-    def test_delete(self, kv):
+    def test_delete(self, kv: StorageBackend) -> None:
         ks = keys(NS_A, 4)
         kv.put(ks, [rand(64) for _ in ks], NS_A.layout_id)
         assert kv.delete(ks[:2] + keys(NS_A, 1)) == 2
@@ -267,21 +269,22 @@ class BackendConformance:
         assert kv.stats().deletes == 2
         assert self.get1(kv, ks[0], 64) is None
 
-    def test_manifest_round_trip(self, kv):
+    def test_manifest_round_trip(self, kv: StorageBackend) -> None:
         assert kv.get_manifest(NS_A.id) is None
         kv.put_manifest(NS_A)
-        assert kv.get_manifest(NS_A.id) == NS_A.manifest()
-        assert Namespace.from_manifest(kv.get_manifest(NS_A.id)).id == NS_A.id
+        got = kv.get_manifest(NS_A.id)
+        assert got == NS_A.manifest()
+        assert Namespace.from_manifest(got).id == NS_A.id
         assert NS_A.id in kv.namespaces()
         assert kv.get_manifest(NS_B.id) is None
 
-    def test_malformed_keys_are_refused(self, kv):
+    def test_malformed_keys_are_refused(self, kv: StorageBackend) -> None:
         for bad in ["", "nope", "../" * 4 + "etc/passwd", f"{NS_A.id}/../{'0' * 32}"]:
             with pytest.raises((ValueError, BackendError), match="key"):
                 kv.put([bad], [rand(8)], NS_A.layout_id)
 
     @pytest.mark.parametrize("bad", MALFORMED_KEYS, ids=range(len(MALFORMED_KEYS)))
-    def test_malformed_keys_never_reach_a_hook(self, kv, bad):
+    def test_malformed_keys_never_reach_a_hook(self, kv: StorageBackend, bad: Any) -> None:
         """Every public method refuses a non-canonical key (anywhere in the batch) with InvalidKey naming
         the backend and the key, before any hook runs: nothing stored, read, deleted or counted."""
         good = keys(NS_A, 1)[0]
@@ -291,7 +294,7 @@ class BackendConformance:
         for hook in HOOKS:
             real = getattr(kv, hook)
 
-            def spy(*args, _hook=hook, _real=real, **kw):
+            def spy(*args: Any, _hook: str = hook, _real: Any = real, **kw: Any) -> Any:
                 calls.append(_hook)
                 return _real(*args, **kw)
 
@@ -319,7 +322,7 @@ class BackendConformance:
 
     @pytest.mark.parametrize("bad_ns", ["../..", NS_A.id.upper(), NS_A.id + "/x", f" {NS_A.id}", "*",
                                         NS_A.id[:31] + "\x00"])
-    def test_malformed_namespace_ids_never_reach_a_hook(self, kv, bad_ns):
+    def test_malformed_namespace_ids_never_reach_a_hook(self, kv: StorageBackend, bad_ns: str) -> None:
         calls: list[str] = []
         for hook in HOOKS:
             setattr(kv, hook, lambda *a, _h=hook, **k: calls.append(_h))
@@ -331,7 +334,7 @@ class BackendConformance:
 
     # ---------------------------------------------------------------- counters, health, close
 
-    def test_stats_counters(self, kv):
+    def test_stats_counters(self, kv: StorageBackend) -> None:
         ks = keys(NS_A, 3)
         kv.put(ks, [rand(SIZE) for _ in ks], NS_A.layout_id)
         bufs = [bytearray(SIZE) for _ in range(4)]
@@ -341,16 +344,16 @@ class BackendConformance:
         assert (s.gets, s.hits, s.misses, s.get_bytes, s.corrupt) == (4, 3, 1, 3 * SIZE, 0)
         assert s.put_seconds >= 0 and s.get_seconds >= 0
 
-    def test_health(self, kv):
+    def test_health(self, kv: StorageBackend) -> None:
         assert kv.health() is True
 
-    def test_close_is_idempotent(self, backend):
+    def test_close_is_idempotent(self, backend: StorageBackend) -> None:
         backend.close()
         backend.close()
 
     # ---------------------------------------------------------------- concurrency
 
-    def test_concurrent_threads(self, kv):
+    def test_concurrent_threads(self, kv: StorageBackend) -> None:
         """8 threads put and get their own blocks and fight over shared keys: never a wrong byte."""
         shared = keys(NS_A, 4)
         versions = {k: [rand(SIZE) for _ in range(8)] for k in shared}

@@ -257,19 +257,20 @@ class FaultyBackend(StorageBackend):
 
     # ------------------------------------------------------------------ hooks (unused: calls are delegated)
 
-    def _write(self, keys, values):  # pragma: no cover - public methods delegate
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:  # pragma: no cover
         return self.inner._write(keys, values)
 
-    def _read_into(self, keys, headers, payloads):  # pragma: no cover
+    def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
+                   payloads: Sequence[memoryview]) -> list[int | None]:  # pragma: no cover
         return self.inner._read_into(keys, headers, payloads)
 
-    def _exists(self, keys):  # pragma: no cover
+    def _exists(self, keys: Sequence[str]) -> list[bool]:  # pragma: no cover
         return self.inner._exists(keys)
 
-    def _delete(self, keys):  # pragma: no cover
+    def _delete(self, keys: Sequence[str]) -> int:  # pragma: no cover
         return self.inner._delete(keys)
 
-    def _scan(self, prefix):  # pragma: no cover
+    def _scan(self, prefix: str) -> Iterator[StoredBlock]:  # pragma: no cover
         return self.inner._scan(prefix)
 
 

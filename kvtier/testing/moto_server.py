@@ -60,13 +60,13 @@ class _TrackingServer(ThreadedWSGIServer):
         self._conns_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
-    def get_request(self):
+    def get_request(self) -> tuple[socket.socket, Any]:
         sock, addr = super().get_request()
         with self._conns_lock:
             self._conns.add(sock)
         return sock, addr
 
-    def shutdown_request(self, request):
+    def shutdown_request(self, request: Any) -> None:
         with self._conns_lock:
             self._conns.discard(request)
         super().shutdown_request(request)
@@ -95,7 +95,7 @@ class MotoServer(ThreadedMotoServer):
 
         app = DomainDispatcherApplication(create_backend_app)
 
-        def delayed(environ, start_response):
+        def delayed(environ: dict[str, Any], start_response: Any) -> Any:
             if self.delay_s > 0 and self._woken.wait(self.delay_s):
                 start_response("503 Service Unavailable", [("Content-Length", "0")])
                 return [b""]
@@ -171,7 +171,7 @@ class MotoServer(ThreadedMotoServer):
             self._woken.set()
             self._woken = threading.Event()
 
-    def client(self, **kwargs: Any):
+    def client(self, **kwargs: Any) -> Any:
         """A raw boto3 S3 client on this server (dummy credentials unless given)."""
         import boto3
         from botocore.config import Config

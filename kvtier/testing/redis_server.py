@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 __all__ = ["RedisServer", "RedisCluster", "start_redis", "start_redis_cluster", "free_port",
            "redis_available", "redis_server", "redis_cluster"]
@@ -178,7 +179,7 @@ class RedisServer:
             raise RuntimeError(f"redis-cli {args[0] if args else ''} failed: {r.stderr.strip()}")
         return r.stdout
 
-    def client(self, **kw):
+    def client(self, **kw: Any) -> Any:
         """A redis-py client on this server (an independent view for assertions)."""
         import redis
 
