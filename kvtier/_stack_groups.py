@@ -88,10 +88,12 @@ class Grouped:
             self._get(b, [j for j, g in enumerate(todo) if src[j] < 0 and where[g] != b], strs, views, src)
         need = [(j, i) for j, g in enumerate(todo) if src[j] >= 0
                 for i in range(max(groups[g][0], 0), groups[g][1] + 1) if i in want and out[i] is None]
-        slots = s.room.reserve(len(need)) if s.host is not None else []
-        for (j, i), slot in zip(need, slots):
-            off = (i - groups[todo[j]][0]) * nb
-            s.host_tier().slot_view(slot)[:] = views[j][off:off + nb].data
+        host = s.host
+        slots = s.room.reserve(len(need)) if host is not None else []
+        if host is not None:
+            for (j, i), slot in zip(need, slots):
+                off = (i - groups[todo[j]][0]) * nb
+                host.slot_view(slot)[:] = views[j][off:off + nb].data
         with s._lock:
             for j, g in enumerate(todo):
                 first, last = groups[g]

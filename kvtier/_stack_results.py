@@ -40,11 +40,7 @@ class LookupResult:
     @property
     def counts(self) -> dict[str, int]:
         """{tier name: blocks}, in the order tiers first appear (for people: reports and logs)."""
-        out: dict[str, int] = {}
-        for t in self.tiers:
-            name = self.names(t)
-            out[name] = out.get(name, 0) + 1
-        return out
+        return self.names.count(self.tiers)
 
     @property
     def device_tokens(self) -> int:

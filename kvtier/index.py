@@ -94,6 +94,14 @@ class TierNames:
         i = Tier.backend_index(tier)
         return Tier.label(tier) if i is None or i >= len(self.backends) else self.backends[i]
 
+    def count(self, tiers: Iterable[int]) -> dict[str, int]:
+        """{name: how many of ``tiers``}, in the order the names first appear (per-tier figures for people)."""
+        out: dict[str, int] = {}
+        for t in tiers:
+            name = self(t)
+            out[name] = out.get(name, 0) + 1
+        return out
+
     def tier(self, name: str) -> Tier:
         """The tier a name means (``ValueError`` naming the known ones when there is none)."""
         if name in ("device", "host"):

@@ -159,7 +159,8 @@ class TierManager:
             with self._lock:
                 m = self.index.lookup_prefix(hashes[p:p + best])
                 run = m.tiers.tolist() + [-1] * (best - m.length)
-            out += [tier_of(t) if t in (Tier.DEVICE, Tier.HOST) else Tier.backend(who) for t in run]
+            stored = Tier.backend(who)
+            out += [tier_of(t) if t in (Tier.DEVICE, Tier.HOST) else stored for t in run]
             p += best
         return tuple(out)
 

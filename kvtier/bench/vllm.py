@@ -59,12 +59,8 @@ def _model(d: Path, layers: int) -> str:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=16384)
-    model = LlamaForCausalLM(cfg)
-    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy cannot bind as a method; call it
-    # through the Module type it overrides (same method at run time; it casts in place and returns the model).
-    module: torch.nn.Module = model
-    module.to(torch.bfloat16)
-    model.save_pretrained(d)
+    # transformers types PreTrainedModel.to through a decorator mypy reads as unbound (as in hf_llama)
+    LlamaForCausalLM(cfg).to(dtype=torch.bfloat16).save_pretrained(d)  # type: ignore[call-arg]
     return str(d)
 
 

@@ -124,9 +124,7 @@ class CachedEngine:
                 out = self.stack.load(rest[:k], new[:k], start=len(dev)).wait()
                 loaded = out.num_loaded
                 res.failed_blocks = k - loaded
-                for tier in found.tiers[:loaded]:
-                    name = found.names(tier)
-                    res.loaded_blocks[name] = res.loaded_blocks.get(name, 0) + 1
+                res.loaded_blocks = found.names.count(found.tiers[:loaded])
             res.load_s = time.perf_counter() - t1
             cached_tokens = (len(dev) + loaded) * B
             res.computed_tokens = len(prompt) - cached_tokens

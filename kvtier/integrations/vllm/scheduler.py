@@ -99,10 +99,8 @@ class SchedulerSide:
             return 0, False
         st.local_tokens, st.external_tokens = num_computed_tokens, ext
         first = num_computed_tokens // self.block_size
-        st.loaded_from = {}
-        name = self.manager.tier_names
-        for tier in found.tiers[first:]:
-            st.loaded_from[name(tier)] = st.loaded_from.get(name(tier), 0) + self.block_size
+        blocks = self.manager.tier_names.count(found.tiers[first:])
+        st.loaded_from = {name: n * self.block_size for name, n in blocks.items()}
         return ext, True
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
