@@ -374,6 +374,11 @@ def test_without_host_tier_blocks_go_straight_to_backends(tmp_path):
     st = TierStack(config(tmp_path, host_slots=0))
     try:
         assert st.host is None and st.metrics.tiers == ["device", "disk"]
+        # The host-only paths say why they cannot run, instead of failing on None.
+        with pytest.raises(RuntimeError, match=r"this stack has no host tier \(host.capacity: 0\)"):
+            st.host_tier()
+        with pytest.raises(RuntimeError, match=r"no host tier \(host.capacity: 0\), so no host <-> device"):
+            st.transfers()
         hs = chain(st, 3)
         rows = fill(st, [0, 1, 2], seed=18)
         assert st.store(hs, [0, 1, 2]).wait(TIMEOUT).num_stored == 3
