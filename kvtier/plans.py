@@ -64,9 +64,14 @@ class _BlockPlan:
 
 @dataclass(frozen=True)
 class LoadPlan(_BlockPlan):
-    """Load ``hashes`` (a chain prefix) into device blocks ``block_ids`` for request ``req_id``."""
+    """Load ``hashes`` (a chain prefix) into device blocks ``block_ids`` for request ``req_id``.
+
+    ``sync``: the engine computes on these blocks in the same step, so the worker finishes the load
+    before the step's forward pass (a failed block is then reported and recomputed, never read); an
+    asynchronous load (the default) ends in a later step, reported as finished."""
 
     KIND: ClassVar[str] = "load"
+    sync: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,9 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict | None = None, *,
-             pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1) -> dict:
-    """Run one vLLM process; returns the driver's JSON plus its log (``"log"``)."""
+             pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1,
+             load_mode: str | None = None, while_decoding: bool = False) -> dict:
+    """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
     pf.write_text(json.dumps(prompts))
@@ -72,12 +73,17 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
     if config is not None:
         cfg_path.write_text(yaml.safe_dump(config))
         cmd += ["--config", str(cfg_path)]
+    if load_mode is not None:
+        cmd += ["--load-mode", load_mode]
+    if while_decoding:
+        cmd += ["--while-decoding"]
     ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
     if pause_after >= 0:
         cmd += ["--pause-after", str(pause_after), "--ready", str(ready), "--go", str(go)]
     log_path = tmp / f"{tag}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": "0"})
+        env = {**os.environ, "PYTHONHASHSEED": "0", "KVTIER_LOG_LEVEL": "DEBUG"}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             if pause_after >= 0:
                 deadline = time.monotonic() + 300
@@ -141,6 +147,11 @@ def assert_same_outputs(got: list[dict], want: list[dict]) -> None:
         assert g["logprobs"] == w["logprobs"], f"prompt {i}: logprobs differ"
 
 
+def load_modes(log: str) -> list[str]:
+    """How each kvtier load of a run went, from the worker's log: "in the step" or "in the background"."""
+    return re.findall(r"blocks loaded \([^)]*, (in the step|in the background)\)", log)
+
+
 def block_files(root: Path) -> dict[str, Path]:
     """Block files by key (their name is the block hash in hex; manifests and bookkeeping files are not)."""
     return {p.name: p for p in root.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{64}", p.name)}
@@ -182,6 +193,8 @@ def test_disk_prefill_then_decode(model_dir, stored_on_disk, warm, tmp_path, fig
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
     assert_same_outputs(got["results"], warm)
     assert [r["cached"] for r in got["results"]] == [160, 288]
+    # One prompt at a time: no other request runs, so load_mode auto loads in the step that schedules it.
+    assert load_modes(got["log"]) == ["in the step"] * 2
     assert "block keys differ" not in got["log"]
     figures("vllm startup s", round(got["startup_s"], 1))
     # kvtier's threads run on every CPU this process may use, whatever core vLLM bound its worker thread to
@@ -195,17 +208,36 @@ def test_disk_prefill_then_decode(model_dir, stored_on_disk, warm, tmp_path, fig
     figures("vllm worker thread CPUs / kvtier thread CPUs", f"{m.group(2)} / {m.group(1)}")
 
 
-def test_damaged_block_is_recomputed(model_dir, stored_on_disk, warm, cold, tmp_path):
-    """A flipped payload byte in A's block 3: B loads blocks 0-2 and recomputes from 3; never served.
-    No reference run computes B's blocks 3-4 the way this one does (after cached blocks 0-2), so the
-    greedy tokens must be exact and the logprobs equal to within vLLM's own cached-vs-fresh noise."""
+def test_disk_load_while_another_request_decodes(model_dir, stored_on_disk, warm, tmp_path):
+    """load_mode auto with a request decoding: the load runs in the background (vLLM holds the prompt
+    until it has finished; the decoder's steps never wait on it).  Batched with the decoder, vLLM's
+    numerics may move in the last bits: tokens exact, logprobs within its own noise."""
+    d = tmp_path / "blocks"
+    shutil.copytree(stored_on_disk, d)
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), while_decoding=True)
+    assert load_modes(got["log"]) == ["in the background"] * 2
+    assert [r["cached"] for r in got["results"]] == [160, 288]
+    for g, w in zip(got["results"], warm):
+        assert g["tokens"] == w["tokens"]
+        for glp, wlp in zip(g["logprobs"], w["logprobs"]):
+            assert glp.keys() == wlp.keys() and all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp)
+
+
+@pytest.mark.parametrize("load_mode, how", [("auto", "in the step"), ("async", "in the background")])
+def test_damaged_block_is_recomputed(model_dir, stored_on_disk, warm, cold, tmp_path, load_mode, how):
+    """A flipped payload byte in A's block 3: B loads blocks 0-2 and recomputes from 3; never served,
+    whether the load ran in the step (vLLM rewinds the running request) or in the background (vLLM
+    rewinds the waiting one).  No reference run computes B's blocks 3-4 the way this one does (after
+    cached blocks 0-2), so the greedy tokens must be exact and the logprobs equal to within vLLM's own
+    cached-vs-fresh noise."""
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
     victim = block_files(d)[vllm_block_hashes(A)[3].hex()]
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 0xFF
     victim.write_bytes(bytes(raw))
-    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), load_mode=load_mode)
+    assert load_modes(got["log"]) == [how] * 2
     for g, w, c in zip(got["results"], warm, cold):
         assert g["tokens"] == w["tokens"] == c["tokens"]
         for glp, wlp in zip(g["logprobs"], w["logprobs"]):

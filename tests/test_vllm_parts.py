@@ -34,3 +34,123 @@ def test_hybrid_kv_cache_groups_are_refused_with_the_count():
     two = types.SimpleNamespace(kv_cache_groups=one.kv_cache_groups * 2)
     with pytest.raises(ValueError, match="models with 2 KV cache groups .* are not supported yet"):
         kv_layers(two)
+
+
+# ---------------------------------------------------------------- the scheduler side's load mode
+
+from kvtier.config import parse_config  # noqa: E402
+from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide  # noqa: E402
+from kvtier.plans import WorkerReport  # noqa: E402
+
+BS = 4
+_MODEL = {"id": "m", "kv_dtype": "float32", "num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "block_size": BS}
+
+
+def _request(req_id: str, tokens: list[int]) -> types.SimpleNamespace:
+    return types.SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, num_prompt_tokens=len(tokens),
+                                 num_computed_tokens=0, block_hashes=None)
+
+
+def _side(mode: LoadMode) -> SchedulerSide:
+    """A scheduler side whose worker reported the first 3 blocks of ``PROMPT`` in its host memory."""
+    cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+    side = SchedulerSide(cfg, load=True, store=False, vllm_hash_algo=None, load_mode=mode)
+    hashes = side.hasher.hash_blocks(PROMPT)
+    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[:3])}))
+    return side
+
+
+PROMPT = list(range(1, 4 * BS + 2))  # 4 full blocks and a token: 4 loadable, 3 of them in host memory
+
+
+def _step(side: SchedulerSide, scheduled: dict[str, int]):
+    return side.build_plan(types.SimpleNamespace(num_scheduled_tokens=scheduled))
+
+
+def test_auto_loads_in_the_step_only_when_no_other_request_ran():
+    side = _side(LoadMode.AUTO)
+    # Nothing ran yet: the hit is loaded in the step that schedules the request (load_kv_async False).
+    assert side.matched_tokens(_request("a", PROMPT), 0) == (3 * BS, False)
+    side.after_alloc(_request("a", PROMPT), [7, 8, 9, 10], 3 * BS)
+    plan = _step(side, {"a": 4})
+    assert [(lp.req_id, lp.block_ids, lp.sync) for lp in plan.loads] == [("a", (7, 8, 9), True)]
+    # "a" ran in that step and decodes on: the next request's load must not hold its steps up.
+    assert side.matched_tokens(_request("b", PROMPT), 0) == (3 * BS, True)
+    side.after_alloc(_request("b", PROMPT), [1, 2, 3, 4], 3 * BS)
+    assert [lp.sync for lp in _step(side, {"a": 1}).loads] == [False]
+    # Once "a" has finished and nothing else ran, loads are in the step again.
+    side.finished(_request("a", PROMPT))
+    assert side.matched_tokens(_request("c", PROMPT), 0) == (3 * BS, False)
+    # A request asked about again is not held up by itself (it may have run a chunk already).
+    _step(side, {"c": 4})
+    assert side.matched_tokens(_request("c", PROMPT), 0) == (3 * BS, False)
+
+
+@pytest.mark.parametrize("mode, in_background", [(LoadMode.ASYNC, True), (LoadMode.SYNC, False)])
+def test_async_and_sync_modes_ignore_what_runs(mode, in_background):
+    side = _side(mode)
+    assert side.matched_tokens(_request("a", PROMPT), 0) == (3 * BS, in_background)
+    _step(side, {"a": 4, "x": 1})
+    assert side.matched_tokens(_request("b", PROMPT), 0) == (3 * BS, in_background)
+
+
+def test_load_mode_from_extra_config_names_the_key_and_the_choices():
+    assert LoadMode.from_extra_config(None) is LoadMode.AUTO
+    assert LoadMode.from_extra_config({"kvtier_config": "x.yaml"}) is LoadMode.AUTO
+    assert LoadMode.from_extra_config({"load_mode": "sync"}) is LoadMode.SYNC
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config.load_mode: 'later' is not one of "
+                                         r"\['auto', 'async', 'sync'\]"):
+        LoadMode.from_extra_config({"load_mode": "later"})
+
+
+# ---------------------------------------------------------------- the worker side: loads in the step
+
+import time  # noqa: E402
+
+from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config  # noqa: E402
+
+from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
+from kvtier.plans import LoadPlan, StepPlan, StorePlan  # noqa: E402
+
+
+def _worker(tmp_path) -> tuple[WorkerSide, list[torch.Tensor]]:
+    kv = [torch.randn(32, HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(LAYERS)]  # vLLM CPU's head-major layout
+    return WorkerSide(config(tmp_path, layout="cpu_attn", num_blocks=32), kv), kv
+
+
+def test_a_load_in_the_step_has_landed_when_start_returns_and_is_never_reported_finished(tmp_path):
+    ws, kv = _worker(tmp_path)
+    try:
+        hashes = ws.stack.namespace.hasher().hash_blocks(list(range(3 * BLOCK)))
+        ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes), (0, 1, 2))]))
+        want = [t[0:3].clone() for t in kv]
+        for t in kv:
+            t[10:13] = 0
+        ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (10, 11, 12), sync=True)]))
+        assert all(torch.equal(t[10:13], w) for t, w in zip(kv, want))  # no wait: landed already
+        assert ws.finished() == set() and ws.load_errors() == set()
+        assert ws.stats["sync_loads"] == 1 and ws.stats["loaded_blocks"] == 3
+    finally:
+        ws.close()
+
+
+def test_a_load_in_the_step_reports_its_missing_blocks_before_start_returns(tmp_path):
+    """Blocks 1-2 were never stored: vLLM must hear of them in this step (it recomputes them), and the
+    request is not reported finished (vLLM never waited for it)."""
+    ws, kv = _worker(tmp_path)
+    try:
+        hashes = ws.stack.namespace.hasher().hash_blocks(list(range(3 * BLOCK)))
+        ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes[:1]), (0,))]))
+        ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (10, 11, 12), sync=True)]))
+        assert ws.load_errors() == {11, 12}
+        assert ws.finished() == set() and ws.stats["failed_blocks"] == 2
+        # The same load in the background ends in a later call of finished(), with the same errors.
+        ws.start(StepPlan(loads=[LoadPlan("e", tuple(hashes), (20, 21, 22))]))
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while not done and time.monotonic() < deadline:
+            done = ws.finished()
+            time.sleep(0.01)
+        assert done == {"e"} and ws.load_errors() == {21, 22}
+    finally:
+        ws.close()

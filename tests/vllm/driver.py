@@ -3,10 +3,14 @@ prompts one at a time (so which blocks vLLM's own prefix cache holds is determin
 tokens, top logprobs and cached-token counts as JSON.
 
     python tests/vllm/driver.py --model DIR --role kv_producer|kv_consumer|kv_both|none --config YAML
-        --prompts FILE --out FILE [--pause-after K --ready FILE --go FILE]
+        --prompts FILE --out FILE [--pause-after K --ready FILE --go FILE] [--load-mode M]
+        [--while-decoding]
 
 ``--pause-after K``: after K prompts, create ``--ready`` and wait for ``--go`` (a test kills a server
-in between).
+in between).  ``--load-mode``: the connector's ``kv_connector_extra_config.load_mode``.
+``--while-decoding``: another request decodes the whole time each prompt is served (admitted after it
+has run a few steps), so the prompt's load meets a running request.  ``KVTIER_LOG_LEVEL`` sets kvtier's
+log level (INFO).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 # At import, not in main(): vLLM's worker processes are spawned and import this module without running
 # main(), and the tests read what kvtier logs there.
 logging.basicConfig(level=logging.INFO, format="%(processName)s %(name)s %(levelname)s %(message)s")
-logging.getLogger("kvtier").setLevel(logging.INFO)
+logging.getLogger("kvtier").setLevel(os.environ.get("KVTIER_LOG_LEVEL", "INFO"))
 
 
 def main() -> None:
@@ -37,6 +41,8 @@ def main() -> None:
     ap.add_argument("--pause-after", type=int, default=-1)
     ap.add_argument("--ready")
     ap.add_argument("--go")
+    ap.add_argument("--load-mode")
+    ap.add_argument("--while-decoding", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.tp > 1:  # one NUMA node here: vLLM CPU cannot auto-bind several ranks, so one core per rank
@@ -49,6 +55,8 @@ def main() -> None:
     kw = {}
     if a.role != "none":
         extra = {"kvtier_config": a.config} if a.config else {}
+        if a.load_mode:
+            extra["load_mode"] = a.load_mode
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role=a.role, kv_connector_extra_config=extra)
@@ -67,13 +75,36 @@ def main() -> None:
             while not os.path.exists(a.go):
                 time.sleep(0.05)
         t = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        if a.while_decoding:
+            out = _while_decoding(llm, p, params, f"p{i}")
+        else:
+            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
         o = out.outputs[0]
         results.append({"tokens": list(o.token_ids),
                         "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in o.logprobs],
                         "cached": out.num_cached_tokens, "seconds": time.perf_counter() - t})
     with open(a.out, "w") as f:
         json.dump({"startup_s": startup, "results": results}, f)
+
+
+def _while_decoding(llm, prompt: list[int], params, req_id: str):
+    """Serve ``prompt`` while another request (unrelated tokens) decodes: it runs 4 steps first and is
+    aborted once the prompt has finished."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    dec = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True, detokenize=False)
+    eng.add_request(f"{req_id}-decoder", {"prompt_token_ids": list(range(400, 440))}, dec)
+    for _ in range(4):
+        eng.step()
+    eng.add_request(req_id, {"prompt_token_ids": prompt}, params)
+    while True:
+        for o in eng.step():
+            if o.request_id == req_id and o.finished:
+                eng.abort_request([f"{req_id}-decoder"])
+                while eng.has_unfinished_requests():
+                    eng.step()
+                return o
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from ...plans import StepPlan, WorkerReport
 from .facts import kv_layers, kvtier_config
-from .scheduler import SchedulerSide
+from .scheduler import LoadMode, SchedulerSide
 from .worker import WorkerSide, detect_layout, layer_order
 
 if TYPE_CHECKING:
@@ -107,9 +107,12 @@ class KvtierConnector(KVConnectorBase_V1):
                          "recomputed, never an error)")
                 ktc.kv_load_failure_policy = "recompute"
             cfg = kvtier_config(vllm_config, len(kv_layers(kv_cache_config)))
+            mode = LoadMode.from_extra_config(ktc.kv_connector_extra_config)
             self._scheduler = SchedulerSide(cfg, load=self._load, store=self._store,
-                                            vllm_hash_algo=vllm_config.cache_config.prefix_caching_hash_algo)
-            log.info("kvtier: scheduler side up (%s), namespace %s", cfg.summary(), cfg.namespace().id)
+                                            vllm_hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
+                                            load_mode=mode)
+            log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s", cfg.summary(),
+                     cfg.namespace().id, mode.value)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -142,7 +145,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.start(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load is asynchronous: vLLM schedules the request only after it has finished
+        # Synchronous loads ended in start_load_kv (a stored value holds every layer of its blocks, so
+        # there is no layer to wait for alone); vLLM schedules an asynchronous one only once finished.
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # blocks are copied out once per step, in wait_for_save, after every layer wrote them

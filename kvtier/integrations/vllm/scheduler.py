@@ -4,7 +4,10 @@ It lives in vLLM's EngineCore process and holds a :class:`~kvtier.manager.TierMa
 
 * ``matched_tokens``: the longest loadable prefix of a request's prompt (full blocks, at most all but
   the last prompt token, since vLLM must compute one).  A backend probe in flight answers None, so vLLM
-  asks again next step while other requests run; any hit is loaded asynchronously.
+  asks again next step while other requests run.  A hit is loaded as :class:`LoadMode` says: by default
+  asynchronously while other requests are running (their decode never waits on a load), and in the
+  step itself when nothing else runs (nobody to stall, and the request saves the steps an asynchronous
+  load costs: vLLM holds it until a later step reports the load finished).
 * ``after_alloc``: records a :class:`~kvtier.plans.LoadPlan` for the blocks vLLM allocated.
 * ``build_plan``: the step's loads, and a :class:`~kvtier.plans.StorePlan` for every prompt block that
   becomes fully computed in this step.  The worker copies those out before the step ends, so a finished
@@ -18,7 +21,9 @@ each request checks that, and a mismatch is counted (``key_mismatches``) and log
 
 from __future__ import annotations
 
+import enum
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +34,32 @@ from ...plans import LoadPlan, LookupState, StepPlan, StorePlan, WorkerReport
 log = logging.getLogger("kvtier.vllm")
 
 
+class LoadMode(enum.Enum):
+    """When the connector loads a hit in the step that schedules the request (``sync``) or in the
+    background while vLLM holds the request back (``async``).  ``kv_connector_extra_config.load_mode``.
+
+    * ``auto`` (default): ``sync`` when no other request ran in the last step, else ``async``.  A
+      synchronous load holds up the whole step, which only matters when other requests decode in it;
+      when none do, it is the shortest time to the first token.
+    * ``async``: always in the background (no step ever waits on kvtier's I/O).
+    * ``sync``: always in the step (the lowest time to first token, at the cost of the other requests'
+      inter-token latency while it loads).
+    """
+
+    AUTO = "auto"
+    ASYNC = "async"
+    SYNC = "sync"
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LoadMode:
+        value = (extra or {}).get("load_mode", cls.AUTO.value)
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"kvtier: kv_connector_extra_config.load_mode: {value!r} is not one of "
+                             f"{[m.value for m in cls]}") from None
+
+
 @dataclass
 class _Request:
     request: Any
@@ -36,14 +67,17 @@ class _Request:
     stored_blocks: int = 0  # leading prompt blocks already stored (or planned) by this instance
     local_tokens: int = 0  # tokens vLLM had computed itself when the connector's hit was counted
     external_tokens: int = 0
+    sync: bool = False  # the offered hit is loaded in the step that schedules the request
     loaded_from: dict[str, int] = field(default_factory=dict)  # tier name -> tokens (for people: stats)
 
 
 class SchedulerSide:
     """``load``/``store``: what this instance's role allows (kv_consumer loads, kv_producer stores)."""
 
-    def __init__(self, config: KvtierConfig, *, load: bool, store: bool, vllm_hash_algo: str | None):
+    def __init__(self, config: KvtierConfig, *, load: bool, store: bool, vllm_hash_algo: str | None,
+                 load_mode: LoadMode = LoadMode.AUTO):
         self.config = config
+        self.load_mode = load_mode
         self.manager = TierManager(config)
         self.hasher = self.manager.namespace.hasher()
         self.block_size = self.manager.block_size
@@ -53,6 +87,9 @@ class SchedulerSide:
         self.key_mismatches = 0
         self._reqs: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
+        # Requests vLLM scheduled in the last step and has not finished: the ones a synchronous load
+        # would hold up (vLLM schedules running requests before it asks about waiting ones).
+        self._running: set[str] = set()
         self.kv_cache_manager: Any = None
 
     # ------------------------------------------------------------------ per request
@@ -101,7 +138,13 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         blocks = self.manager.tier_names.count(found.tiers[first:])
         st.loaded_from = {name: n * self.block_size for name, n in blocks.items()}
-        return ext, True
+        st.sync = self._load_in_step(request.request_id)
+        return ext, not st.sync
+
+    def _load_in_step(self, req_id: str) -> bool:
+        if self.load_mode is LoadMode.AUTO:
+            return not (self._running - {req_id})
+        return self.load_mode is LoadMode.SYNC
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens == 0:
@@ -113,7 +156,7 @@ class SchedulerSide:
         first = st.local_tokens // self.block_size
         last = (st.local_tokens + num_external_tokens) // self.block_size
         self._loads.append(LoadPlan(request.request_id, tuple(st.hashes[first:last]),
-                                    tuple(block_ids[first:last]), first))
+                                    tuple(block_ids[first:last]), first, sync=st.sync))
         # Loaded blocks are stored already: never write them back.
         st.stored_blocks = max(st.stored_blocks, last)
 
@@ -122,6 +165,7 @@ class SchedulerSide:
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan(loads=self._loads)
         self._loads = []
+        self._running = set(scheduler_output.num_scheduled_tokens)
         if not self.store:
             return plan
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
@@ -148,6 +192,7 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> None:
         self._reqs.pop(request.request_id, None)
+        self._running.discard(request.request_id)
 
     def external_sources(self, request: Any) -> dict[str, int]:
         st = self._reqs.get(request.request_id)

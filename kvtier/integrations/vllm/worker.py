@@ -3,10 +3,11 @@
 It lives in each vLLM worker process and owns a :class:`~kvtier.stack.TierStack` over the KV tensors
 vLLM registers (host memory, transfers, backend I/O).
 
-* Loads run in the stack's threads while vLLM runs other requests (vLLM holds the request in
-  WAITING_FOR_REMOTE_KVS until ``finished`` reports it).  A block that is missing, corrupt or fails to
-  copy is reported in ``load_errors`` with every block after it (their keys chain through it), and vLLM
-  recomputes them; it is never read.
+* Asynchronous loads run in the stack's threads while vLLM runs other requests (vLLM holds the request
+  in WAITING_FOR_REMOTE_KVS until ``finished`` reports it).  A synchronous one (``LoadPlan.sync``: the
+  request computes in this very step) has ended when ``start`` returns.  A block that is missing,
+  corrupt or fails to copy is reported in ``load_errors`` with every block after it (their keys chain
+  through it), and vLLM recomputes them; it is never read.
 * Stores copy the step's newly computed blocks out of the KV tensors in ``save`` (end of the step),
   so vLLM may free or reuse those blocks as soon as the step is over; the writes to the backends go on
   in the background as the write policy says.
@@ -65,8 +66,8 @@ class WorkerSide:
         self._lost: set[bytes] = set()
         self._refused: set[str] = set()  # loads that never started: finished at once, all blocks failed
         self._started: dict[str, float] = {}
-        self.stats = {"loads": 0, "loaded_blocks": 0, "failed_blocks": 0, "stored_blocks": 0,
-                      "store_errors": 0}
+        self.stats = {"loads": 0, "sync_loads": 0, "loaded_blocks": 0, "failed_blocks": 0,
+                      "stored_blocks": 0, "store_errors": 0}
 
     def thread_cpus(self) -> set[int]:
         """The CPUs a kvtier thread started from here runs on (asked of one, as the stack's pools start them)."""
@@ -76,16 +77,32 @@ class WorkerSide:
             return pool.submit(os.sched_getaffinity, 0).result(timeout=30)
 
     def start(self, plan: StepPlan) -> None:
+        """Start the step's loads; return once its synchronous ones have ended (all of them started
+        first, so they share the stack's threads and backend batches)."""
+        in_step: list[tuple[LoadPlan, LoadHandle]] = []
         for lp in plan.loads:
+            self.stats["loads"] += 1
+            self.stats["sync_loads"] += lp.sync
             try:
                 self._started[lp.req_id] = time.perf_counter()
-                self._loads[lp.req_id] = (lp, self.stack.load(list(lp.hashes), list(lp.block_ids), start=lp.start))
+                handle = self.stack.load(list(lp.hashes), list(lp.block_ids), start=lp.start)
             except Exception as e:  # noqa: BLE001 - a kvtier fault is a recompute, never a crash
                 log.error("kvtier: load for request %s refused: %s", lp.req_id, e)
                 self._errors.update(lp.block_ids)
                 self.stats["failed_blocks"] += len(lp.block_ids)
-                self._refused.add(lp.req_id)
-            self.stats["loads"] += 1
+                self._started.pop(lp.req_id, None)
+                if not lp.sync:  # vLLM waits for an asynchronous load's end: it ended now
+                    self._refused.add(lp.req_id)
+                continue
+            if lp.sync:
+                in_step.append((lp, handle))
+            else:
+                self._loads[lp.req_id] = (lp, handle)
+        for lp, handle in in_step:
+            # No timeout: vLLM may reuse the blocks once the step ends, so a copy still running into them
+            # must not outlive it; backends bound their own I/O (timeouts become failed blocks).
+            handle.wait()
+            self._settle(lp, handle)
 
     def save(self, plan: StepPlan) -> None:
         for sp in plan.stores:
@@ -104,18 +121,23 @@ class WorkerSide:
                 continue
             del self._loads[req_id]
             done.add(req_id)
-            res = handle.wait(0)
-            self.stats["loaded_blocks"] += res.num_loaded
-            took = time.perf_counter() - self._started.pop(req_id, time.perf_counter())
-            log.debug("kvtier: request %s: %d blocks loaded (%s) in %.3f s", req_id, res.num_loaded,
-                      ",".join(sorted({self.stack.tier_names(t) for t in res.tiers if t is not None})), took)
-            if res.recompute:
-                self.stats["failed_blocks"] += len(res.recompute)
-                self._errors.update(res.recompute)
-                self._lost.update(lp.hashes[res.num_loaded:res.num_loaded + 1])
-                log.warning("kvtier: request %s: %d of %d blocks not loaded (recomputed): %s", req_id,
-                            len(res.recompute), len(lp.block_ids), "; ".join(res.errors[:3]) or "missing")
+            self._settle(lp, handle)
         return done
+
+    def _settle(self, lp: LoadPlan, handle: LoadHandle) -> None:
+        """Count an ended load, and queue its failed blocks for ``load_errors`` (vLLM recomputes them)."""
+        res = handle.wait(0)
+        self.stats["loaded_blocks"] += res.num_loaded
+        took = time.perf_counter() - self._started.pop(lp.req_id, time.perf_counter())
+        log.debug("kvtier: request %s: %d blocks loaded (%s, %s) in %.3f s", lp.req_id, res.num_loaded,
+                  ",".join(sorted({self.stack.tier_names(t) for t in res.tiers if t is not None})),
+                  "in the step" if lp.sync else "in the background", took)
+        if res.recompute:
+            self.stats["failed_blocks"] += len(res.recompute)
+            self._errors.update(res.recompute)
+            self._lost.update(lp.hashes[res.num_loaded:res.num_loaded + 1])
+            log.warning("kvtier: request %s: %d of %d blocks not loaded (recomputed): %s", lp.req_id,
+                        len(res.recompute), len(lp.block_ids), "; ".join(res.errors[:3]) or "missing")
 
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
