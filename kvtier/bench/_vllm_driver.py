@@ -4,7 +4,9 @@ SPEC: ``model``, ``kv_transfer`` (a KVTransferConfig's fields, or null for no co
 id lists), ``steps`` (``["ttft", i]``: time a 1-token generation of prompt ``i``; ``["reset"]``: drop vLLM's
 own prefix cache, so the next hit must come from the connector; ``["itl", [i, ...]]``: a running request
 decodes while prompts ``i, ...`` arrive and are served, and the gaps between its tokens are recorded
-before and while they are), ``out`` (JSON path), ``kv_space_gib``.
+before and while they are; ``["files", "cold" | "page_cache", [path, ...]]``: put those files in that
+state and time a plain read of them in it, the ceiling of a load from them), ``out`` (JSON path),
+``kv_space_gib``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def main(spec_path: str) -> None:
         if step[0] == "itl":
             rows.append(_itl(llm, [prompts[i] for i in step[1]], len(prompts[0])))
             continue
+        if step[0] == "files":
+            rows.append({"files": step[1], "read_s": _read_files(step[2], cold=step[1] == "cold")})
+            continue
         if step[0] == "reset":
             while not llm.reset_prefix_cache():
                 time.sleep(0.05)
@@ -47,6 +52,39 @@ def main(spec_path: str) -> None:
         rows.append({"prompt": step[1], "ttft_s": time.perf_counter() - t0, "cached": out.num_cached_tokens})
     with open(spec["out"], "w") as f:
         json.dump(rows, f)
+
+
+def _drop(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # only clean pages can be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _read_files(paths: list[str], cold: bool) -> float:
+    """Seconds of a plain sequential read (``readinto`` one buffer) of ``paths``: out of the page cache
+    (``cold``: dropped before, and again after, so the load that follows reads from the device too), or
+    in it (read once before the timed read)."""
+    buf = bytearray(max((os.path.getsize(p) for p in paths), default=0))
+
+    def read_all() -> float:
+        t = time.perf_counter()
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(buf)
+        return time.perf_counter() - t
+
+    if cold:
+        _drop(paths)
+    else:
+        read_all()
+    took = read_all()
+    if cold:
+        _drop(paths)
+    return took
 
 
 def _itl(llm: LLM, arriving: list[list[int]], vocab_hint: int) -> dict[str, Any]:

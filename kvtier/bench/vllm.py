@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=int, default=None,
                    help="storage.block_tokens for kvtier's backends (tokens per stored value; default: one "
                         "vLLM block)")
+    p.add_argument("--load-mode", choices=["auto", "async", "sync"], default="auto",
+                   help="the connector's kv_connector_extra_config.load_mode (default auto: in the step when "
+                        "nothing else runs, in the background while others decode)")
     p.add_argument("--json", metavar="PATH")
 
 
@@ -77,19 +80,30 @@ def _run(tmp: Path, tag: str, model: str, prompts: list, steps: list, kv_transfe
     return json.loads((tmp / f"{tag}.json").read_text())
 
 
-def _kvtier(role: str, cfg_path: Path) -> dict:
+def _kvtier(role: str, cfg_path: Path, load_mode: str) -> dict:
     return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path)}}
+            "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path), "load_mode": load_mode}}
+
+
+def _files_of(root: Path, prompt: list[int], block_size: int = 32) -> list[str]:
+    """The local_disk files holding ``prompt``'s stored blocks (a file is named by its block hash)."""
+    from ..keys import BlockHasher
+
+    by_name = {p.name: str(p) for p in root.rglob("*") if p.is_file()}
+    hashes = BlockHasher(block_size, "sha256_cbor", None).hash_blocks(prompt)
+    return [by_name[h.hex()] for h in hashes if h.hex() in by_name]
 
 
 def run(args: argparse.Namespace) -> int:
     import yaml
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 1)] for _ in range(args.repeats + 2)]
     n = args.repeats
-    arrivals = [n, n + 1]  # stored by the prefill, first seen by the decoder in the ITL step
+    # 0..n-1: every backend's rows; n..2n-1: local_disk's page-cache rows; 2n, 2n+1: the ITL arrivals
+    prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 1)] for _ in range(2 * n + 2)]
+    arrivals = [2 * n, 2 * n + 1]  # stored by the prefill, first seen by the decoder in the ITL step
     rows: dict[str, list[float]] = {}
+    reads: dict[str, list[float]] = {}  # page-cache state -> plain read of a prompt's files (the I/O ceiling)
     itl: list[dict] = []
     with ExitStack() as stack, tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -100,35 +114,61 @@ def run(args: argparse.Namespace) -> int:
             cfg = tmp / f"{be['name']}.yaml"
             cfg.write_text(yaml.safe_dump({"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "2GiB"},
                                            "backends": [be], "storage": {"block_tokens": args.block_tokens}}))
+            disk = be["type"] == "local_disk"
+            extra = list(range(n, 2 * n)) if disk else []
             # prefill: recompute, then vLLM's own cache (the floor); stores into the backend
             pre = _run(tmp, f"prefill-{be['name']}", model, prompts,
-                       [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)] + [["itl", arrivals]],
-                       _kvtier("kv_producer", cfg))
+                       [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)]
+                       + [["ttft", i] for i in extra] + [["itl", arrivals]],
+                       _kvtier("kv_producer", cfg, args.load_mode))
             rows.setdefault("recompute", []).extend(r["ttft_s"] for r in pre[:n])
             rows.setdefault("vllm-device-cache", []).extend(r["ttft_s"] for r in pre[n:2 * n])
             if not itl:
                 itl.append({"arrivals": "recompute", **pre[-1]})
-            # decode: from the backend (empty memory), then from kvtier's host tier after a prefix-cache reset
             # In P/D the decode host is not the one that wrote the blocks: let the kernel finish writing the
             # prefill's files back first (else its writeback of GBs of dirty pages competes with the loads).
             os.sync()
             # decode: from the backend (empty memory), then from kvtier's host tier after a prefix-cache reset,
-            # then the same prompts again: vLLM's own cache in a process where kvtier writes nothing
+            # then the same prompts again: vLLM's own cache in a process where kvtier writes nothing.
+            # local_disk, twice, each time in a stated page-cache state (on a VM whose kernel pages idle
+            # files out within ~30 s the state is otherwise whatever the timing left): out of it (cold), and
+            # in it; each load after a plain read of the same files in the same state.
+            if disk:
+                root = Path(be["options"]["path"])
+                first = [s for i in range(n) for s in (["files", "cold", _files_of(root, prompts[i])], ["ttft", i])]
+                first += [s for i in extra for s in (["files", "page_cache", _files_of(root, prompts[i])],
+                                                     ["ttft", i])]
+            else:
+                first = [["ttft", i] for i in range(n)]
             dec = _run(tmp, f"decode-{be['name']}", model, prompts,
-                       [["ttft", i] for i in range(n)] + [["reset"]] + [["ttft", i] for i in range(n)]
-                       + [["ttft", i] for i in range(n)] + [["itl", arrivals]], _kvtier("kv_consumer", cfg))
-            rows.setdefault(f"kvtier:{be['name']}", []).extend(r["ttft_s"] for r in dec[:n])
-            rows.setdefault("kvtier:host", []).extend(r["ttft_s"] for r in dec[n:2 * n])
-            rows.setdefault("vllm-device-cache-quiet", []).extend(r["ttft_s"] for r in dec[2 * n:3 * n])
+                       first + [["reset"]] + [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)]
+                       + [["itl", arrivals]], _kvtier("kv_consumer", cfg, args.load_mode))
+            ttft = [r for r in dec if "ttft_s" in r]
+            loads, host, again = ttft[:n + len(extra)], ttft[n + len(extra):2 * n + len(extra)], ttft[-n:]
+            if disk:
+                rows.setdefault(f"kvtier:{be['name']} (cold)", []).extend(r["ttft_s"] for r in loads[:n])
+                rows.setdefault(f"kvtier:{be['name']} (page cache)", []).extend(r["ttft_s"] for r in loads[n:])
+                for r in dec:
+                    if "files" in r:
+                        reads.setdefault(r["files"], []).append(r["read_s"])
+            else:
+                rows.setdefault(f"kvtier:{be['name']}", []).extend(r["ttft_s"] for r in loads)
+            rows.setdefault("kvtier:host", []).extend(r["ttft_s"] for r in host)
+            rows.setdefault("vllm-device-cache-quiet", []).extend(r["ttft_s"] for r in again)
             itl.append({"arrivals": f"kvtier:{be['name']}", **dec[-1]})
-            if any(r["cached"] < args.tokens // 32 * 32 for r in dec[:2 * n]):
-                print(f"WARNING {be['name']}: some loads were partial: {[r['cached'] for r in dec[:2 * n]]}")
+            if any(r["cached"] < args.tokens // 32 * 32 for r in loads + host):
+                print(f"WARNING {be['name']}: some loads were partial: {[r['cached'] for r in loads + host]}")
         if not args.no_example:
+            # vLLM's ExampleConnector reads its own files (safetensors): in the page cache, as the
+            # page-cache local_disk row.
             ex = {"kv_connector": "ExampleConnector",
                   "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
             _run(tmp, "example-prefill", model, prompts, [["ttft", i] for i in range(n)], {**ex, "kv_role": "kv_both"})
-            dec = _run(tmp, "example-decode", model, prompts, [["ttft", i] for i in range(n)], {**ex, "kv_role": "kv_both"})
-            rows["example-connector"] = [r["ttft_s"] for r in dec]
+            os.sync()
+            files = [str(p) for p in (tmp / "example").rglob("*") if p.is_file()]
+            steps = [s for i in range(n) for s in (["files", "page_cache", files], ["ttft", i])]
+            dec = _run(tmp, "example-decode", model, prompts, steps, {**ex, "kv_role": "kv_both"})
+            rows["example-connector (page cache)"] = [r["ttft_s"] for r in dec if "ttft_s" in r]
     floor = statistics.median(rows["vllm-device-cache"])
     quiet = statistics.median(rows["vllm-device-cache-quiet"]) if "vllm-device-cache-quiet" in rows else floor
     table = [{"source": k, "ttft_ms": statistics.median(v) * 1e3, "x_floor": statistics.median(v) / floor,
@@ -138,6 +178,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"TTFT of a {args.tokens}-token prompt, {args.layers} layers x 8 kv heads x 128 head dim (bf16, "
           f"{args.tokens * args.layers * 2 * 8 * 128 * 2 / 2**20:.0f} MiB of KV), medians")
     print_table(table, ["source", "ttft_ms", "x_floor", "x_quiet_floor", "runs"])
+    read_rows = [{"page_cache": state, "plain_read_ms": statistics.median(v) * 1e3,
+                  "kvtier_ttft_ms": statistics.median(rows[f"kvtier:disk ({state.replace('_', ' ')})"]) * 1e3,
+                  "runs": len(v)} for state, v in reads.items()]
+    if read_rows:
+        print("\nlocal_disk: a plain read of the same prompt's block files in the same state, just before "
+              "kvtier's load (the I/O ceiling; the TTFT adds the checksums, the copy into vLLM's KV and the step)")
+        print_table(read_rows, ["page_cache", "plain_read_ms", "kvtier_ttft_ms", "runs"])
     print("x_floor: / vLLM's own cache in the prefill process, while kvtier writes that process's earlier "
           "prompts down in the background; x_quiet_floor: / the same hit in a decode process, where kvtier "
           "writes nothing")
@@ -147,5 +194,5 @@ def run(args: argparse.Namespace) -> int:
                 for r in itl]
     print_table(itl_rows, ["arrivals", "itl_base_p50_ms", "itl_base_p99_ms", "itl_during_p50_ms",
                            "itl_during_p99_ms", "itl_during_max_ms", "arrivals_served_ms", "tokens_during"])
-    write_json(args.json, {"rows": table, "itl": itl_rows})
+    write_json(args.json, {"rows": table, "itl": itl_rows, "disk_reads": read_rows})
     return 0
