@@ -95,8 +95,8 @@ def test_async_and_sync_modes_ignore_what_runs(mode, in_background):
 
 
 def test_load_mode_from_extra_config_names_the_key_and_the_choices():
-    assert LoadMode.from_extra_config(None) is LoadMode.AUTO
-    assert LoadMode.from_extra_config({"kvtier_config": "x.yaml"}) is LoadMode.AUTO
+    assert LoadMode.from_extra_config(None) is LoadMode.ASYNC
+    assert LoadMode.from_extra_config({"kvtier_config": "x.yaml"}) is LoadMode.ASYNC
     assert LoadMode.from_extra_config({"load_mode": "sync"}) is LoadMode.SYNC
     with pytest.raises(ValueError, match=r"kv_connector_extra_config.load_mode: 'later' is not one of "
                                          r"\['auto', 'async', 'sync'\]"):

@@ -49,9 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=int, default=None,
                    help="storage.block_tokens for kvtier's backends (tokens per stored value; default: one "
                         "vLLM block)")
-    p.add_argument("--load-mode", choices=["auto", "async", "sync"], default="auto",
-                   help="the connector's kv_connector_extra_config.load_mode (default auto: in the step when "
-                        "nothing else runs, in the background while others decode)")
+    p.add_argument("--load-mode", choices=["async", "sync", "auto"], default="async",
+                   help="the connector's kv_connector_extra_config.load_mode (default async, as vLLM runs "
+                        "it when the flag does not say)")
     p.add_argument("--json", metavar="PATH")
 
 
