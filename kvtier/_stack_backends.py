@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .backend_api import BackendError, StorageBackend
+from .backend_api import BackendError, BackendUnavailable, StorageBackend
 from .metrics import StackMetrics
 
 log = logging.getLogger("kvtier.stack")
@@ -33,22 +33,30 @@ class BackendSet:
         self._seen_unavailable = [0] * len(self.backends)
         self._unwarned = [0] * len(self.backends)
         self._warned_at = [-WARN_EVERY_S] * len(self.backends)
+        # Backends that were unreachable (wholly or a node) since they last answered in full: a server
+        # that comes back may have come back empty (a restarted Redis keeps nothing), so what the index
+        # says they hold is a guess until ``on_recovered(i)`` has dealt with it (True) at their next
+        # full answer.
+        self._suspect = [False] * len(self.backends)
+        self.on_recovered: Callable[[int], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.backends)
 
-    def _outage(self, i: int) -> None:
+    def _outage(self, i: int) -> bool:
         """Surface keys backend ``i`` left unanswered for unavailability since we last looked (a whole
         outage or, in a Redis Cluster, one node down): the ``unavailable`` metric, and a warning at most
-        every ``WARN_EVERY_S`` per backend, so an outage never passes for ordinary misses."""
+        every ``WARN_EVERY_S`` per backend, so an outage never passes for ordinary misses.  Whether there
+        were any."""
         try:
             now_count = int(self.backends[i].unavailable_count())
         except Exception:  # noqa: BLE001 - a third-party backend predating the method
-            return
+            return False
         delta = now_count - self._seen_unavailable[i]
         if delta <= 0:
-            return
+            return False
         self._seen_unavailable[i] = now_count
+        self._suspect[i] = True
         self.metrics.add(self.names[i], unavailable=delta)
         self._unwarned[i] += delta
         now = time.monotonic()
@@ -57,10 +65,20 @@ class BackendSet:
                         "(metric 'unavailable'); they are served as misses and recomputed",
                         self.names[i], self._unwarned[i])
             self._warned_at[i], self._unwarned[i] = now, 0
+        return True
+
+    def _answered(self, i: int) -> None:
+        """Backend ``i`` answered a whole call: if it was unreachable before, it is back."""
+        if self._outage(i) or not self._suspect[i]:
+            return
+        if self.on_recovered is None or self.on_recovered(i):
+            self._suspect[i] = False
 
     def _fault(self, i: int, what: str, e: BaseException) -> None:
         name = self.names[i]
         self.metrics.add(name, failures=1)
+        if isinstance(e, BackendUnavailable):
+            self._suspect[i] = True
         if isinstance(e, BackendError):
             log.warning("backend %r: %s failed: %s", name, what, e)
         else:  # a backend that breaks the contract: still never reaches the engine
@@ -77,7 +95,7 @@ class BackendSet:
             self._fault(i, "contains_prefix", e)
             self._outage(i)
             return 0
-        self._outage(i)
+        self._answered(i)
         self.metrics.observe(self.names[i], "lookup", time.perf_counter() - t0)
         return max(0, min(n, len(keys)))
 
@@ -119,7 +137,7 @@ class BackendSet:
             self.metrics.add(name, stores_skipped=len(keys))
             self._outage(i)
             return [False] * len(keys)
-        self._outage(i)
+        self._answered(i)
         self.metrics.observe(name, "write", time.perf_counter() - t0)
         n_ok = sum(ok)
         self.metrics.add(name, bytes_in=n_ok * self.block_nbytes, stores_skipped=len(ok) - n_ok)
@@ -141,7 +159,7 @@ class BackendSet:
             self.metrics.add(name, misses=len(keys))
             self._outage(i)
             return [False] * len(keys)
-        self._outage(i)
+        self._answered(i)
         self.metrics.observe(name, "read", time.perf_counter() - t0)
         n_ok = sum(ok)
         self.metrics.hit(name, n_ok, n_ok * self.block_nbytes)

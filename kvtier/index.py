@@ -601,6 +601,23 @@ class BlockIndex:
         order = sel[np.argsort(last[sel], kind="stable")[:n]]
         return [self._keys[s] for s in order.tolist()]
 
+    def forget_backend(self, i: int) -> int:
+        """Unmark backend ``i`` on every entry: what it holds is unknown again (a server that came back
+        from an outage may have come back empty).  Entries this leaves in no tier and unreferenced are
+        dropped, as ``discard_if_unused`` would.  Returns how many entries were unmarked.  O(capacity)."""
+        _check_backend(i)
+        dev, host, mask, refs, _last = self._np()
+        bit = 1 << i
+        marked = np.flatnonzero((mask & bit).astype(bool) & (refs >= 0))
+        if not marked.size:
+            return 0
+        mask[marked] &= np.uint32(~bit & 0xFFFFFFFF)
+        self._bcount[i] = 0
+        unused = marked[(mask[marked] == 0) & (dev[marked] < 0) & (host[marked] < 0) & (refs[marked] == 0)]
+        for s in unused.tolist():
+            self._drop_slot(self._keys[s] or b"", s)  # a live slot always holds a key
+        return int(marked.size)
+
     def discard_if_unused(self, key: bytes) -> bool:
         """Remove ``key`` if it is in no tier and unreferenced (keeps an index of hints bounded)."""
         s = self._slots.get(key)

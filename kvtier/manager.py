@@ -82,6 +82,24 @@ class TierManager:
         threads.configure(config.transfer.cpus)
         self._pool: ThreadPoolExecutor | None = None  # started by the first asynchronous probe
         self._closed = False
+        self.backends.on_recovered = self._backend_back
+
+    def _backend_back(self, i: int) -> bool:
+        """Backend ``i`` answers again after being unreachable: forget which blocks the index and the
+        recent probes say it holds (a restarted Redis comes back empty; a block marked there would be
+        neither loaded nor written again by write-back).  Called from whatever thread made the backend
+        call, which may hold the index lock: so never waits for it; False (asked again at the backend's
+        next answer) when the lock is busy."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            n = self.index.forget_backend(i)
+            self._probes.clear()
+        finally:
+            self._lock.release()
+        log.warning("backend %r answers again after an outage: %d block(s) it was known to hold are no longer "
+                    "assumed there (it may have restarted empty); lookups ask it again", self.backends.names[i], n)
+        return True
 
     # ------------------------------------------------------------------ input checks
 

@@ -463,3 +463,25 @@ def test_bench_index_smoke(tmp_path, capsys):
     figures = json.loads(out.read_text())
     assert figures["chain"] == 8192 and figures["lookup_ms"] > 0 and figures["bytes_per_entry"] > 0
     assert "ceiling: bare dict.get loop" in capsys.readouterr().out
+
+
+def test_forget_backend_unmarks_it_everywhere_and_drops_entries_it_leaves_nowhere():
+    idx = BlockIndex(capacity=4)  # grows past it: the scan covers the grown columns
+    idx.insert(key(0), backends=[0])            # only in backend 0: dropped
+    idx.insert(key(1), backends=[0, 1])         # also in backend 1: kept there
+    idx.insert(key(2), host=5, backends=[0])    # in host memory: kept
+    idx.insert(key(3), backends=[0])
+    idx.pin(key(3))                             # in use: kept (a load holds it)
+    idx.insert(key(4), backends=[1])            # never in backend 0: untouched
+    for i in range(5, 12):
+        idx.insert(key(i), device=i)
+    assert idx.forget_backend(0) == 4
+    assert idx.count(Tier.backend(0)) == 0 and idx.count(Tier.backend(1)) == 2
+    assert key(0) not in idx
+    assert idx.entry(key(1)).backends == (1,) and idx.entry(key(2)).backends == ()
+    assert idx.entry(key(2)).host == 5 and idx.refs(key(3)) == 1 and idx.entry(key(3)).backends == ()
+    assert idx.entry(key(4)).backends == (1,)
+    assert idx.forget_backend(0) == 0
+    idx.validate()
+    with pytest.raises(ValueError, match=r"backend index must be an int in \[0, 32\)"):
+        idx.forget_backend(32)

@@ -294,6 +294,42 @@ def test_backend_errors_never_reach_the_engine(stack_fb):
     assert lr.num_loaded == 3 and torch.equal(read(st, [4, 5, 6]), rows)
 
 
+def test_a_backend_back_from_an_outage_is_not_trusted_to_hold_its_old_blocks(tmp_path):
+    """A server that answers again after an outage may have come back empty (a restarted Redis keeps
+    nothing).  The index stops marking it as holding its old blocks at its first full answer: else
+    write-back, which writes only blocks the index does not mark as stored, would never write them
+    again, and they would be lost to every tier once out of host memory."""
+    st, fb = make_stack(tmp_path, write="write_back")  # 4 host slots
+    try:
+        hs, other = chain(st, 3), chain(st, 4, start=1000)
+
+        def written_back() -> list[str]:
+            """Store hs, then push it out of host memory with 4 other blocks (write-back writes it)."""
+            fill(st, [0, 1, 2], seed=21)
+            st.store(hs, [0, 1, 2]).wait(TIMEOUT)
+            fill(st, [3, 4, 5, 6], seed=22)
+            st.store(other, [3, 4, 5, 6]).wait(TIMEOUT)
+            assert st.flush(TIMEOUT)
+            st.on_device_freed(range(7))
+            return where(st, hs)
+
+        assert written_back() == ["D"] * 3 and st.index.count(Tier.backend(0)) == 3
+        # The outage: calls fail, and the server loses what it held.
+        fb.fail("*", BackendUnavailable)
+        assert st.lookup(hs).num_blocks == 0
+        fb.inner.delete(st.namespace.keys(hs))
+        fb.clear()
+        assert st.index.count(Tier.backend(0)) == 3  # nothing answered yet: still believed
+        assert st.lookup(chain(st, 2, start=5000)).num_blocks == 0  # the first full answer
+        assert st.index.count(Tier.backend(0)) == 0
+        # The blocks are computed again, and write-back stores them again.
+        _evict_host(st)
+        assert written_back() == ["D"] * 3
+    finally:
+        fb.clear()
+        st.close(timeout=TIMEOUT)
+
+
 def test_a_backend_breaking_the_contract_is_contained(stack_fb):
     st, fb = stack_fb
     hs = chain(st, 2)
