@@ -3,13 +3,18 @@ Bad input gets a message naming what was found and what is supported."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
 import torch
+from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config
 
+from kvtier.config import parse_config
 from kvtier.integrations.vllm.facts import kv_layers
-from kvtier.integrations.vllm.worker import detect_layout, layer_order
+from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
+from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, layer_order
+from kvtier.plans import LoadPlan, StepPlan, StorePlan, WorkerReport
 
 
 def test_detect_layout_of_each_supported_tensor_and_refuse_others():
@@ -38,9 +43,6 @@ def test_hybrid_kv_cache_groups_are_refused_with_the_count():
 
 # ---------------------------------------------------------------- the scheduler side's load mode
 
-from kvtier.config import parse_config  # noqa: E402
-from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide  # noqa: E402
-from kvtier.plans import WorkerReport  # noqa: E402
 
 BS = 4
 _MODEL = {"id": "m", "kv_dtype": "float32", "num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "block_size": BS}
@@ -104,13 +106,6 @@ def test_load_mode_from_extra_config_names_the_key_and_the_choices():
 
 
 # ---------------------------------------------------------------- the worker side: loads in the step
-
-import time  # noqa: E402
-
-from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config  # noqa: E402
-
-from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
-from kvtier.plans import LoadPlan, StepPlan, StorePlan  # noqa: E402
 
 
 def _worker(tmp_path) -> tuple[WorkerSide, list[torch.Tensor]]:

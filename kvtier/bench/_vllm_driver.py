@@ -4,8 +4,8 @@ SPEC: ``model``, ``kv_transfer`` (a KVTransferConfig's fields, or null for no co
 id lists), ``steps`` (``["ttft", i]``: time a 1-token generation of prompt ``i``; ``["reset"]``: drop vLLM's
 own prefix cache, so the next hit must come from the connector; ``["itl", [i, ...]]``: a running request
 decodes while prompts ``i, ...`` arrive and are served, and the gaps between its tokens are recorded
-before and while they are; ``["files", "cold" | "page_cache", [path, ...]]``: put those files in that
-state and time a plain read of them in it, the ceiling of a load from them), ``out`` (JSON path),
+before and while they are; ``["files", "cold" | "page cache", [path, ...]]``: put those files in that
+state and time the raw file ceiling of reading them in it), ``out`` (JSON path),
 ``kv_space_gib``.
 """
 
@@ -54,37 +54,36 @@ def main(spec_path: str) -> None:
         json.dump(rows, f)
 
 
-def _drop(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # only clean pages can be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _read_files(paths: list[str], cold: bool) -> float:
-    """Seconds of a plain sequential read (``readinto`` one buffer) of ``paths``: out of the page cache
-    (``cold``: dropped before, and again after, so the load that follows reads from the device too), or
-    in it (read once before the timed read)."""
-    buf = bytearray(max((os.path.getsize(p) for p in paths), default=0))
+    """Seconds of ``bench backends``' raw file ceiling (``RawFiles.get``: open / readv into page-aligned
+    buffers, with local_disk's default thread count) over ``paths``: out of the page cache (``cold``:
+    dropped before, and again after, so the load that follows reads from the device too), or in it
+    (read once before the timed read)."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
 
-    def read_all() -> float:
-        t = time.perf_counter()
-        for p in paths:
-            with open(p, "rb", buffering=0) as f:
-                f.readinto(buf)
-        return time.perf_counter() - t
+    from .backend_disk import THREADS, RawFiles, drop_cached
 
-    if cold:
-        _drop(paths)
-    else:
-        read_all()
-    took = read_all()
-    if cold:
-        _drop(paths)
-    return took
+    size = max((os.path.getsize(p) for p in paths), default=0)
+    mem = mmap.mmap(-1, max(1, len(paths) * size))
+    bufs = [memoryview(mem)[i * size:(i + 1) * size] for i in range(len(paths))]
+    try:
+        with ThreadPoolExecutor(THREADS) as pool:
+            raw = RawFiles(paths, pool, THREADS)
+            if cold:
+                drop_cached(paths)
+            else:
+                raw.get(slice(None), bufs)
+            t0 = time.perf_counter()
+            raw.get(slice(None), bufs)
+            took = time.perf_counter() - t0
+        if cold:
+            drop_cached(paths)
+        return took
+    finally:
+        for b in bufs:
+            b.release()
+        mem.close()
 
 
 def _itl(llm: LLM, arriving: list[list[int]], vocab_hint: int) -> dict[str, Any]:
