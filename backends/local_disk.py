@@ -26,7 +26,8 @@ Invariants:
 * The in-memory index is a cache of the directory, rebuilt at start-up (LRU order from each file's
   max(atime, mtime)) and refreshed whenever the ledger is recounted (blocks it did not know go first,
   oldest first).  A key it does not know is looked up on disk (another process may have written it) and
-  adopted on a verified read; a known key whose file vanished (evicted by another process) is dropped.
+  adopted on a verified read; a known key whose file vanished (evicted or deleted as corrupt by another
+  process) is dropped when a read or an ``exists`` finds it gone, and ``exists`` always asks the directory.
   Each process evicts in its own LRU order, so across processes eviction is only roughly LRU.
   Manifests are not blocks: never evicted, not counted.
 """
@@ -638,9 +639,17 @@ class LocalDiskBackend(StorageBackend):
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
         where = self._check_keys(keys)
-        index = self._index
-        # Known keys answer from memory; unknown ones may have been written by another process.
-        return [k in index or os.path.isfile(w[1]) for k, w in zip(keys, where)]
+        # The directory is the truth, for keys this process knows too: another process sharing it (vLLM's
+        # worker beside its scheduler, a prefill instance) may have evicted the block or deleted it as
+        # corrupt, and a key answered from memory would be offered, loaded, fail and be offered again.
+        # One stat per key; lookups probe from their own threads, never the engine's.
+        out = [os.path.isfile(w[1]) for w in where]
+        gone = [k for k, ok in zip(keys, out) if not ok]
+        if gone:
+            with self._idx_lock:
+                for k in gone:
+                    self._index.pop(k, None)
+        return out
 
     def _delete(self, keys: Sequence[str]) -> int:
         where = self._check_keys(keys)

@@ -412,6 +412,21 @@ def test_capacity_bounds_the_directory_not_each_instance(tmp_path):
     assert sum(b.exists(ka)) == 2 and b.exists(kb) == [True] * 8, "b evicted a's oldest blocks"
 
 
+def test_exists_answers_from_the_directory_not_from_what_this_instance_wrote(tmp_path):
+    """A block this instance wrote and another one (another process on the directory: vLLM's worker beside
+    its scheduler) deleted as corrupt or evicted is reported missing, and dropped from this instance's
+    eviction order; one the other wrote is reported present."""
+    a, b = mk(tmp_path), mk(tmp_path)
+    ks = newkeys(4)
+    assert a.put(ks[:3], [os.urandom(1000) for _ in range(3)], LID) == [True] * 3
+    assert b.delete([ks[1]]) == 1
+    assert b.put([ks[3]], [os.urandom(1000)], LID) == [True]
+    assert a.exists(ks) == [True, False, True, True]
+    assert ks[1] not in {s.key for s in a._eviction_order()}
+    a.close()
+    b.close()
+
+
 def _ledger(root) -> dict:
     import json
 
