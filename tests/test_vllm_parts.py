@@ -88,6 +88,21 @@ def test_auto_loads_in_the_step_only_when_no_other_request_ran():
     assert side.matched_tokens(_request("c", PROMPT), 0) == (3 * BS, False)
 
 
+def test_blocks_after_what_vllm_holds_are_offered_though_kvtier_lost_the_ones_before():
+    """Keys chain through token ids: with vLLM holding blocks 0-1 itself, kvtier's blocks 2-3 are offered
+    whether or not kvtier still holds 0-1 (evicted, or deleted as corrupt); from 0, nothing is."""
+    cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+    side = SchedulerSide(cfg, load=True, store=False, vllm_hash_algo=None)
+    hashes = side.hasher.hash_blocks(PROMPT)
+    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[2:4])}))
+    assert side.matched_tokens(_request("a", PROMPT), 2 * BS) == (2 * BS, True)
+    side.after_alloc(_request("a", PROMPT), [5, 6, 7, 8], 2 * BS)
+    assert [(lp.hashes, lp.block_ids, lp.start) for lp in _step(side, {}).loads] == [
+        (tuple(hashes[2:4]), (7, 8), 2)]
+    assert side.matched_tokens(_request("b", PROMPT), 0) == (0, False)
+    assert side.external_sources(_request("a", PROMPT)) == {"host": 2 * BS}
+
+
 @pytest.mark.parametrize("mode, in_background", [(LoadMode.ASYNC, True), (LoadMode.SYNC, False)])
 def test_async_and_sync_modes_ignore_what_runs(mode, in_background):
     side = _side(mode)

@@ -2,8 +2,8 @@
 
 It lives in vLLM's EngineCore process and holds a :class:`~kvtier.manager.TierManager` (no tensors).
 
-* ``matched_tokens``: the longest loadable prefix of a request's prompt (full blocks, at most all but
-  the last prompt token, since vLLM must compute one).  A backend probe in flight answers None, so vLLM
+* ``matched_tokens``: the longest run of stored blocks right after the prefix vLLM holds itself (full
+  blocks, at most all but the last prompt token, since vLLM must compute one).  A backend probe in flight answers None, so vLLM
   asks again next step while other requests run.  A hit is loaded as :class:`LoadMode` says: by default
   asynchronously (vLLM holds the request until a later step reports the load finished, and no step
   ever waits on kvtier's I/O).
@@ -129,15 +129,17 @@ class SchedulerSide:
         loadable = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.block_size)
         if num_computed_tokens >= loadable * self.block_size:
             return 0, False
-        found = self.manager.lookup(st.hashes[:loadable])
+        # Keys chain through the token ids, not through what kvtier holds: the blocks vLLM computed itself
+        # need not be stored anywhere (evicted, deleted as corrupt) for the ones after them to be found.
+        first = num_computed_tokens // self.block_size
+        found = self.manager.lookup(st.hashes[first:loadable], start=first)
         if found.state is LookupState.PENDING:
             return None, False
-        ext = found.num_blocks * self.block_size - num_computed_tokens
+        ext = (first + found.num_blocks) * self.block_size - num_computed_tokens
         if ext <= 0:
             return 0, False
         st.local_tokens, st.external_tokens = num_computed_tokens, ext
-        first = num_computed_tokens // self.block_size
-        blocks = self.manager.tier_names.count(found.tiers[first:])
+        blocks = self.manager.tier_names.count(found.tiers)
         st.loaded_from = {name: n * self.block_size for name, n in blocks.items()}
         st.sync = self._load_in_step(request.request_id)
         return ext, not st.sync
