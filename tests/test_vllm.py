@@ -63,7 +63,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict | None = None, *,
              pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1,
-             load_mode: str | None = None, while_decoding: bool = False) -> dict:
+             load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -77,6 +77,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
         cmd += ["--load-mode", load_mode]
     if while_decoding:
         cmd += ["--while-decoding"]
+    if abort_first:
+        cmd += ["--abort-first"]
     ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
     if pause_after >= 0:
         cmd += ["--pause-after", str(pause_after), "--ready", str(ready), "--go", str(go)]
@@ -232,10 +234,7 @@ def test_damaged_block_is_recomputed(model_dir, stored_on_disk, warm, cold, tmp_
     cached-vs-fresh noise."""
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
-    victim = block_files(d)[vllm_block_hashes(A)[3].hex()]
-    raw = bytearray(victim.read_bytes())
-    raw[-100] ^= 0xFF
-    victim.write_bytes(bytes(raw))
+    victim = damage_block(d, vllm_block_hashes(A)[3])
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), load_mode=load_mode)
     assert load_modes(got["log"]) == [how] * 2
     for g, w, c in zip(got["results"], warm, cold):
@@ -248,6 +247,50 @@ def test_damaged_block_is_recomputed(model_dir, stored_on_disk, warm, cold, tmp_
     assert re.search(r"request \S+: 2 of 5 blocks not loaded \(recomputed\)", got["log"]), got["log"][-3000:]
     assert "Recovered from KV load failure: 1 request(s) rescheduled (64 tokens affected)" in got["log"]
     assert not victim.exists(), "a corrupt block must be deleted"
+    # A: blocks 0-4 from vLLM's own cache (B computed 3-4), 5-8 from kvtier although kvtier lost block 3.
+    assert got["results"][1]["cached"] == 288
+
+
+def damage_block(root: Path, key: bytes) -> Path:
+    """Flip one payload byte of the stored block ``key``; its file."""
+    victim = block_files(root)[key.hex()]
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    return victim
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "block 3 damaged"])
+def test_request_aborted_while_its_blocks_load(model_dir, stored_on_disk, warm, tmp_path, damaged):
+    """A client gives up on B while kvtier loads B's 5 stored blocks in the background.  vLLM keeps an
+    aborted request's blocks until the connector reports its load ended: the load ends, is reported, and
+    vLLM has every block free again a few steps later (none leaks).  B and A served next come out as
+    without the abort.  Intact, the aborted load left B's blocks in host memory: B loads them from there
+    (160 tokens), A as usual (288).  With A's block 3 damaged, the aborted load reports it lost, and the
+    directory (not what the scheduler's process remembers of it) says it is gone: B is offered blocks
+    0-2 only (96 tokens) and no load fails again; A finds blocks 5-8 on disk after the 5 that vLLM now
+    holds itself (288)."""
+    d = tmp_path / "blocks"
+    shutil.copytree(stored_on_disk, d)
+    victim = damage_block(d, vllm_block_hashes(A)[3]) if damaged else None
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), abort_first=True)
+    assert got["abort"]["in_use_after_abort"], "the abort did not meet a load in flight"
+    assert got["abort"]["freed_after_steps"] is not None, "the aborted request's blocks were never freed"
+    assert got["abort"]["freed_after_steps"] <= 5
+    loads = re.findall(r"request (\S+): (\d+) blocks loaded \((\w+)", got["log"])
+    assert loads[0][0].startswith("aborted") and loads[0][1:] == ("3" if damaged else "5", "disk")
+    assert loads[1][1:] == ("3" if damaged else "5", "host")
+    failed = re.findall(r"request (\S+): (\d+) of (\d+) blocks not loaded", got["log"])
+    assert [(r.split("-")[0], a, b) for r, a, b in failed] == ([("aborted", "2", "5")] if damaged else [])
+    assert [r["cached"] for r in got["results"]] == ([96, 288] if damaged else [160, 288])
+    if not damaged:
+        assert_same_outputs(got["results"], warm)
+        return
+    assert not victim.exists(), "a corrupt block must be deleted"
+    for g, w in zip(got["results"], warm):  # B computed blocks 3-4 after cached 0-2: vLLM's own noise
+        assert g["tokens"] == w["tokens"]
+        for glp, wlp in zip(g["logprobs"], w["logprobs"]):
+            assert glp.keys() == wlp.keys() and all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp)
 
 
 def test_grouped_values_of_two_vllm_blocks(model_dir, warm, tmp_path):

@@ -4,13 +4,15 @@ tokens, top logprobs and cached-token counts as JSON.
 
     python tests/vllm/driver.py --model DIR --role kv_producer|kv_consumer|kv_both|none --config YAML
         --prompts FILE --out FILE [--pause-after K --ready FILE --go FILE] [--load-mode M]
-        [--while-decoding]
+        [--while-decoding] [--abort-first]
 
 ``--pause-after K``: after K prompts, create ``--ready`` and wait for ``--go`` (a test kills a server
 in between).  ``--load-mode``: the connector's ``kv_connector_extra_config.load_mode``.
 ``--while-decoding``: another request decodes the whole time each prompt is served (admitted after it
-has run a few steps), so the prompt's load meets a running request.  ``KVTIER_LOG_LEVEL`` sets kvtier's
-log level (INFO).
+has run a few steps), so the prompt's load meets a running request.  ``--abort-first``: before the
+prompts, the first one is sent and aborted as soon as its load has started, and the driver steps the engine until
+vLLM has every KV block free again (the engine runs in this process for this) (``abort`` in the JSON).  ``KVTIER_LOG_LEVEL`` sets kvtier's log
+level (INFO).
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ def main() -> None:
     ap.add_argument("--go")
     ap.add_argument("--load-mode")
     ap.add_argument("--while-decoding", action="store_true")
+    ap.add_argument("--abort-first", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if a.abort_first:  # the engine core in this process: one LLMEngine.step() is exactly one engine step
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if a.tp > 1:  # one NUMA node here: vLLM CPU cannot auto-bind several ranks, so one core per rank
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                      for i in range(a.tp)))
@@ -69,6 +74,7 @@ def main() -> None:
     with open(a.prompts) as f:
         prompts = json.load(f)
     results = []
+    aborted = _abort_while_loading(llm, prompts[0], params) if a.abort_first else None
     for i, p in enumerate(prompts):
         if i == a.pause_after:
             open(a.ready, "w").close()
@@ -84,7 +90,37 @@ def main() -> None:
                         "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in o.logprobs],
                         "cached": out.num_cached_tokens, "seconds": time.perf_counter() - t})
     with open(a.out, "w") as f:
-        json.dump({"startup_s": startup, "results": results}, f)
+        json.dump({"startup_s": startup, "results": results, "abort": aborted}, f)
+
+
+def _abort_while_loading(llm, prompt: list[int], params) -> dict:
+    """Send ``prompt``, run the one engine step that schedules it (the connector offers its stored prefix
+    and the load starts in the background), abort it, then wait until every KV block is free again.
+    vLLM keeps an aborted request's blocks until the connector reports its load ended, so a prefix-cache
+    reset (refused while any block is in use) right after the abort says whether the load was still
+    running then; one that never succeeds means the blocks leaked."""
+    from vllm.v1.request import RequestStatus
+
+    eng = llm.llm_engine
+    scheduler = eng.engine_core.engine_core.scheduler
+    eng.add_request("aborted", {"prompt_token_ids": prompt}, params)
+    for _ in range(1000):  # the connector answers "ask again" while its backend probe is in flight
+        eng.step()
+        req = next((r for i, r in scheduler.requests.items() if i.startswith("aborted")), None)
+        if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+    else:
+        raise RuntimeError("the connector never started a load for the prompt")
+    eng.abort_request(["aborted"])
+    in_use_after_abort = not llm.reset_prefix_cache()
+    t0, steps = time.perf_counter(), 0
+    while not llm.reset_prefix_cache():
+        if time.perf_counter() - t0 > 60:
+            return {"in_use_after_abort": in_use_after_abort, "freed_after_steps": None}
+        eng.step()  # the engine keeps stepping while a finished request's blocks wait on the connector
+        steps += 1
+        time.sleep(0.01)
+    return {"in_use_after_abort": in_use_after_abort, "freed_after_steps": steps}
 
 
 def _while_decoding(llm, prompt: list[int], params, req_id: str):
