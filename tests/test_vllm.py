@@ -63,7 +63,9 @@ def model_dir(tmp_path_factory) -> str:
 
 def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict | None = None, *,
              pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1,
-             load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False) -> dict:
+             load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False,
+             together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
+             max_model_len: int | None = None) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -79,6 +81,11 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
         cmd += ["--while-decoding"]
     if abort_first:
         cmd += ["--abort-first"]
+    if together:
+        cmd += ["--together"]
+    for flag, value in (("--num-blocks", num_blocks), ("--max-tokens", max_tokens), ("--max-model-len", max_model_len)):
+        if value is not None:
+            cmd += [flag, str(value)]
     ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
     if pause_after >= 0:
         cmd += ["--pause-after", str(pause_after), "--ready", str(ready), "--go", str(go)]
@@ -311,6 +318,28 @@ def test_grouped_values_of_two_vllm_blocks(model_dir, warm, tmp_path):
         assert g["tokens"] == w["tokens"]
         for glp, wlp in zip(g["logprobs"], w["logprobs"]):
             assert glp.keys() == wlp.keys() and all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp)
+
+
+def test_preempted_requests_resume_from_host_memory(model_dir, tmp_path):
+    """vLLM's KV cache holds 16 blocks; 6 prompts of 100 tokens decode 200 tokens each in one batch, so
+    vLLM preempts running requests for room, and by the time they resume it has reused their blocks.
+    kvtier (host memory only, ``kv_both``) stored each prompt's 3 full blocks while it was computed; a
+    resumed request loads them instead of recomputing them.  The prompts are distinct, so every kvtier
+    load in the run is a resumed request's.  Loads run in the step (``load_mode: sync``), so the schedule
+    is the same in every run: tokens and logprobs equal, to the bit, the same batch with the null
+    connector (same KV size, resumed prompts recomputed)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 500) for _ in range(100)] for _ in range(6)]
+    kw = {"together": True, "num_blocks": 16, "max_tokens": 200, "max_model_len": 448}
+    host_only = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "32MiB"}, "backends": []}
+    got = run_vllm(model_dir, tmp_path, "kv_both", prompts, host_only, load_mode="sync", **kw)
+    ref = run_vllm(model_dir, tmp_path, "kv_both", prompts, NULL, **kw)
+    loads = re.findall(r"request (\S+): (\d+) blocks loaded \((\w+), in the step\)", got["log"])
+    assert loads, "no request was preempted and resumed from kvtier"
+    assert all(n == "3" and tier == "host" for _, n, tier in loads)
+    assert "blocks not loaded" not in got["log"]
+    assert_same_outputs(got["results"], ref["results"])
+    assert all(len(r["tokens"]) == 200 for r in got["results"])
 
 
 def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path):

@@ -4,7 +4,7 @@ tokens, top logprobs and cached-token counts as JSON.
 
     python tests/vllm/driver.py --model DIR --role kv_producer|kv_consumer|kv_both|none --config YAML
         --prompts FILE --out FILE [--pause-after K --ready FILE --go FILE] [--load-mode M]
-        [--while-decoding] [--abort-first]
+        [--while-decoding] [--abort-first] [--together --num-blocks N]
 
 ``--pause-after K``: after K prompts, create ``--ready`` and wait for ``--go`` (a test kills a server
 in between).  ``--load-mode``: the connector's ``kv_connector_extra_config.load_mode``.
@@ -12,7 +12,8 @@ in between).  ``--load-mode``: the connector's ``kv_connector_extra_config.load_
 has run a few steps), so the prompt's load meets a running request.  ``--abort-first``: before the
 prompts, the first one is sent and aborted as soon as its load has started, and the driver steps the engine until
 vLLM has every KV block free again (the engine runs in this process for this) (``abort`` in the JSON).  ``KVTIER_LOG_LEVEL`` sets kvtier's log
-level (INFO).
+level (INFO).  ``--together``: all prompts in one ``generate`` call (vLLM batches them); with
+``--num-blocks`` (vLLM's KV cache size in blocks) small enough, it preempts some and resumes them later.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--load-mode")
     ap.add_argument("--while-decoding", action="store_true")
     ap.add_argument("--abort-first", action="store_true")
+    ap.add_argument("--together", action="store_true")
+    ap.add_argument("--num-blocks", type=int)
+    ap.add_argument("--max-model-len", type=int, default=2048)
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.abort_first:  # the engine core in this process: one LLMEngine.step() is exactly one engine step
@@ -66,8 +70,10 @@ def main() -> None:
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role=a.role, kv_connector_extra_config=extra)
     t0 = time.perf_counter()
+    if a.num_blocks:
+        kw["num_gpu_blocks_override"] = a.num_blocks
     llm = LLM(model=a.model, skip_tokenizer_init=True, enforce_eager=True, block_size=a.block_size,
-              dtype="bfloat16", max_model_len=2048, enable_prefix_caching=True,
+              dtype="bfloat16", max_model_len=a.max_model_len, enable_prefix_caching=True,
               prefix_caching_hash_algo=a.hash_algo, seed=0, tensor_parallel_size=a.tp, **kw)
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=2, detokenize=False)
@@ -75,6 +81,11 @@ def main() -> None:
         prompts = json.load(f)
     results = []
     aborted = _abort_while_loading(llm, prompts[0], params) if a.abort_first else None
+    if a.together:
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results = [_result(o, time.perf_counter() - t) for o in outs]
+        prompts = []
     for i, p in enumerate(prompts):
         if i == a.pause_after:
             open(a.ready, "w").close()
@@ -85,12 +96,15 @@ def main() -> None:
             out = _while_decoding(llm, p, params, f"p{i}")
         else:
             out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-        o = out.outputs[0]
-        results.append({"tokens": list(o.token_ids),
-                        "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in o.logprobs],
-                        "cached": out.num_cached_tokens, "seconds": time.perf_counter() - t})
+        results.append(_result(out, time.perf_counter() - t))
     with open(a.out, "w") as f:
         json.dump({"startup_s": startup, "results": results, "abort": aborted}, f)
+
+
+def _result(out, seconds: float) -> dict:
+    o = out.outputs[0]
+    return {"tokens": list(o.token_ids), "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in o.logprobs],
+            "cached": out.num_cached_tokens, "seconds": seconds}
 
 
 def _abort_while_loading(llm, prompt: list[int], params) -> dict:
