@@ -65,7 +65,7 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
              pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1,
              load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False,
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
-             max_model_len: int | None = None) -> dict:
+             max_model_len: int | None = None, max_batched_tokens: int | None = None) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -83,7 +83,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
         cmd += ["--abort-first"]
     if together:
         cmd += ["--together"]
-    for flag, value in (("--num-blocks", num_blocks), ("--max-tokens", max_tokens), ("--max-model-len", max_model_len)):
+    for flag, value in (("--num-blocks", num_blocks), ("--max-tokens", max_tokens), ("--max-model-len", max_model_len),
+                        ("--max-batched-tokens", max_batched_tokens)):
         if value is not None:
             cmd += [flag, str(value)]
     ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
@@ -318,6 +319,24 @@ def test_grouped_values_of_two_vllm_blocks(model_dir, warm, tmp_path):
         assert g["tokens"] == w["tokens"]
         for glp, wlp in zip(g["logprobs"], w["logprobs"]):
             assert glp.keys() == wlp.keys() and all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp)
+
+
+def test_chunked_prefill_stores_each_chunks_blocks_and_loads_into_a_chunked_prefill(model_dir, tmp_path):
+    """vLLM computes at most 64 tokens a step, so A (300 tokens) is prefilled in 5 chunks: the producer
+    copies out each chunk's full blocks at the end of its step (0-1, 2-3, 4-5, 6-7, 8) and stores all
+    of them; the consumer, with the same budget, loads B's and A's stored blocks and prefills the rest in
+    chunks.  Tokens and logprobs equal, to the bit, the null connector's run with the same budget."""
+    d = tmp_path / "blocks"
+    run = lambda role, prompts, cfg: run_vllm(model_dir, tmp_path, role, prompts, cfg, max_batched_tokens=64)  # noqa: E731
+    pre = run("kv_producer", [A, C], kv_config(disk(d)))
+    ranges = re.findall(r"request (\S+): blocks (\d+)-(\d+) copied out \((\d+) new\)", pre["log"])
+    a_id = ranges[0][0]
+    assert [(int(x), int(y)) for r, x, y, _ in ranges if r == a_id] == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 8)]
+    assert set(block_files(d)) == {h.hex() for h in vllm_block_hashes(A) + vllm_block_hashes(C)}
+    got = run("kv_consumer", [B, A], kv_config(disk(d)))
+    ref = run("kv_both", [A, C, B, A], NULL)["results"][2:]
+    assert [r["cached"] for r in got["results"]] == [160, 288]
+    assert_same_outputs(got["results"], ref)
 
 
 def test_preempted_requests_resume_from_host_memory(model_dir, tmp_path):

@@ -14,6 +14,7 @@ prompts, the first one is sent and aborted as soon as its load has started, and 
 vLLM has every KV block free again (the engine runs in this process for this) (``abort`` in the JSON).  ``KVTIER_LOG_LEVEL`` sets kvtier's log
 level (INFO).  ``--together``: all prompts in one ``generate`` call (vLLM batches them); with
 ``--num-blocks`` (vLLM's KV cache size in blocks) small enough, it preempts some and resumes them later.
+``--max-batched-tokens``: vLLM's token budget per step (a longer prompt is prefilled in chunks).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--together", action="store_true")
     ap.add_argument("--num-blocks", type=int)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-batched-tokens", type=int)
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.abort_first:  # the engine core in this process: one LLMEngine.step() is exactly one engine step
@@ -72,6 +74,8 @@ def main() -> None:
     t0 = time.perf_counter()
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
+    if a.max_batched_tokens:  # a prompt longer than this is prefilled in chunks, one per step
+        kw["max_num_batched_tokens"] = a.max_batched_tokens
     llm = LLM(model=a.model, skip_tokenizer_init=True, enforce_eager=True, block_size=a.block_size,
               dtype="bfloat16", max_model_len=a.max_model_len, enable_prefix_caching=True,
               prefix_caching_hash_algo=a.hash_algo, seed=0, tensor_parallel_size=a.tp, **kw)

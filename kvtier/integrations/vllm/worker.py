@@ -109,6 +109,8 @@ class WorkerSide:
             try:
                 res = self.stack.store(list(sp.hashes), list(sp.block_ids), start=sp.start).wait(timeout=60)
                 self.stats["stored_blocks"] += res.num_stored
+                log.debug("kvtier: request %s: blocks %d-%d copied out (%d new)", sp.req_id, sp.start,
+                          sp.start + len(sp.hashes) - 1, res.num_stored)
             except Exception as e:  # noqa: BLE001 - a failed store is a future miss, never a crash
                 self.stats["store_errors"] += 1
                 log.error("kvtier: store for request %s failed: %s", sp.req_id, e)
