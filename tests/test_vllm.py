@@ -339,6 +339,26 @@ def test_chunked_prefill_stores_each_chunks_blocks_and_loads_into_a_chunked_pref
     assert_same_outputs(got["results"], ref)
 
 
+def test_identical_prompts_arriving_together_load_the_same_blocks_at_once(model_dir, stored_on_disk, warm, tmp_path):
+    """[B, B, A, A] in one batch: none is in vLLM's own cache yet, so the loads run at the same time,
+    over the same keys (the second of each pair finds them in host memory or on their way
+    there).  Every request gets its whole stored prefix and decodes as B and A do alone (batched: tokens
+    exact, logprobs within vLLM's own noise)."""
+    d = tmp_path / "blocks"
+    shutil.copytree(stored_on_disk, d)
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, B, A, A], kv_config(disk(d)), together=True)
+    loads = dict(re.findall(r"request (\d+)-\S+: (\d+) blocks loaded", got["log"]))
+    assert loads["0"] == loads["1"] == "5"
+    # A's 9 from kvtier, or 4 after the 5 vLLM holds if a B was computed before A's probe answered.
+    assert loads["2"] in ("9", "4") and loads["3"] in ("9", "4")
+    assert "blocks not loaded" not in got["log"]
+    assert [r["cached"] for r in got["results"]] == [160, 160, 288, 288]
+    for g, w in zip(got["results"], [warm[0], warm[0], warm[1], warm[1]]):
+        assert g["tokens"] == w["tokens"]
+        for glp, wlp in zip(g["logprobs"], w["logprobs"]):
+            assert glp.keys() == wlp.keys() and all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp)
+
+
 def test_preempted_requests_resume_from_host_memory(model_dir, tmp_path):
     """vLLM's KV cache holds 16 blocks; 6 prompts of 100 tokens decode 200 tokens each in one batch, so
     vLLM preempts running requests for room, and by the time they resume it has reused their blocks.
