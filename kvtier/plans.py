@@ -95,7 +95,8 @@ class StepPlan:
 @dataclass
 class WorkerReport:
     """What the worker learnt since its last report: blocks now in its host memory (hash, slot), blocks
-    that left it, and blocks a load found missing or corrupt (hints the manager must forget).
+    that left it, blocks a load found missing or corrupt (hints the manager must forget), and where each
+    request's failed load left off.
 
     Reports of several workers (TP ranks) merge with :meth:`merge`: a block counts as in host memory
     only if every rank has it (each rank holds its own shard), and anything lost on one rank is lost."""
@@ -103,14 +104,20 @@ class WorkerReport:
     in_host: dict[bytes, int] = field(default_factory=dict)
     left_host: set[bytes] = field(default_factory=set)
     lost: set[bytes] = field(default_factory=set)
+    # request id -> chain position of the first block its load did not deliver: the engine recomputes
+    # from there, so those blocks are not stored yet (the scheduler plans them again once recomputed).
+    unloaded: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         both = {h: s for h, s in self.in_host.items() if h in other.in_host}
         gone = self.left_host | other.left_host | (self.in_host.keys() ^ other.in_host.keys())
-        return WorkerReport(both, set(gone), self.lost | other.lost)
+        unloaded = dict(self.unloaded)
+        for req_id, pos in other.unloaded.items():
+            unloaded[req_id] = min(pos, unloaded.get(req_id, pos))
+        return WorkerReport(both, set(gone), self.lost | other.lost, unloaded)
 
     def __bool__(self) -> bool:
-        return bool(self.in_host or self.left_host or self.lost)
+        return bool(self.in_host or self.left_host or self.lost or self.unloaded)
 
 
 __all__ = ["LoadPlan", "Lookup", "LookupState", "StepPlan", "StorePlan", "WorkerReport"]

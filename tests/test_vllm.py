@@ -268,6 +268,27 @@ def damage_block(root: Path, key: bytes) -> Path:
     return victim
 
 
+def test_blocks_computed_over_a_failed_in_step_load_are_never_stored(model_dir, stored_on_disk, warm, tmp_path):
+    """kv_both with loads in the step, A's block 3 damaged: B's load delivers blocks 0-2, and the same
+    step computes B's blocks 5-7 over blocks 3-4, which hold no valid KV; vLLM rewinds B and recomputes
+    3-7.  kvtier must store B's 3-7 from the recompute, never from that step: a second process that holds
+    blocks 0-4 itself (it served A first) loads B's 5-7 and must decode B exactly as B alone."""
+    d = tmp_path / "blocks"
+    shutil.copytree(stored_on_disk, d)
+    damage_block(d, vllm_block_hashes(A)[3])
+    both = run_vllm(model_dir, tmp_path, "kv_both", [B], kv_config(disk(d)), load_mode="sync")
+    assert re.search(r"request \S+: blocks 5-7 not stored \(computed over blocks its load did not deliver",
+                     both["log"]), both["log"][-3000:]
+    stored = re.findall(r"request \S+: blocks (\d+)-(\d+) copied out", both["log"])
+    assert stored == [("3", "7")]  # after the recompute; block 3 heals
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [A, B], kv_config(disk(d)))
+    assert [r["cached"] for r in got["results"]] == [288, 256]
+    for g, w in zip(got["results"], [warm[1], warm[0]]):
+        assert g["tokens"] == w["tokens"]
+        for glp, wlp in zip(g["logprobs"], w["logprobs"]):
+            assert glp.keys() == wlp.keys() and all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp)
+
+
 @pytest.mark.parametrize("damaged", [False, True], ids=["intact", "block 3 damaged"])
 def test_request_aborted_while_its_blocks_load(model_dir, stored_on_disk, warm, tmp_path, damaged):
     """A client gives up on B while kvtier loads B's 5 stored blocks in the background.  vLLM keeps an

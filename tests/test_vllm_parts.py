@@ -103,6 +103,26 @@ def test_blocks_after_what_vllm_holds_are_offered_though_kvtier_lost_the_ones_be
     assert side.external_sources(_request("a", PROMPT)) == {"host": 2 * BS}
 
 
+def test_a_storing_instance_stores_the_prefix_vllm_held_itself_before_the_loaded_blocks():
+    """kv_both: vLLM holds blocks 0-1, kvtier loads 2-3.  Blocks 0-1 go out with that step's plan (kvtier
+    may have lost them; the worker skips what it holds), the loaded ones never; computing the last
+    block stores only that one."""
+    cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+    side = SchedulerSide(cfg, load=True, store=True, vllm_hash_algo=None)
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: ([5, 6, 7, 8, 9],))
+    prompt = list(range(1, 5 * BS + 2))  # 5 full blocks and a token
+    hashes = side.hasher.hash_blocks(prompt)
+    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[2:4])}))
+    req = _request("a", prompt)
+    assert side.matched_tokens(req, 2 * BS) == (2 * BS, True)
+    side.after_alloc(req, [5, 6, 7, 8, 9], 2 * BS)
+    plan = _step(side, {})
+    assert [(lp.block_ids, lp.start) for lp in plan.loads] == [((7, 8), 2)]
+    assert [(sp.hashes, sp.block_ids, sp.start) for sp in plan.stores] == [(tuple(hashes[:2]), (5, 6), 0)]
+    req.num_computed_tokens = 4 * BS  # loaded; vLLM now computes the rest of the prompt
+    assert [(sp.block_ids, sp.start) for sp in _step(side, {"a": BS + 1}).stores] == [((9,), 4)]
+
+
 @pytest.mark.parametrize("mode, in_background", [(LoadMode.ASYNC, True), (LoadMode.SYNC, False)])
 def test_async_and_sync_modes_ignore_what_runs(mode, in_background):
     side = _side(mode)
@@ -164,3 +184,52 @@ def test_a_load_in_the_step_reports_its_missing_blocks_before_start_returns(tmp_
         assert done == {"e"} and ws.load_errors() == {21, 22}
     finally:
         ws.close()
+
+
+def test_blocks_computed_over_a_failed_in_step_load_are_not_stored(tmp_path):
+    """Request "d" loads blocks 0-2 in the step, block 1 was never stored: the step computes d's blocks
+    3-4 over block 1's stale contents, so save() stores none of d's blocks from 1 on (blocks before
+    the failure and other requests' blocks go out), and the report tells the scheduler where d's
+    undelivered blocks start.  In the next step (vLLM recomputed them) d's blocks are stored again."""
+    ws, kv = _worker(tmp_path)
+    try:
+        hashes = ws.stack.namespace.hasher().hash_blocks(list(range(5 * BLOCK)))
+        ws.save(StepPlan(stores=[StorePlan("p", (hashes[0], hashes[2]), (0, 2))]))  # not block 1's key
+        ws.report()
+        other = ws.stack.namespace.hasher().hash_blocks(list(range(100, 100 + BLOCK)))
+        ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes[:3]), (10, 11, 12), sync=True)]))
+        assert ws.load_errors() == {11, 12}
+        ws.save(StepPlan(stores=[StorePlan("d", tuple(hashes[:5]), (10, 11, 12, 13, 14)),
+                                 StorePlan("q", tuple(other), (20,))]))
+        assert ws.stack.leading_in_memory(hashes) == 1 and ws.stack.leading_in_memory(other) == 1
+        assert ws.stack.leading_in_memory(hashes[3:]) == 0
+        assert ws.report().unloaded == {"d": 1}
+        ws.save(StepPlan(stores=[StorePlan("d", tuple(hashes[1:5]), (11, 12, 13, 14), 1)]))
+        assert ws.stack.leading_in_memory(hashes) == 5
+    finally:
+        ws.close()
+
+
+def test_the_scheduler_stores_again_what_a_load_did_not_deliver():
+    """A load of blocks 0-3 delivered 0-1: once vLLM has recomputed 2-3 they are stored (the plan had
+    counted them stored)."""
+    cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+    side = SchedulerSide(cfg, load=True, store=True, vllm_hash_algo=None)
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: ([5, 6, 7, 8, 9],))
+    prompt = list(range(1, 5 * BS + 2))
+    hashes = side.hasher.hash_blocks(prompt)
+    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[:4])}))
+    req = _request("a", prompt)
+    assert side.matched_tokens(req, 0) == (4 * BS, True)
+    side.after_alloc(req, [5, 6, 7, 8, 9], 4 * BS)
+    assert _step(side, {}).stores == []
+    side.apply(WorkerReport(lost={hashes[2]}, unloaded={"a": 2}))
+    req.num_computed_tokens = 2 * BS  # vLLM rewound the request to what was delivered
+    assert [(sp.block_ids, sp.start) for sp in _step(side, {"a": 3 * BS + 1}).stores] == [((7, 8, 9), 2)]
+
+
+def test_reports_of_two_ranks_keep_the_earliest_undelivered_block():
+    a = WorkerReport(unloaded={"x": 3, "y": 5})
+    b = WorkerReport(unloaded={"x": 1})
+    assert a.merge(b).unloaded == {"x": 1, "y": 5} and b.merge(a).unloaded == {"x": 1, "y": 5}
+

@@ -88,6 +88,7 @@ class SchedulerSide:
         self.key_mismatches = 0
         self._reqs: dict[str, _Request] = {}
         self._loads: list[LoadPlan] = []
+        self._stores: list[StorePlan] = []  # planned outside build_plan (after_alloc), sent with the next step
         # Requests vLLM scheduled in the last step and has not finished: the ones a synchronous load
         # would hold up (vLLM schedules running requests before it asks about waiting ones).
         self._running: set[str] = set()
@@ -160,14 +161,20 @@ class SchedulerSide:
         last = (st.local_tokens + num_external_tokens) // self.block_size
         self._loads.append(LoadPlan(request.request_id, tuple(st.hashes[first:last]),
                                     tuple(block_ids[first:last]), first, sync=st.sync))
+        # The prefix vLLM held itself was found without kvtier, which may have lost some of it: store it
+        # (what kvtier holds is skipped as present), so the chain heals for instances that lack it.
+        k = self.manager.storage_blocks
+        lo, hi = st.stored_blocks // k * k, first // k * k
+        if self.store and hi > lo:
+            self._stores.append(StorePlan(request.request_id, tuple(st.hashes[lo:hi]), tuple(block_ids[lo:hi]), lo))
         # Loaded blocks are stored already: never write them back.
         st.stored_blocks = max(st.stored_blocks, last)
 
     # ------------------------------------------------------------------ per step
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:
-        plan = StepPlan(loads=self._loads)
-        self._loads = []
+        plan = StepPlan(loads=self._loads, stores=self._stores)
+        self._loads, self._stores = [], []
         self._running = set(scheduler_output.num_scheduled_tokens)
         if not self.store:
             return plan
@@ -192,6 +199,11 @@ class SchedulerSide:
 
     def apply(self, report: WorkerReport) -> None:
         self.manager.apply(report)
+        # vLLM recomputes what a load did not deliver: store it once computed (the plan counted it stored).
+        for req_id, pos in report.unloaded.items():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.stored_blocks = min(st.stored_blocks, pos)
 
     def finished(self, request: Any) -> None:
         self._reqs.pop(request.request_id, None)

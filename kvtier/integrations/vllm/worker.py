@@ -27,7 +27,7 @@ import torch
 
 from ... import threads
 from ...config import KvtierConfig
-from ...plans import LoadPlan, StepPlan, WorkerReport
+from ...plans import LoadPlan, StepPlan, StorePlan, WorkerReport
 from ...stack import LoadHandle, TierStack
 
 log = logging.getLogger("kvtier.vllm")
@@ -65,6 +65,11 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._lost: set[bytes] = set()
         self._refused: set[str] = set()  # loads that never started: finished at once, all blocks failed
+        # request id -> first chain position a load did not deliver, for the scheduler (WorkerReport)
+        self._unloaded: dict[str, int] = {}
+        # The same for this step's in-step loads: the step computes those requests over blocks that hold
+        # no valid KV from there on (the engine rewinds them afterwards), so save() must not store them.
+        self._garbage_from: dict[str, int] = {}
         self._started: dict[str, float] = {}
         self.stats = {"loads": 0, "sync_loads": 0, "loaded_blocks": 0, "failed_blocks": 0,
                       "stored_blocks": 0, "store_errors": 0}
@@ -91,6 +96,7 @@ class WorkerSide:
                 self._errors.update(lp.block_ids)
                 self.stats["failed_blocks"] += len(lp.block_ids)
                 self._started.pop(lp.req_id, None)
+                self._not_delivered(lp, lp.start)
                 if not lp.sync:  # vLLM waits for an asynchronous load's end: it ended now
                     self._refused.add(lp.req_id)
                 continue
@@ -105,7 +111,20 @@ class WorkerSide:
             self._settle(lp, handle)
 
     def save(self, plan: StepPlan) -> None:
+        """Copy the step's stored blocks out; for a request whose in-step load failed, only the blocks
+        before the first one it did not deliver (the rest were computed over it)."""
+        garbage, self._garbage_from = self._garbage_from, {}
         for sp in plan.stores:
+            cut = garbage.get(sp.req_id)
+            if cut is not None:
+                keep = max(0, cut - sp.start)
+                if keep < len(sp.hashes):
+                    log.info("kvtier: request %s: blocks %d-%d not stored (computed over blocks its load did not "
+                             "deliver; stored once recomputed)", sp.req_id, sp.start + keep,
+                             sp.start + len(sp.hashes) - 1)
+                sp = StorePlan(sp.req_id, sp.hashes[:keep], sp.block_ids[:keep], sp.start)
+                if not sp.hashes:
+                    continue
             try:
                 res = self.stack.store(list(sp.hashes), list(sp.block_ids), start=sp.start).wait(timeout=60)
                 self.stats["stored_blocks"] += res.num_stored
@@ -138,8 +157,14 @@ class WorkerSide:
             self.stats["failed_blocks"] += len(res.recompute)
             self._errors.update(res.recompute)
             self._lost.update(lp.hashes[res.num_loaded:res.num_loaded + 1])
+            self._not_delivered(lp, lp.start + res.num_loaded)
             log.warning("kvtier: request %s: %d of %d blocks not loaded (recomputed): %s", lp.req_id,
                         len(res.recompute), len(lp.block_ids), "; ".join(res.errors[:3]) or "missing")
+
+    def _not_delivered(self, lp: LoadPlan, pos: int) -> None:
+        self._unloaded[lp.req_id] = min(pos, self._unloaded.get(lp.req_id, pos))
+        if lp.sync:
+            self._garbage_from[lp.req_id] = min(pos, self._garbage_from.get(lp.req_id, pos))
 
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
@@ -148,6 +173,7 @@ class WorkerSide:
     def report(self) -> WorkerReport:
         rep = self.stack.drain_report()
         rep.lost |= self._lost
+        rep.unloaded, self._unloaded = self._unloaded, {}
         self._lost = set()
         return rep
 
