@@ -65,7 +65,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
              pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1,
              load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False,
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
-             max_model_len: int | None = None, max_batched_tokens: int | None = None) -> dict:
+             max_model_len: int | None = None, max_batched_tokens: int | None = None,
+             salts: list[str | None] | None = None) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -83,6 +84,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
         cmd += ["--abort-first"]
     if together:
         cmd += ["--together"]
+    if salts is not None:
+        cmd += ["--salts", ",".join(x or "-" for x in salts)]
     for flag, value in (("--num-blocks", num_blocks), ("--max-tokens", max_tokens), ("--max-model-len", max_model_len),
                         ("--max-batched-tokens", max_batched_tokens)):
         if value is not None:
@@ -400,6 +403,23 @@ def test_preempted_requests_resume_from_host_memory(model_dir, tmp_path):
     assert "blocks not loaded" not in got["log"]
     assert_same_outputs(got["results"], ref["results"])
     assert all(len(r["tokens"]) == 200 for r in got["results"])
+
+
+def test_a_tenants_cache_salt_keeps_its_blocks_to_itself(model_dir, tmp_path):
+    """vLLM's per-request ``cache_salt`` (a tenant's) is part of kvtier's keys, as of vLLM's own block
+    hashes (checked on every request: no mismatch logged).  The prefill stores A for tenant 1; the decode
+    serves A for tenant 2, for no tenant, then for tenant 1: only the last loads (288 tokens), and all
+    three decode the same tokens."""
+    d = tmp_path / "blocks"
+    pre = run_vllm(model_dir, tmp_path, "kv_producer", [A], kv_config(disk(d)), salts=["tenant-1"])
+    assert len(block_files(d)) == 9
+    assert set(block_files(d)).isdisjoint(h.hex() for h in vllm_block_hashes(A))  # not the unsalted keys
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [A, A, A], kv_config(disk(d)),
+                   salts=["tenant-2", None, "tenant-1"])
+    assert [r["cached"] for r in got["results"]] == [0, 0, 288]
+    assert len(re.findall(r"blocks loaded", got["log"])) == 1
+    assert "block keys differ" not in pre["log"] + got["log"]
+    assert got["results"][0]["tokens"] == got["results"][1]["tokens"] == got["results"][2]["tokens"]
 
 
 def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path):

@@ -4,7 +4,7 @@ tokens, top logprobs and cached-token counts as JSON.
 
     python tests/vllm/driver.py --model DIR --role kv_producer|kv_consumer|kv_both|none --config YAML
         --prompts FILE --out FILE [--pause-after K --ready FILE --go FILE] [--load-mode M]
-        [--while-decoding] [--abort-first] [--together --num-blocks N]
+        [--while-decoding] [--abort-first] [--together --num-blocks N] [--salts S1,S2,...]
 
 ``--pause-after K``: after K prompts, create ``--ready`` and wait for ``--go`` (a test kills a server
 in between).  ``--load-mode``: the connector's ``kv_connector_extra_config.load_mode``.
@@ -15,6 +15,7 @@ vLLM has every KV block free again (the engine runs in this process for this) (`
 level (INFO).  ``--together``: all prompts in one ``generate`` call (vLLM batches them); with
 ``--num-blocks`` (vLLM's KV cache size in blocks) small enough, it preempts some and resumes them later.
 ``--max-batched-tokens``: vLLM's token budget per step (a longer prompt is prefilled in chunks).
+``--salts``: each prompt's ``cache_salt`` (a tenant's), in order; ``-`` for none.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-batched-tokens", type=int)
+    ap.add_argument("--salts")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.abort_first:  # the engine core in this process: one LLMEngine.step() is exactly one engine step
@@ -82,12 +84,15 @@ def main() -> None:
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=2, detokenize=False)
     with open(a.prompts) as f:
-        prompts = json.load(f)
+        prompts = [{"prompt_token_ids": p} for p in json.load(f)]
+    for p, salt in zip(prompts, a.salts.split(",") if a.salts else []):
+        if salt != "-":
+            p["cache_salt"] = salt
     results = []
-    aborted = _abort_while_loading(llm, prompts[0], params) if a.abort_first else None
+    aborted = _abort_while_loading(llm, prompts[0]["prompt_token_ids"], params) if a.abort_first else None
     if a.together:
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         results = [_result(o, time.perf_counter() - t) for o in outs]
         prompts = []
     for i, p in enumerate(prompts):
@@ -99,7 +104,7 @@ def main() -> None:
         if a.while_decoding:
             out = _while_decoding(llm, p, params, f"p{i}")
         else:
-            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+            out = llm.generate([p], params, use_tqdm=False)[0]
         results.append(_result(out, time.perf_counter() - t))
     with open(a.out, "w") as f:
         json.dump({"startup_s": startup, "results": results, "abort": aborted}, f)
@@ -141,7 +146,7 @@ def _abort_while_loading(llm, prompt: list[int], params) -> dict:
     return {"in_use_after_abort": in_use_after_abort, "freed_after_steps": steps}
 
 
-def _while_decoding(llm, prompt: list[int], params, req_id: str):
+def _while_decoding(llm, prompt: dict, params, req_id: str):
     """Serve ``prompt`` while another request (unrelated tokens) decodes: it runs 4 steps first and is
     aborted once the prompt has finished."""
     from vllm import SamplingParams
@@ -151,7 +156,7 @@ def _while_decoding(llm, prompt: list[int], params, req_id: str):
     eng.add_request(f"{req_id}-decoder", {"prompt_token_ids": list(range(400, 440))}, dec)
     for _ in range(4):
         eng.step()
-    eng.add_request(req_id, {"prompt_token_ids": prompt}, params)
+    eng.add_request(req_id, prompt, params)
     while True:
         for o in eng.step():
             if o.request_id == req_id and o.finished:
