@@ -92,6 +92,11 @@ class StepPlan:
         return bool(self.loads or self.stores)
 
 
+def keep_earliest(positions: dict[str, int], req_id: str, pos: int) -> None:
+    """Record ``pos`` for ``req_id`` unless an earlier position is recorded already."""
+    positions[req_id] = min(pos, positions.get(req_id, pos))
+
+
 @dataclass
 class WorkerReport:
     """What the worker learnt since its last report: blocks now in its host memory (hash, slot), blocks
@@ -113,11 +118,11 @@ class WorkerReport:
         gone = self.left_host | other.left_host | (self.in_host.keys() ^ other.in_host.keys())
         unloaded = dict(self.unloaded)
         for req_id, pos in other.unloaded.items():
-            unloaded[req_id] = min(pos, unloaded.get(req_id, pos))
+            keep_earliest(unloaded, req_id, pos)
         return WorkerReport(both, set(gone), self.lost | other.lost, unloaded)
 
     def __bool__(self) -> bool:
         return bool(self.in_host or self.left_host or self.lost or self.unloaded)
 
 
-__all__ = ["LoadPlan", "Lookup", "LookupState", "StepPlan", "StorePlan", "WorkerReport"]
+__all__ = ["LoadPlan", "Lookup", "LookupState", "StepPlan", "StorePlan", "WorkerReport", "keep_earliest"]

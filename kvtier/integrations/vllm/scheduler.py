@@ -3,8 +3,8 @@
 It lives in vLLM's EngineCore process and holds a :class:`~kvtier.manager.TierManager` (no tensors).
 
 * ``matched_tokens``: the longest run of stored blocks right after the prefix vLLM holds itself (full
-  blocks, at most all but the last prompt token, since vLLM must compute one).  A backend probe in flight answers None, so vLLM
-  asks again next step while other requests run.  A hit is loaded as :class:`LoadMode` says: by default
+  blocks, at most all but the last prompt token, since vLLM must compute one).  A backend probe in
+  flight answers None, so vLLM asks again next step while other requests run.  A hit is loaded as :class:`LoadMode` says: by default
   asynchronously (vLLM holds the request until a later step reports the load finished, and no step
   ever waits on kvtier's I/O).
 * ``after_alloc``: records a :class:`~kvtier.plans.LoadPlan` for the blocks vLLM allocated.
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ...config import KvtierConfig
@@ -163,10 +164,9 @@ class SchedulerSide:
                                     tuple(block_ids[first:last]), first, sync=st.sync))
         # The prefix vLLM held itself was found without kvtier, which may have lost some of it: store it
         # (what kvtier holds is skipped as present), so the chain heals for instances that lack it.
-        k = self.manager.storage_blocks
-        lo, hi = st.stored_blocks // k * k, first // k * k
-        if self.store and hi > lo:
-            self._stores.append(StorePlan(request.request_id, tuple(st.hashes[lo:hi]), tuple(block_ids[lo:hi]), lo))
+        sp = self._store_upto(st, first, lambda: block_ids) if self.store else None
+        if sp is not None:
+            self._stores.append(sp)
         # Loaded blocks are stored already: never write them back.
         st.stored_blocks = max(st.stored_blocks, last)
 
@@ -185,17 +185,27 @@ class SchedulerSide:
             req = st.request
             done = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
             upto = min(done // self.block_size, len(st.hashes))
-            # Stored values of several blocks (storage.block_tokens) are whole groups: store up to the
-            # last complete group, from the boundary of the first group not yet stored.
-            k = self.manager.storage_blocks
-            upto = upto // k * k
-            if upto <= st.stored_blocks:
-                continue
-            ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-            first = st.stored_blocks // k * k
-            plan.stores.append(StorePlan(req_id, tuple(st.hashes[first:upto]), tuple(ids[first:upto]), first))
-            st.stored_blocks = upto
+            sp = self._store_upto(st, upto, partial(self._block_ids, req_id))
+            if sp is not None:
+                plan.stores.append(sp)
         return plan
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def _store_upto(self, st: _Request, upto: int, block_ids: Callable[[], list[int]]) -> StorePlan | None:
+        """The plan storing ``st``'s blocks not yet stored, up to block ``upto``, counted stored; None when
+        there are none (``block_ids``, the request's device blocks, is then never asked for).  Stored
+        values of several blocks (storage.block_tokens) are whole groups: up to the last complete group,
+        from the boundary of the first group not yet stored."""
+        k = self.manager.storage_blocks
+        upto = upto // k * k
+        if upto <= st.stored_blocks:
+            return None
+        first = st.stored_blocks // k * k
+        st.stored_blocks = upto
+        ids = block_ids()
+        return StorePlan(st.request.request_id, tuple(st.hashes[first:upto]), tuple(ids[first:upto]), first)
 
     def apply(self, report: WorkerReport) -> None:
         self.manager.apply(report)

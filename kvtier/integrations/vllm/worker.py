@@ -27,7 +27,7 @@ import torch
 
 from ... import threads
 from ...config import KvtierConfig
-from ...plans import LoadPlan, StepPlan, StorePlan, WorkerReport
+from ...plans import LoadPlan, StepPlan, StorePlan, WorkerReport, keep_earliest
 from ...stack import LoadHandle, TierStack
 
 log = logging.getLogger("kvtier.vllm")
@@ -162,9 +162,9 @@ class WorkerSide:
                         len(res.recompute), len(lp.block_ids), "; ".join(res.errors[:3]) or "missing")
 
     def _not_delivered(self, lp: LoadPlan, pos: int) -> None:
-        self._unloaded[lp.req_id] = min(pos, self._unloaded.get(lp.req_id, pos))
+        keep_earliest(self._unloaded, lp.req_id, pos)
         if lp.sync:
-            self._garbage_from[lp.req_id] = min(pos, self._garbage_from.get(lp.req_id, pos))
+            keep_earliest(self._garbage_from, lp.req_id, pos)
 
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
