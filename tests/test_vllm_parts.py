@@ -233,3 +233,69 @@ def test_reports_of_two_ranks_keep_the_earliest_undelivered_block():
     b = WorkerReport(unloaded={"x": 1})
     assert a.merge(b).unloaded == {"x": 1, "y": 5} and b.merge(a).unloaded == {"x": 1, "y": 5}
 
+
+
+@pytest.fixture
+def bare_logging(monkeypatch):
+    """Logging as vLLM leaves it in its server processes: a handler on ``vllm`` only (writing into a
+    buffer here), none on the root logger or on ``kvtier``; restored afterwards."""
+    import io
+    import logging
+
+    root, ours, vllm = logging.getLogger(), logging.getLogger("kvtier"), logging.getLogger("vllm")
+    saved = (root.handlers[:], ours.handlers[:], ours.level, ours.propagate, vllm.handlers[:], vllm.level)
+    buf = io.StringIO()
+    theirs = logging.StreamHandler(buf)
+    theirs.setFormatter(logging.Formatter("VLLMFMT %(levelname)s [%(filename)s] %(message)s"))
+    vllm.setLevel(logging.INFO)
+    monkeypatch.delenv("KVTIER_LOG_LEVEL", raising=False)
+
+    def bare() -> io.StringIO:
+        # in the test's body: pytest gives the root logger its capture handlers once the test starts
+        root.handlers, ours.handlers, vllm.handlers = [], [], [theirs]
+        return buf
+
+    yield bare
+    root.handlers, ours.handlers, ours.level, ours.propagate, vllm.handlers, vllm.level = \
+        saved[0], saved[1], saved[2], saved[3], saved[4], saved[5]
+
+
+def test_kvtier_logs_through_a_handler_like_vllms(bare_logging):
+    import logging
+
+    from kvtier.integrations.vllm.logs import join_vllm_logging
+
+    out = bare_logging()
+    assert join_vllm_logging() and not join_vllm_logging()  # once per process
+    log = logging.getLogger("kvtier.vllm")
+    log.info("scheduler side up")
+    log.debug("not at vLLM's level")
+    assert out.getvalue() == "VLLMFMT INFO [test_vllm_parts.py] scheduler side up\n"
+
+
+def test_kvtier_log_level_comes_from_its_variable_and_a_bad_one_is_named(bare_logging, monkeypatch):
+    import logging
+
+    from kvtier.integrations.vllm.logs import join_vllm_logging
+
+    out = bare_logging()
+    monkeypatch.setenv("KVTIER_LOG_LEVEL", "verbose")
+    with pytest.raises(ValueError, match=r"KVTIER_LOG_LEVEL='verbose': expected one of DEBUG, INFO"):
+        join_vllm_logging()
+    monkeypatch.setenv("KVTIER_LOG_LEVEL", "debug")
+    assert join_vllm_logging()
+    logging.getLogger("kvtier.vllm").debug("copied out")
+    assert "DEBUG" in out.getvalue() and "copied out" in out.getvalue()
+
+
+def test_kvtier_leaves_logging_alone_where_the_application_set_it_up(bare_logging):
+    import logging
+
+    from kvtier.integrations.vllm.logs import join_vllm_logging
+
+    bare_logging()
+    logging.getLogger().handlers = [logging.NullHandler()]  # a script's basicConfig
+    assert not join_vllm_logging() and not logging.getLogger("kvtier").handlers
+    logging.getLogger().handlers = []
+    logging.getLogger("vllm").handlers = []  # VLLM_CONFIGURE_LOGGING=0
+    assert not join_vllm_logging() and not logging.getLogger("kvtier").handlers

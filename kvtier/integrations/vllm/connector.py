@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from ...plans import StepPlan, WorkerReport
 from .facts import kv_layers, kvtier_config
+from .logs import join_vllm_logging
 from .scheduler import LoadMode, SchedulerSide
 from .worker import WorkerSide, detect_layout, layer_order
 
@@ -95,6 +96,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        join_vllm_logging()  # before the first line kvtier logs in this process
         ktc = self._kv_transfer_config  # the base class checked it is set
         self._load = ktc.kv_role in ("kv_consumer", "kv_both")
         self._store = ktc.kv_role in ("kv_producer", "kv_both")
