@@ -411,15 +411,20 @@ class BlockIndex:
         if s is None:
             return False
         m = self._mask[s]
-        return all((m >> i) & 1 for i in backends)
+        for i in backends:  # a loop, not all(<generator>): called per block on the store path
+            if not (m >> i) & 1:
+                return False
+        return True
 
     def refs(self, key: bytes) -> int:
         """Ref count of ``key``; KeyError if absent."""
-        return self._refs[self._slot(key)]
+        s = self._slots.get(key)
+        return self._refs[self._slot(key) if s is None else s]
 
     def hits(self, key: bytes) -> int:
         """Hit count of ``key``; KeyError if absent."""
-        return self._hits[self._slot(key)]
+        s = self._slots.get(key)
+        return self._hits[self._slot(key) if s is None else s]
 
     def key_at_device(self, block_id: int) -> bytes | None:
         return self._key_at(0, block_id)
@@ -434,21 +439,30 @@ class BlockIndex:
     # -- refs and recency
     def pin(self, key: bytes, n: int = 1) -> int:
         """Add ``n`` references; a pinned entry is never an eviction candidate.  Returns the new count."""
-        s = self._slot(key)
+        s = self._slots.get(key)
+        return self._pin_slot(key, self._slot(key) if s is None else s, n)
+
+    def unpin(self, key: bytes, n: int = 1) -> int:
+        """Drop ``n`` references; at 0 the entry rejoins its tiers' LRU lists at the MRU end."""
+        s = self._slots.get(key)
+        return self._unpin_slot(key, self._slot(key) if s is None else s, n)
+
+    # The single-key operations below look the key up once and work on its slot: a simulation makes
+    # millions of them, and a method call per step was most of their cost.
+    def _pin_slot(self, key: bytes, s: int, n: int) -> int:
         if n < 1:
             raise ValueError(f"block {key.hex()}: pin count must be >= 1, got {n}")
         r = self._refs[s]
         if r == 0:
             self._pinned += 1
-            for t in (0, 1):
-                if self._loc[t][s] >= 0:
-                    self._unlink(t, s)
+            if self._dev[s] >= 0:
+                self._unlink(0, s)
+            if self._host[s] >= 0:
+                self._unlink(1, s)
         self._refs[s] = r + n
         return r + n
 
-    def unpin(self, key: bytes, n: int = 1) -> int:
-        """Drop ``n`` references; at 0 the entry rejoins its tiers' LRU lists at the MRU end."""
-        s = self._slot(key)
+    def _unpin_slot(self, key: bytes, s: int, n: int) -> int:
         r = self._refs[s]
         if n < 1 or n > r:
             raise ValueError(f"block {key.hex()}: cannot unpin by {n}, ref count is {r}"
@@ -457,14 +471,17 @@ class BlockIndex:
         self._refs[s] = r
         if r == 0:
             self._pinned -= 1
-            for t in (0, 1):
-                if self._loc[t][s] >= 0:
-                    self._link_mru(t, s)
+            if self._dev[s] >= 0:
+                self._link_mru(0, s)
+            if self._host[s] >= 0:
+                self._link_mru(1, s)
         return r
 
     def touch(self, key: bytes, now: float | None = None) -> None:
         """Count a hit, stamp the access time, and move the entry to MRU in its memory tiers."""
-        s = self._slot(key)
+        s = self._slots.get(key)
+        if s is None:
+            s = self._slot(key)
         h = self._hits[s]
         if h < _HITS_MAX:
             self._hits[s] = h + 1
@@ -483,14 +500,20 @@ class BlockIndex:
 
     # -- locations
     def _check_free_id(self, t: int, ident: int, key: bytes, s: int) -> None:
-        what = ("device block", "host slot")[t]
-        if not isinstance(ident, (int, np.integer)) or not 0 <= ident <= _ID_MAX:
-            raise ValueError(f"block {key.hex()}: {what} must be an int in [0, {_ID_MAX}], got {ident!r}")
+        if type(ident) is not int or not 0 <= ident <= _ID_MAX:
+            self._check_id_type(t, ident, key)
         rev = self._rev[t]
         owner = rev[ident] if ident < len(rev) else -1
         if owner >= 0 and owner != s:
+            what = ("device block", "host slot")[t]
             raise ValueError(f"block {key.hex()}: {what} {ident} already holds block "
                              f"{_hex(self._keys[owner] or b'')}")
+
+    @staticmethod
+    def _check_id_type(t: int, ident: int, key: bytes) -> None:
+        what = ("device block", "host slot")[t]
+        if not isinstance(ident, (int, np.integer)) or not 0 <= ident <= _ID_MAX:
+            raise ValueError(f"block {key.hex()}: {what} must be an int in [0, {_ID_MAX}], got {ident!r}")
 
     def _attach(self, t: int, s: int, ident: int) -> None:
         ident = int(ident)
@@ -535,10 +558,13 @@ class BlockIndex:
 
     def clear_host(self, key: bytes) -> int | None:
         """Forget the host copy; returns the host slot it had, or None."""
-        return self._detach(1, self._slot(key))
+        s = self._slots.get(key)
+        return self._detach(1, self._slot(key) if s is None else s)
 
     def _set(self, t: int, key: bytes, ident: int) -> int | None:
-        s = self._slot(key)
+        s = self._slots.get(key)
+        if s is None:
+            s = self._slot(key)
         self._check_free_id(t, ident, key, s)
         old = self._loc[t][s]
         self._attach(t, s, ident)
@@ -553,8 +579,11 @@ class BlockIndex:
         return self._flip(key, i, False)
 
     def _flip(self, key: bytes, i: int, on: bool) -> bool:
-        _check_backend(i)
-        s = self._slot(key)
+        if type(i) is not int or not 0 <= i < MAX_BACKENDS:
+            _check_backend(i)
+        s = self._slots.get(key)
+        if s is None:
+            s = self._slot(key)
         m = self._mask[s]
         if bool((m >> i) & 1) == on:
             return False
@@ -629,34 +658,55 @@ class BlockIndex:
     # -- compound updates (the tier stack and its simulator make exactly these)
     def acquire(self, key: bytes) -> None:
         """An operation starts using ``key``: pin it, inserting it first if absent."""
-        if key not in self._slots:
+        s = self._slots.get(key)
+        if s is None:
             self.insert(key)
-        self.pin(key)
+            s = self._slots[key]
+        self._pin_slot(key, s, 1)
 
     def release(self, key: bytes) -> None:
         """An operation is done with ``key``: unpin it, and drop the entry if that leaves it nowhere and
         unreferenced."""
-        self.unpin(key)
-        self.discard_if_unused(key)
+        s = self._slots.get(key)
+        if s is None:
+            s = self._slot(key)
+        if not self._unpin_slot(key, s, 1) and self._dev[s] < 0 and self._host[s] < 0 and not self._mask[s]:
+            self._drop_slot(key, s)
 
     def place_on_device(self, key: bytes, block_id: int) -> None:
         """``key`` is now in device block ``block_id`` (inserted if absent): whatever key the index said
         that block held loses its device copy first."""
-        other = self.key_at_device(block_id)
-        if other is not None and other != key:
-            self.clear_device(other)
-            self.discard_if_unused(other)
-        if key not in self._slots:
+        rev = self._rev[0]
+        o = rev[block_id] if type(block_id) is int and 0 <= block_id < len(rev) else -1
+        if o >= 0 and self._keys[o] != key:
+            self._detach(0, o)
+            other = self._keys[o]
+            if not self._refs[o] and self._host[o] < 0 and not self._mask[o] and other is not None:
+                self._drop_slot(other, o)
+        elif o < 0:
+            other = self.key_at_device(block_id)  # an id that is not a plain int: the checked path
+            if other is not None and other != key:
+                self.clear_device(other)
+                self.discard_if_unused(other)
+        s = self._slots.get(key)
+        if s is None:
             self.insert(key)
-        self.set_device(key, block_id)
+            s = self._slots[key]
+        self._check_free_id(0, block_id, key, s)
+        self._attach(0, s, block_id)
 
     def free_device(self, block_id: int) -> None:
         """Device block ``block_id`` is freed or about to be overwritten: the key it held, if any, loses its
         device copy (and its entry, if that leaves it nowhere and unreferenced)."""
-        key = self.key_at_device(block_id)
-        if key is not None:
-            self.clear_device(key)
-            self.discard_if_unused(key)
+        rev = self._rev[0]
+        if type(block_id) is not int:
+            block_id = int(block_id)
+        s = rev[block_id] if 0 <= block_id < len(rev) else -1
+        if s >= 0:
+            self._detach(0, s)
+            key = self._keys[s]
+            if not self._refs[s] and self._host[s] < 0 and not self._mask[s] and key is not None:
+                self._drop_slot(key, s)
 
     # -- prefix lookup
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:

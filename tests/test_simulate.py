@@ -113,6 +113,56 @@ def test_hashed_trace_simulates_like_its_token_trace(tmp_path):
     assert sum(ra.hit_blocks.values()) > 0
 
 
+def test_a_trace_hashed_once_simulates_exactly_like_the_trace(tmp_path):
+    """What a grid's workers replay (the trace hashed once in the parent) gives every figure the trace
+    itself gives: token rows with a salt, length rows sharing a prefix, hashes rows, a prompt shorter
+    than a block, rows without a time."""
+    from dataclasses import asdict
+
+    from kvtier.simulate.hashed import hash_trace, iter_hashed
+
+    config = load_config(_config(tmp_path, host="2MiB", disk="4MiB", write="write_back"), env={})
+    hasher = config.namespace().hasher()
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 2048, 256).tolist()
+    rows = []
+    for i in range(60):
+        kind = i % 4
+        if kind == 0:
+            rows.append({"t": i * 0.1, "tokens": shared + rng.integers(0, 2048, 40).tolist(), "cache_salt": "a"})
+        elif kind == 1:
+            rows.append({"t": i * 0.1, "length": 300, "prefix_id": i % 3, "prefix_length": 200, "max_new_tokens": 8})
+        elif kind == 2:
+            rows.append({"num_tokens": 250, "hashes": [h.hex() for h in hasher.hash_blocks(shared[:250])]})
+        else:
+            rows.append({"tokens": [1, 2, 3]})
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    n, _ = hash_trace(iter_trace(trace), hasher, tmp_path / "t.bin")
+    assert n == 60
+    direct = asdict(simulate(config, iter_trace(trace), device_blocks=24))
+    replayed = asdict(simulate(config, iter_hashed(tmp_path / "t.bin"), device_blocks=24))
+    for timing in ("sim_s", "hash_s"):
+        direct.pop(timing), replayed.pop(timing)
+    assert replayed == direct
+    assert direct["hit_blocks"]["local_disk"] > 0 and direct["evicted"]["host"] > 0
+
+
+def test_a_grid_hashes_its_trace_once_per_way_of_keying_blocks(tmp_path):
+    import argparse
+
+    from kvtier.commands.simulate import _hash_once
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"length": 100 + i}) + "\n" for i in range(5)))
+    args = argparse.Namespace(trace=str(trace), seed=0)
+    same = grid_points(None, parse_axes(["host.capacity=1MiB,4MiB,8MiB"]), env={})
+    files, _ = _hash_once(args, same, tmp_path)
+    assert len(set(files)) == 1 and files[0] is not None
+    seeds = grid_points(None, parse_axes(["keys.seed=1,2", "host.capacity=1MiB,4MiB"]), env={})
+    files, _ = _hash_once(args, seeds, tmp_path)
+    assert len(set(files)) == 2 and files[0] == files[1] != files[2] == files[3]
+
 
 def test_kvtier_run_refuses_hashed_rows(tmp_path, capsys):
     b = tmp_path / "hashes.jsonl"

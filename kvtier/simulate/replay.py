@@ -99,7 +99,7 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
         h0 = clock()
         if req.hashes is not None:
             hashes = req.hashes
-            if len(hashes[0]) != hasher.digest_size:
+            if hashes and len(hashes[0]) != hasher.digest_size:
                 raise ValueError(f"request {i}: hashes are {len(hashes[0])} bytes, keys.algo "
                                  f"{stack.namespace.hash_algo} makes {hasher.digest_size}")
             prompt = [0] * (req.num_tokens or len(hashes) * B)

@@ -32,6 +32,7 @@ from ..groups import group_of, load_chunks, whole_groups
 from ..index import BlockIndex, Tier
 from ..manager import TierManager
 from ..metrics import StackMetrics
+from ..policy_api import EvictionPolicy
 from .ledger import LedgerBackend
 
 
@@ -88,6 +89,12 @@ class SimulatedStack:
         self.counters = {n: TierCounters() for n in ["host", *names]}
         self.now = 0.0  # trace time of the request being served (store traffic per second)
         self._keys = self.namespace.keys
+        # The eviction policy's order hooks, or None where the policy keeps no order of its own (the
+        # built-in LRU reads the index's): a simulation calls them per block, a no-op call is pure cost.
+        ev = type(self.eviction_policy)
+        self._on_insert = None if ev.on_insert is EvictionPolicy.on_insert else self.eviction_policy.on_insert
+        self._on_access = None if ev.on_access is EvictionPolicy.on_access else self.eviction_policy.on_access
+        self._on_remove = None if ev.on_remove is EvictionPolicy.on_remove else self.eviction_policy.on_remove
 
     # ------------------------------------------------------------------ what the engine calls
 
@@ -142,8 +149,9 @@ class SimulatedStack:
         hits: list[bytes] = []
         seen: set[bytes] = set()
         host_slot, hosted, writable = idx.host_slot, bool(self.host_slots), self.writable
+        place, acquire = idx.place_on_device, idx.acquire
         for i, (key, b) in enumerate(zip(hashes, block_ids)):
-            self.index.place_on_device(key, int(b))
+            place(key, int(b))
             held = host_slot(key) is not None if hosted else bool(writable) and idx.in_backends(key, writable)
             if key in seen or held:
                 status[i] = PRESENT
@@ -153,7 +161,7 @@ class SimulatedStack:
                 continue
             seen.add(key)
             new.append(i)
-            self.index.acquire(key)
+            acquire(key)
         if hits:
             self._write_down(hits)
         if not new:
@@ -168,15 +176,16 @@ class SimulatedStack:
         if taken < len(new):
             self.counters["host"].skipped += len(new) - taken
         down = []
+        commit, on_store, release = self._commit_host, self.write_policy.on_store, idx.release
         for j, i in enumerate(new):
             key = hashes[i]
             if j < taken:
-                self._commit_host(key, slots[j])
-                self.counters["host"].written += 1
+                commit(key, slots[j])
                 status[i] = STORED
-                if self.write_policy.on_store(key):
+                if on_store(key):
                     down.append(key)
-            self.index.release(key)
+            release(key)
+        self.counters["host"].written += taken
         if self.storage_blocks > 1:
             groups = [tuple(hashes[a:b + 1]) for a, b in whole_groups(start, n, self.storage_blocks)]
             for g in groups:
@@ -441,28 +450,33 @@ class SimulatedStack:
     def _hit(self, key: bytes) -> int:
         idx = self.index
         idx.touch(key, self.now)
-        if idx.host_slot(key) is not None:
-            self.eviction_policy.on_access(Tier.HOST, [key])
+        if self._on_access is not None and idx.host_slot(key) is not None:
+            self._on_access(Tier.HOST, [key])
         return idx.hits(key)
 
     def _commit_host(self, key: bytes, slot: int) -> None:
-        held = self.index.host_slot(key)
+        idx = self.index
+        held = idx.host_slot(key)
         if held is not None and held != slot:
             self._free_slots.append(slot)
             return
-        if key not in self.index:
-            self.index.insert(key)
-        self.index.set_host(key, slot)
-        self.eviction_policy.on_insert(Tier.HOST, [key])
+        if key not in idx:
+            idx.insert(key)
+        idx.set_host(key, slot)
+        if self._on_insert is not None:
+            self._on_insert(Tier.HOST, [key])
 
     def _drop_host(self, key: bytes) -> None:
-        slot = self.index.clear_host(key)
-        self._members.pop(key, None)
+        idx = self.index
+        slot = idx.clear_host(key)
+        if self._members:
+            self._members.pop(key, None)
         if slot is not None:
             self._free_slots.append(slot)
-            self.eviction_policy.on_remove(Tier.HOST, [key])
+            if self._on_remove is not None:
+                self._on_remove(Tier.HOST, [key])
             self.counters["host"].evicted += 1
-        self.index.discard_if_unused(key)
+        idx.discard_if_unused(key)
 
 
 __all__ = ["SimulatedStack", "TierCounters"]
