@@ -411,7 +411,7 @@ class BlockIndex:
         if s is None:
             return False
         m = self._mask[s]
-        for i in backends:  # a loop, not all(<generator>): called per block on the store path
+        for i in backends:  # noqa: SIM110 - a loop, not all(<generator>): called per block on the store path
             if not (m >> i) & 1:
                 return False
         return True
