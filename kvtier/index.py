@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import enum
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -676,18 +677,16 @@ class BlockIndex:
     def place_on_device(self, key: bytes, block_id: int) -> None:
         """``key`` is now in device block ``block_id`` (inserted if absent): whatever key the index said
         that block held loses its device copy first."""
+        if type(block_id) is not int:
+            self._check_id_type(0, block_id, key)  # a numpy int passes; a float, a string: ValueError
+            block_id = int(block_id)
         rev = self._rev[0]
-        o = rev[block_id] if type(block_id) is int and 0 <= block_id < len(rev) else -1
+        o = rev[block_id] if 0 <= block_id < len(rev) else -1
         if o >= 0 and self._keys[o] != key:
             self._detach(0, o)
             other = self._keys[o]
             if not self._refs[o] and self._host[o] < 0 and not self._mask[o] and other is not None:
                 self._drop_slot(other, o)
-        elif o < 0:
-            other = self.key_at_device(block_id)  # an id that is not a plain int: the checked path
-            if other is not None and other != key:
-                self.clear_device(other)
-                self.discard_if_unused(other)
         s = self._slots.get(key)
         if s is None:
             self.insert(key)
@@ -700,7 +699,7 @@ class BlockIndex:
         device copy (and its entry, if that leaves it nowhere and unreferenced)."""
         rev = self._rev[0]
         if type(block_id) is not int:
-            block_id = int(block_id)
+            block_id = operator.index(block_id)
         s = rev[block_id] if 0 <= block_id < len(rev) else -1
         if s >= 0:
             self._detach(0, s)

@@ -270,6 +270,21 @@ def test_device_ids_and_host_slots_are_unique_and_reversible():
     ix.validate()
 
 
+def test_place_on_device_takes_numpy_ids_and_names_the_block_of_a_bad_one():
+    ix = BlockIndex()
+    a, b = key(1), key(2)
+    ix.place_on_device(a, np.int64(4))
+    ix.place_on_device(b, 4)  # the block now holds b: a lost its device copy and, being nowhere, its entry
+    assert ix.key_at_device(4) == b and a not in ix
+    for bad in (4.0, "4", -1):
+        with pytest.raises(ValueError, match=f"block {a.hex()}: device block must be an int in .*got {bad!r}"):
+            ix.place_on_device(a, bad)
+    assert ix.key_at_device(4) == b
+    ix.free_device(np.int32(4))
+    assert ix.key_at_device(4) is None and b not in ix
+    ix.validate()
+
+
 def test_error_messages_name_the_key():
     ix = BlockIndex()
     k = key(42)
