@@ -651,10 +651,19 @@ class BlockIndex:
     def discard_if_unused(self, key: bytes) -> bool:
         """Remove ``key`` if it is in no tier and unreferenced (keeps an index of hints bounded)."""
         s = self._slots.get(key)
-        if s is None or self._refs[s] or self._dev[s] >= 0 or self._host[s] >= 0 or self._mask[s]:
+        return s is not None and self._drop_if_unused(s)
+
+    def _drop_if_unused(self, s: int) -> bool:
+        """Drop live slot ``s`` if its entry is in no tier and unreferenced; whether it did."""
+        if self._refs[s] or self._dev[s] >= 0 or self._host[s] >= 0 or self._mask[s]:
             return False
-        self._drop_slot(key, s)
+        self._drop_slot(self._keys[s] or b"", s)  # a live slot always holds a key
         return True
+
+    def _vacate_device(self, s: int) -> None:
+        """Live slot ``s`` loses its device copy, and its entry if that leaves it unused."""
+        self._detach(0, s)
+        self._drop_if_unused(s)
 
     # -- compound updates (the tier stack and its simulator make exactly these)
     def acquire(self, key: bytes) -> None:
@@ -671,8 +680,8 @@ class BlockIndex:
         s = self._slots.get(key)
         if s is None:
             s = self._slot(key)
-        if not self._unpin_slot(key, s, 1) and self._dev[s] < 0 and self._host[s] < 0 and not self._mask[s]:
-            self._drop_slot(key, s)
+        if not self._unpin_slot(key, s, 1):
+            self._drop_if_unused(s)
 
     def place_on_device(self, key: bytes, block_id: int) -> None:
         """``key`` is now in device block ``block_id`` (inserted if absent): whatever key the index said
@@ -683,10 +692,7 @@ class BlockIndex:
         rev = self._rev[0]
         o = rev[block_id] if 0 <= block_id < len(rev) else -1
         if o >= 0 and self._keys[o] != key:
-            self._detach(0, o)
-            other = self._keys[o]
-            if not self._refs[o] and self._host[o] < 0 and not self._mask[o] and other is not None:
-                self._drop_slot(other, o)
+            self._vacate_device(o)
         s = self._slots.get(key)
         if s is None:
             self.insert(key)
@@ -702,10 +708,7 @@ class BlockIndex:
             block_id = operator.index(block_id)
         s = rev[block_id] if 0 <= block_id < len(rev) else -1
         if s >= 0:
-            self._detach(0, s)
-            key = self._keys[s]
-            if not self._refs[s] and self._host[s] < 0 and not self._mask[s] and key is not None:
-                self._drop_slot(key, s)
+            self._vacate_device(s)
 
     # -- prefix lookup
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:

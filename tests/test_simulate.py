@@ -268,6 +268,15 @@ def test_simulate_refuses_hashes_of_another_algorithm_and_a_host_tier_too_small(
         simulate(small, iter_trace(p))
 
 
+def test_a_grid_refuses_hashes_of_another_algorithm_before_any_point_runs(tmp_path, capsys):
+    """With several points the trace is hashed once in the parent: the same error, before any worker."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"hashes": ["00" * 32]}) + "\n" + json.dumps({"hashes": ["00" * 16]}) + "\n")
+    assert main(["simulate", "--trace", str(p), "--grid", "host.capacity=1GiB,2GiB", "--jobs", "1",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "request 1: hashes are 16 bytes, keys.algo sha256_cbor makes 32" in capsys.readouterr().err
+
+
 def test_cli_refuses_a_rate_that_is_not_positive(capsys):
     assert main(["simulate", "--rate", "0"]) == 2
     assert "--rate: expected > 0, got 0.0" in capsys.readouterr().err

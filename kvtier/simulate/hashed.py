@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..keys import BlockHasher
 from ..workload import Request
+from .replay import check_digest_size
 
 MAGIC = b"KVTHASH1"
 _HEAD = struct.Struct("<H")
@@ -37,9 +38,7 @@ def hash_trace(requests: Iterable[Request], hasher: BlockHasher, path: str | Pat
         for req in requests:
             if req.hashes is not None:
                 hashes = req.hashes
-                if hashes and len(hashes[0]) != hasher.digest_size:
-                    raise ValueError(f"request {n}: hashes are {len(hashes[0])} bytes, keys.algo "
-                                     f"{hasher.algo} makes {hasher.digest_size}")
+                check_digest_size(hashes, hasher, n)  # the file slices every hash at one size
                 num_tokens = req.num_tokens or len(hashes) * hasher.block_size
             else:
                 h0 = clock()

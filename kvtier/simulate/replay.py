@@ -9,7 +9,7 @@ one takes, minus the bytes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 from ..blockpool import BlockPool
 from ..config import KvtierConfig
 from ..integrations.engine import CachedEngine
+from ..keys import BlockHasher
 from ..workload import ChatWorkload, Request
 from .stack import SimulatedStack
 
@@ -99,9 +100,7 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
         h0 = clock()
         if req.hashes is not None:
             hashes = req.hashes
-            if hashes and len(hashes[0]) != hasher.digest_size:
-                raise ValueError(f"request {i}: hashes are {len(hashes[0])} bytes, keys.algo "
-                                 f"{stack.namespace.hash_algo} makes {hasher.digest_size}")
+            check_digest_size(hashes, hasher, i)
             prompt = [0] * (req.num_tokens or len(hashes) * B)
         else:
             prompt = req.tokens
@@ -140,6 +139,13 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
     return res
 
 
+def check_digest_size(hashes: Sequence[bytes], hasher: BlockHasher, i: int) -> None:
+    """A hashed row's hashes must be the size ``keys.algo`` makes (another algorithm's never match)."""
+    if hashes and len(hashes[0]) != hasher.digest_size:
+        raise ValueError(f"request {i}: hashes are {len(hashes[0])} bytes, keys.algo {hasher.algo} "
+                         f"makes {hasher.digest_size}")
+
+
 def _per_second(buckets: dict[int, int], duration_s: float) -> list[int]:
     n = int(duration_s) + 1
     out = [0] * n
@@ -149,4 +155,4 @@ def _per_second(buckets: dict[int, int], duration_s: float) -> list[int]:
     return out
 
 
-__all__ = ["NullModel", "SimResult", "block_nbytes", "simulate"]
+__all__ = ["NullModel", "SimResult", "block_nbytes", "check_digest_size", "simulate"]

@@ -469,8 +469,7 @@ class SimulatedStack:
     def _drop_host(self, key: bytes) -> None:
         idx = self.index
         slot = idx.clear_host(key)
-        if self._members:
-            self._members.pop(key, None)
+        self._members.pop(key, None)
         if slot is not None:
             self._free_slots.append(slot)
             if self._on_remove is not None:
