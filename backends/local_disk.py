@@ -28,7 +28,8 @@ Invariants:
   oldest first).  A key it does not know is looked up on disk (another process may have written it) and
   adopted on a verified read; a known key whose file vanished (evicted or deleted as corrupt by another
   process) is dropped when a read or an ``exists`` finds it gone, and ``exists`` always asks the directory.
-  Each process evicts in its own LRU order, so across processes eviction is only roughly LRU.
+  Each process evicts in its own LRU order, so across processes eviction is only roughly LRU.  The
+  blocks a put evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
   Manifests are not blocks: never evicted, not counted.
 """
 
@@ -318,9 +319,9 @@ class LocalDiskBackend(StorageBackend):
             index.update((key, sizes[key]) for key in self._index if key in sizes)
             self._index = index
 
-    def _make_room(self, led: _Ledger, need: int) -> bool:
+    def _make_room(self, led: _Ledger, need: int, victims: list[str] | None = None) -> bool:
         """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if in-flight
-        writes hold the room.  Called under ``_shared``."""
+        writes hold the room.  Called under ``_shared``; the keys unlinked are added to ``victims``."""
         if led.total + need <= self.capacity:
             return True
         # A dead writer's entry: it may have renamed without accounting.
@@ -340,6 +341,8 @@ class LocalDiskBackend(StorageBackend):
                 continue
             led.bytes -= _unlink_sized(self._where(victim, checked=True)[1])[1]
             led.changed = True
+            if victims is not None:
+                victims.append(victim)
         return True
 
     def _writer(self) -> str:
@@ -350,6 +353,7 @@ class LocalDiskBackend(StorageBackend):
         a block bigger than the capacity, or once the room is held by in-flight writes).  Manifests are
         not blocks: always granted, never reserved."""
         granted = [False] * len(keys)
+        evicted: list[str] = []
         with self._shared() as led:
             held = 0  # this batch's reservations so far, entered in the ledger once, at the end
             for i, (key, size) in enumerate(zip(keys, sizes)):
@@ -358,7 +362,7 @@ class LocalDiskBackend(StorageBackend):
                     continue
                 if size > self.capacity:
                     continue
-                if not self._make_room(led, held + size):
+                if not self._make_room(led, held + size, evicted):
                     break  # the room is in flight: the rest of the batch would only scan again
                 held += size
                 with self._idx_lock:
@@ -366,6 +370,7 @@ class LocalDiskBackend(StorageBackend):
                 granted[i] = True
             if held:
                 led.hold(self._writer(), held)
+        self._evicted(evicted)  # outside the directory's lock: the listener takes the stack's
         return granted
 
     def _settle(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],

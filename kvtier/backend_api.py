@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import socket
 import ssl
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from .keys import Namespace
 
 T = TypeVar("T")
+log = logging.getLogger("kvtier.backend_api")
 
 _BISECT_MIN = 8  # shorter chains are probed whole: a few parallel requests beat a sequential search
 
@@ -235,6 +237,24 @@ class StorageBackend(ABC):
         """Every stored block (not manifests), least recently used first: the order ``evict_to`` removes
         them in.  Optional; the default knows nothing of use and lists them in scan order."""
         return self.scan()
+
+    # ------------------------------------------------------------------ evictions a backend makes itself
+
+    #: Set by the tier stack (or manager) that uses this backend: called with the keys of blocks the
+    #: backend removed on its own to stay within its capacity, so the stack stops believing they are there
+    #: (it would neither offer them as hits that fail to load, nor skip writing them again).
+    on_evicted: Callable[[list[str]], None] | None = None
+
+    def _evicted(self, keys: list[str]) -> None:
+        """Tell the owner about blocks this backend evicted itself.  A backend with a capacity calls it
+        after such an eviction, outside its own locks (the owner takes its own).  Whatever the listener
+        does, it never fails the put that evicted."""
+        listener = self.on_evicted
+        if keys and listener is not None:
+            try:
+                listener(keys)
+            except Exception as e:  # noqa: BLE001 - a hint lost is a future failed load, not a failed put
+                log.error("backend %r: the eviction listener failed: %s", self.name, e)
 
     # ------------------------------------------------------------------ public API (used by the stack)
     # Each method that takes keys (or a namespace id) raises InvalidKey for a non-canonical one before
@@ -453,7 +473,7 @@ class StorageBackend(ABC):
     def _on_corrupt(self, key: str, why: str) -> None:
         import logging
 
-        logging.getLogger("kvtier.backend_api").warning("backend %r: corrupt block %s (%s); deleting",
+        log.warning("backend %r: corrupt block %s (%s); deleting",
                                                     self.name, key, why)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:

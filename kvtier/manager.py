@@ -16,6 +16,10 @@ Invariants:
   metric), never an exception to the engine.
 * **Bounded.**  Probe results are kept ``probe_ttl_s`` and at most ``max_probes`` at once; backend hints
   beyond ``max_hints`` entries are forgotten oldest first.
+* **What a backend evicts, it says.**  A backend that evicts blocks itself to stay within its capacity
+  (local_disk) tells its ``BackendSet``; the manager forgets those blocks there (``on_forgotten`` hears of
+  each, so a worker can report them to a manager in another process).  Blocks another process evicted
+  stay hints until a load or a probe finds them gone.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -76,13 +80,20 @@ class TierManager:
         self.probe_ttl_s = probe_ttl_s
         self.max_probes = 4096
         self._lock = lock or threading.Lock()
-        # (first hash, length, its chain position mod the group size) -> (future, finished-at)
-        self._probes: OrderedDict[tuple[bytes, int, int], tuple[Future, float]] = OrderedDict()
+        # (first hash, length, its chain position mod the group size) -> (future, finished-at, the hashes
+        # probed: an answer is stale once a block it counted is known gone)
+        self._probes: OrderedDict[tuple[bytes, int, int], tuple[Future, float, tuple[bytes, ...]]] = OrderedDict()
         self._probe_threads = probe_threads
         threads.configure(config.transfer.cpus)
         self._pool: ThreadPoolExecutor | None = None  # started by the first asynchronous probe
         self._closed = False
         self.backends.on_recovered = self._backend_back
+        # Blocks the backends evicted themselves, not yet folded into the index: (backend, keys).
+        self._evictions: deque[tuple[int, list[str]]] = deque()
+        self.backends.on_evicted = self._backend_evicted
+        # Called (under the lock) with (hash, backend) for each block forgotten there because that backend
+        # evicted it: the worker's report to a manager in another process.
+        self.on_forgotten: Callable[[bytes, int], None] | None = None
 
     def _backend_back(self, i: int) -> bool:
         """Backend ``i`` answers again after being unreachable: forget which blocks the index and the
@@ -100,6 +111,69 @@ class TierManager:
         log.warning("backend %r answers again after an outage: %d block(s) it was known to hold are no longer "
                     "assumed there (it may have restarted empty); lookups ask it again", self.backends.names[i], n)
         return True
+
+    def _backend_evicted(self, i: int, keys: list[str]) -> None:
+        """Backend ``i`` evicted ``keys`` itself (called from the thread whose write made it evict).  Queued,
+        and folded into the index now if the lock is free, else by the next caller that takes it
+        (``fold_evictions_locked``): never waits for the lock, as a backend may be called where it is held.
+
+        Values of several blocks (``storage.block_tokens``) are stored under their last block's key, and
+        which blocks an evicted value held is known only while they are in host memory: there an evicted
+        value stays a hint, as before, until a load finds it gone."""
+        if self.storage_blocks > 1:
+            return
+        self._evictions.append((i, keys))
+        if self._lock.acquire(blocking=False):
+            try:
+                self.fold_evictions_locked()
+            finally:
+                self._lock.release()
+
+    def fold_evictions_locked(self) -> None:
+        """Forget the queued backend evictions: unmark each block in that backend (dropping an entry left in
+        no tier) and drop probe answers that counted it.  Keys of other namespaces (a store shared by
+        other deployments) are not ours.  Called under the lock; cheap when nothing is queued."""
+        if not self._evictions:
+            return
+        prefix = self.namespace.id + "/"
+        skip = len(prefix)
+        gone: set[tuple[bytes, int]] = set()
+        while self._evictions:
+            i, keys = self._evictions.popleft()
+            gone.update((bytes.fromhex(key[skip:]), i) for key in keys if key.startswith(prefix))
+        self._forget_in_backends(gone)
+        if self.on_forgotten is not None:
+            for h, i in gone:
+                self.on_forgotten(h, i)
+
+    def _forget_in_backends(self, gone: set[tuple[bytes, int]]) -> None:
+        """Unmark each (block, backend); an entry left in no tier and unused is dropped.  Probe answers
+        that counted such a block are stale too."""
+        if not gone:
+            return
+        for h, i in gone:
+            if self.index.in_backends(h, (i,)):
+                self.index.remove_backend(h, i)
+                self.index.discard_if_unused(h)
+        self._drop_probes_through({h for h, _ in gone})
+
+    def _drop_probes_through(self, gone: set[bytes]) -> None:
+        """Drop the probe answers that counted (or, still running, may count) a block in ``gone``: each
+        later lookup would remember it in the backend again."""
+        if not gone or not self._probes:
+            return
+        stale = []
+        for key, (fut, _, probed) in self._probes.items():
+            upto = len(probed)
+            if fut.done():
+                try:
+                    upto = fut.result()[0]
+                except Exception:  # noqa: BLE001 - _probe never raises; belt and braces
+                    upto = 0
+            if not gone.isdisjoint(probed[:upto]):
+                stale.append(key)
+        for key in stale:
+            del self._probes[key]
 
     # ------------------------------------------------------------------ input checks
 
@@ -140,6 +214,7 @@ class TierManager:
         """The answer, and the probe still running when it is PENDING."""
         n = len(hashes)
         with self._lock:
+            self.fold_evictions_locked()
             m = self.index.lookup_prefix(hashes)
             p, tiers = m.length, [tier_of(t) for t in m.tiers.tolist()]
         if p == n or not len(self.backends):
@@ -209,13 +284,13 @@ class TierManager:
                 if self._pool is None:
                     self._pool = threads.pool(self._probe_threads, "kvtier-probe")
                 fut = self._pool.submit(self._probe, list(hashes), pos)
-                self._probes[key] = (fut, 0.0)
+                self._probes[key] = (fut, 0.0, tuple(hashes))
                 return fut
-            fut, _ = entry
+            fut, done_at, probed = entry
             if not fut.done():
                 return fut
-            if entry[1] == 0.0:
-                self._probes[key] = (fut, now)
+            if done_at == 0.0:
+                self._probes[key] = (fut, now, probed)
         try:
             return fut.result()
         except Exception:  # noqa: BLE001 - _probe never raises; belt and braces
@@ -227,7 +302,7 @@ class TierManager:
 
     def _expire_locked(self, now: float) -> None:
         while self._probes:
-            key, (fut, done_at) = next(iter(self._probes.items()))
+            key, (fut, done_at, _) = next(iter(self._probes.items()))
             stale = done_at and now - done_at > self.probe_ttl_s
             if not stale and len(self._probes) <= self.max_probes:
                 break
@@ -240,6 +315,7 @@ class TierManager:
     def apply(self, report: WorkerReport) -> None:
         """Fold a worker report into the index."""
         with self._lock:
+            self._forget_in_backends(report.left_backend)
             for h in report.left_host:
                 if h in self.index:
                     self.index.clear_host(h)
@@ -255,10 +331,7 @@ class TierManager:
             for h in report.lost:
                 if h in self.index:
                     self.index.remove(h)
-            # A probe answer that included a lost block is stale too.
-            if report.lost:
-                for key in [k for k in self._probes if k[0] in report.lost]:
-                    del self._probes[key]
+            self._drop_probes_through(report.lost)
 
     def forget_probes(self) -> None:
         """Drop every kept probe answer (tests; after an operator changed the backends)."""

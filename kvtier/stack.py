@@ -154,6 +154,7 @@ class TierStack:
 
         # The scheduler half: the same index and lock, the same backend probing the vLLM connector uses.
         self.manager = TierManager(config, backends=self._backends, index=self.index, lock=self._lock)
+        self.manager.on_forgotten = self._backend_evicted_locked
         self.tier_names = self.manager.tier_names  # what this deployment calls its tiers (reports, logs)
         self._backends.put_manifests(self.namespace)
         self.metrics_port: int | None = None
@@ -217,10 +218,18 @@ class TierStack:
                 self.index.free_device(int(b))
 
     def drain_report(self) -> WorkerReport:
-        """Host-memory changes since the last call (recording starts with the first call)."""
+        """Host-memory changes, and blocks the backends evicted, since the last call (recording starts with
+        the first call)."""
         with self._lock:
+            self.manager.fold_evictions_locked()
             out, self._report = self._report or WorkerReport(), WorkerReport()
         return out
+
+    def _backend_evicted_locked(self, key: bytes, backend: int) -> None:
+        """Backend ``backend`` evicted ``key`` (the manager has unmarked it there): a manager in another
+        process must forget it too, or it offers a hit every load of which fails."""
+        if self._report is not None:
+            self._report.left_backend.add((key, backend))
 
     def leading_in_memory(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` in host memory or on the device."""

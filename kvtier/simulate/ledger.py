@@ -7,7 +7,8 @@ and reads with :meth:`LedgerBackend.record_put` / :meth:`LedgerBackend.record_ge
 
 Capacity follows ``local_disk``'s rule, the one built-in backend with a capacity: every stored value
 counts header + payload bytes; a put that does not fit evicts least recently used values first (a put
-or a verified read makes a value most recent); a value bigger than the whole capacity is refused.  A
+or a verified read makes a value most recent); a value bigger than the whole capacity is refused; the
+evicted keys are told to the backend's ``on_evicted`` listener, so the manager forgets them there.  A
 backend whose options have no ``capacity`` (Redis, S3: bounded by the server) is unbounded here.
 """
 
@@ -50,9 +51,11 @@ class LedgerBackend(StorageBackend):
         return None if self.capacity is None else self.capacity // self.value_nbytes
 
     def record_put(self, keys: Sequence[str]) -> list[bool]:
-        """Store ``keys`` (in order): each becomes most recent, evicting the least recent to make room."""
+        """Store ``keys`` (in order): each becomes most recent, evicting the least recent to make room.
+        The evicted keys go to ``on_evicted``, as local_disk's do."""
         cap = self.max_values
         out = []
+        evicted: list[str] = []
         for key in keys:
             if cap == 0:
                 self.refused += 1
@@ -61,11 +64,13 @@ class LedgerBackend(StorageBackend):
             self._keys.pop(key, None)
             if cap is not None:
                 while len(self._keys) >= cap:
-                    self._keys.popitem(last=False)
+                    evicted.append(self._keys.popitem(last=False)[0])
                     self.evictions += 1
             self._keys[key] = None
             self.puts += 1
             out.append(True)
+        if evicted:
+            self._evicted(evicted)
         return out
 
     def record_get(self, keys: Sequence[str]) -> list[bool]:
