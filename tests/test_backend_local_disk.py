@@ -125,6 +125,31 @@ def test_capacity_evicts_lru(tmp_path):
     assert present[15] and not present[20], "a block read recently outlives older unread ones"
 
 
+def test_capacity_evictions_are_told_to_the_owner(tmp_path):
+    """The keys a put evicts reach ``on_evicted``, oldest first, once they are gone, and after the
+    directory's lock is released (the listener may use the backend); a put that evicts nothing tells
+    nothing."""
+    size = 1000
+    b = mk(tmp_path, capacity=4 * (H + size))
+    told: list[list[str]] = []
+    extra = newkeys(1)
+
+    def listener(keys):
+        told.append(keys)
+        assert b.exists(keys) == [False] * len(keys)
+        if len(told) == 1:  # no deadlock: this put evicts again, and is told again
+            assert b.put(extra, [os.urandom(size)], LID) == [True]
+
+    ks = newkeys(6)
+    assert b.put(ks[:3], [os.urandom(size)] * 3, LID) == [True] * 3
+    b.on_evicted = listener
+    assert b.put(ks[3:4], [os.urandom(size)], LID) == [True]  # fits: nothing evicted
+    assert told == []
+    assert b.put(ks[4:6], [os.urandom(size)] * 2, LID) == [True] * 2
+    assert told == [[ks[0], ks[1]], [ks[2]]]
+    assert b.exists([*ks, *extra]) == [False, False, False, True, True, True, True]
+
+
 def test_block_bigger_than_capacity_is_refused(tmp_path):
     b = mk(tmp_path, capacity=1000)
     assert b.put(newkeys(1), [os.urandom(2000)], LID) == [False]

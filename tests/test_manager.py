@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from kvtier import blockformat
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.config import parse_config
 from kvtier.index import Tier
@@ -103,6 +104,38 @@ def test_backend_fault_is_a_miss_and_worker_reports_are_the_truth(tmp_path):
         m.close()
 
 
+def test_blocks_a_backend_evicts_are_forgotten_there(tmp_path):
+    """A capacity eviction the backend tells of unmarks the blocks and drops the probe answer that
+    counted them: the next lookup asks the backend again instead of offering a hit whose load would fail.
+    Another namespace's keys (a shared store) and a report from a worker elsewhere work the same way."""
+    value = blockformat.HEADER_SIZE + 16
+    disk = LocalDiskBackend({"path": str(tmp_path / "d"), "capacity": 4 * value}, name="disk")
+    m, _ = _manager(tmp_path, fb=FaultyBackend(disk))
+    forgotten: list[tuple[bytes, int]] = []
+    m.on_forgotten = lambda h, i: forgotten.append((h, i))
+    try:
+        ns, hasher = m.namespace, m.namespace.hasher()
+        a = hasher.hash_blocks(list(range(16)))  # 4 blocks
+        b = hasher.hash_blocks(list(range(100, 108)))  # 2 other blocks
+        disk.put(ns.keys(a), [bytes(16)] * 4, ns.layout_id)
+        assert _eventually(lambda: m.lookup(a)) == Lookup(LookupState.HIT, 4, (DISK,) * 4)
+        assert m.lookup(a) == Lookup(LookupState.HIT, 4, (DISK,) * 4)  # remembered: no probe
+        disk.on_evicted(["0" * 32 + "/" + a[0].hex()])  # another namespace's block: not ours
+        assert forgotten == [] and m.index.in_backends(a[0], (0,))
+        disk.put(ns.keys(b), [bytes(16)] * 2, ns.layout_id)  # evicts a[0], a[1]
+        assert sorted(forgotten) == sorted([(a[0], 0), (a[1], 0)])
+        assert a[0] not in m.index and a[1] not in m.index  # in no tier any more: dropped
+        assert m.index.in_backends(a[2], (0,))
+        assert _eventually(lambda: m.lookup(a)) == Lookup(LookupState.MISS)  # asked again, not offered
+        assert _eventually(lambda: m.lookup(a[2:])) == Lookup(LookupState.HIT, 2, (DISK,) * 2)
+        # The scheduler's manager hears of it through the worker's report.
+        m.apply(WorkerReport(left_backend={(a[2], 0)}))
+        assert not m.index.in_backends(a[2], (0,))
+        assert _eventually(lambda: m.lookup(a[2:])) == Lookup(LookupState.HIT, 2, (DISK,) * 2)  # still there
+    finally:
+        m.close()
+
+
 def test_plans_check_invariants_and_pickle():
     h = [bytes([i]) * 32 for i in range(3)]
     with pytest.raises(ValueError, match="3 hashes but 2 block ids"):
@@ -119,3 +152,6 @@ def test_plans_check_invariants_and_pickle():
     b = WorkerReport(in_host={h[0]: 1})
     merged = a.merge(b)  # TP ranks: in host only where every rank has it; lost anywhere is lost
     assert merged.in_host == {h[0]: 1} and merged.left_host == {h[1]} and merged.lost == {h[2]}
+    evicted = WorkerReport(left_backend={(h[0], 1)}).merge(WorkerReport(left_backend={(h[1], 0)}))
+    assert evicted.left_backend == {(h[0], 1), (h[1], 0)} and evicted  # evicted on any rank is gone
+    assert pickle.loads(pickle.dumps(evicted)) == evicted

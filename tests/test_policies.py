@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from _stack_helpers import TIMEOUT, chain, config, fill, make_stack, read, where
+from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack, read, where
 
-from kvtier import plugins
+from kvtier import blockformat, plugins
 from kvtier.config import ConfigError
 from kvtier.index import BlockIndex, Tier
 from kvtier.policies.eviction import LRU
@@ -124,6 +124,36 @@ def test_write_back_flushes_nothing_until_eviction(tmp_path):
         st.store(hs, [0, 1, 2]).wait(TIMEOUT)
         assert st.flush(TIMEOUT)
         assert fb.calls["put"] == 0 and where(st, hs) == ["H"] * 3
+    finally:
+        st.close()
+
+
+def test_write_back_writes_again_a_block_the_disk_evicted_while_host_memory_held_it(tmp_path):
+    """A block loaded from disk is in host memory and on disk; the disk then evicts it (its capacity) and
+    says so.  When host memory evicts the block, write-back writes it down again instead of dropping
+    what it would otherwise believe is still on disk: the block is never in no tier."""
+    value = blockformat.HEADER_SIZE + BLOCK_NBYTES
+    disk = {"name": "disk", "type": "local_disk", "options": {"path": str(tmp_path / "disk"), "capacity": 2 * value}}
+    st, _ = make_stack(tmp_path, faulty=False, write="write_back", host_slots=2, backends=[disk])
+    try:
+        a, b, c, e = (chain(st, 1, start=100 * i) for i in range(4))
+        for i, h in enumerate((a, b + c)):  # a, then b and c: a is written back to make room
+            fill(st, list(range(len(h))), seed=i)
+            st.store(h, list(range(len(h)))).wait(TIMEOUT)
+            st.on_device_freed(range(len(h)))
+        assert st.flush(TIMEOUT) and where(st, a + b + c) == ["D", "H", "H"]
+        assert st.load(a, [5]).wait(TIMEOUT).num_loaded == 1  # a comes up; b is written back for room
+        st.on_device_freed([5])
+        assert st.flush(TIMEOUT) and where(st, a + b + c) == ["HD", "D", "H"]
+        others = chain(st, 2, start=900)
+        st.backends[0].put(st.namespace.keys(others), [bytes(BLOCK_NBYTES)] * 2, st.namespace.layout_id)
+        assert where(st, a + b) == ["H", "-"] and not st.index.in_backends(a[0], (0,))  # evicted a and b
+        fill(st, [0], seed=9)
+        st.store(e, [0]).wait(TIMEOUT)  # evicts c (least recently used) then, for the next store, a
+        fill(st, [1], seed=10)
+        st.store(b, [1]).wait(TIMEOUT)
+        assert st.flush(TIMEOUT)
+        assert where(st, a)[0] in ("D", "HD"), "a block write-back evicted from host memory is on disk"
     finally:
         st.close()
 

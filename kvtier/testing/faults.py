@@ -94,6 +94,7 @@ class FaultyBackend(StorageBackend):
         super().__init__(BackendOptions(timeout_s=getattr(inner.options, "timeout_s", 5.0)),
                          name=name or inner.name)
         self.inner = inner
+        inner.on_evicted = self._evicted  # what the inner backend evicts, this one's owner hears
         self.faults: list[Fault] = []
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
