@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvtier import blockformat
 from kvtier.keys import BlockHasher
 
 BS = 32
@@ -69,7 +70,7 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
              load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False,
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
              max_model_len: int | None = None, max_batched_tokens: int | None = None,
-             salts: list[str | None] | None = None) -> dict:
+             salts: list[str | None] | None = None, reset_between: bool = False) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -87,6 +88,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
         cmd += ["--abort-first"]
     if together:
         cmd += ["--together"]
+    if reset_between:
+        cmd += ["--reset-between"]
     if salts is not None:
         cmd += ["--salts", ",".join(x or "-" for x in salts)]
     for flag, value in (("--num-blocks", num_blocks), ("--max-tokens", max_tokens), ("--max-model-len", max_model_len),
@@ -414,6 +417,22 @@ def test_a_tenants_cache_salt_keeps_its_blocks_to_itself(model_dir, tmp_path):
     assert len(re.findall(r"blocks loaded", got["log"])) == 1
     assert "block keys differ" not in pre["log"] + got["log"]
     assert got["results"][0]["tokens"] == got["results"][1]["tokens"] == got["results"][2]["tokens"]
+
+
+def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
+    """A disk tier of 10 values and vLLM's own cache emptied before each prompt: A's second run loads its
+    9 blocks (the scheduler now remembers them on disk), then C's 6 blocks evict A's 5 least recently
+    read ones (0-4).  The worker tells the scheduler, so A's third run is a miss, computed, not an offer
+    of 288 tokens whose load fails at block 0 (vLLM would hold the request for it, then recompute)."""
+    value = blockformat.HEADER_SIZE + 2 * 2 * BS * 2 * 64 * 2  # layers x K/V x tokens x kv heads x dim x bf16
+    cfg = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "0"},
+           "backends": [{"name": "disk", "type": "local_disk",
+                         "options": {"path": str(tmp_path / "disk"), "capacity": 10 * value}}]}
+    res = run_vllm(model_dir, tmp_path, "kv_both", [A, A, C, A], cfg, reset_between=True)
+    r = res["results"]
+    assert [x["cached"] for x in r] == [0, 288, 0, 0], res["log"][-3000:]
+    assert r[0]["tokens"] == r[1]["tokens"] == r[3]["tokens"] == cold[1]["tokens"]
+    assert "not loaded" not in res["log"], res["log"][-3000:]
 
 
 def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path):

@@ -15,7 +15,8 @@ vLLM has every KV block free again (the engine runs in this process for this) (`
 level (INFO).  ``--together``: all prompts in one ``generate`` call (vLLM batches them); with
 ``--num-blocks`` (vLLM's KV cache size in blocks) small enough, it preempts some and resumes them later.
 ``--max-batched-tokens``: vLLM's token budget per step (a longer prompt is prefilled in chunks).
-``--salts``: each prompt's ``cache_salt`` (a tenant's), in order; ``-`` for none.
+``--salts``: each prompt's ``cache_salt`` (a tenant's), in order; ``-`` for none.  ``--reset-between``:
+vLLM's own prefix cache is emptied before each prompt, so every hit is kvtier's.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-batched-tokens", type=int)
     ap.add_argument("--salts")
+    ap.add_argument("--reset-between", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.abort_first:  # the engine core in this process: one LLMEngine.step() is exactly one engine step
@@ -100,6 +102,8 @@ def main() -> None:
             open(a.ready, "w").close()
             while not os.path.exists(a.go):
                 time.sleep(0.05)
+        if a.reset_between and not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache between prompts (blocks still in use)")
         t = time.perf_counter()
         if a.while_decoding:
             out = _while_decoding(llm, p, params, f"p{i}")
