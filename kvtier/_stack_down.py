@@ -50,6 +50,8 @@ class HostRoom:
         s, host = self.s, self.s.host_tier()
         slots = host.allocate(min(n, host.num_free)).slots if n > 0 else []
         need, dropped, wb = n - len(slots), 0, []
+        if need > 0:
+            s.manager.fold_evictions_locked()  # a write-back must not skip a backend that evicted the block
         seen: set[bytes] = set()
         while need > 0:
             fresh = [k for k in s.eviction_policy.victims(s.index, Tier.HOST, need + len(seen)) if k not in seen]
@@ -351,6 +353,7 @@ class Downward:
             return
         todo: list[Victim] = []
         with s._lock:
+            s.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
             for key in dict.fromkeys(keys):
                 e = s.index.get(key)
                 if e is None or e.host is None or key in s._writing:

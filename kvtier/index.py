@@ -579,6 +579,23 @@ class BlockIndex:
         """Unmark backend ``i``; returns False if it was not marked."""
         return self._flip(key, i, False)
 
+    def leave_backend(self, keys: Iterable[bytes], i: int) -> None:
+        """Backend ``i`` no longer holds ``keys`` (it evicted them): unmark each one marked there, dropping
+        an entry that leaves in no tier and unreferenced (as ``discard_if_unused``).  Keys not in the index
+        are ignored.  One call for a batch: a full backend evicts on every put."""
+        _check_backend(i)
+        bit = 1 << i
+        slots, mask = self._slots, self._mask
+        for key in keys:
+            s = slots.get(key)
+            if s is None:
+                continue
+            m = mask[s]
+            if m & bit:
+                mask[s] = m ^ bit
+                self._bcount[i] -= 1
+                self._drop_if_unused(s)
+
     def _flip(self, key: bytes, i: int, on: bool) -> bool:
         if type(i) is not int or not 0 <= i < MAX_BACKENDS:
             _check_backend(i)

@@ -114,8 +114,9 @@ class TierManager:
 
     def _backend_evicted(self, i: int, keys: list[str]) -> None:
         """Backend ``i`` evicted ``keys`` itself (called from the thread whose write made it evict).  Queued,
-        and folded into the index now if the lock is free, else by the next caller that takes it
-        (``fold_evictions_locked``): never waits for the lock, as a backend may be called where it is held.
+        and folded into the index as soon as the lock is free (other holders keep it for microseconds);
+        should the caller itself hold it (a backend called under the lock), after a short wait the next
+        taker of the lock folds them (``fold_evictions_locked``: lookups, reports, write-downs).
 
         Values of several blocks (``storage.block_tokens``) are stored under their last block's key, and
         which blocks an evicted value held is known only while they are in host memory: there an evicted
@@ -123,7 +124,7 @@ class TierManager:
         if self.storage_blocks > 1:
             return
         self._evictions.append((i, keys))
-        if self._lock.acquire(blocking=False):
+        if self._lock.acquire(timeout=0.05):
             try:
                 self.fold_evictions_locked()
             finally:
@@ -137,25 +138,20 @@ class TierManager:
             return
         prefix = self.namespace.id + "/"
         skip = len(prefix)
-        gone: set[tuple[bytes, int]] = set()
         while self._evictions:
             i, keys = self._evictions.popleft()
-            gone.update((bytes.fromhex(key[skip:]), i) for key in keys if key.startswith(prefix))
-        self._forget_in_backends(gone)
-        if self.on_forgotten is not None:
-            for h, i in gone:
-                self.on_forgotten(h, i)
+            gone = [bytes.fromhex(key[skip:]) for key in keys if key.startswith(prefix)]
+            self._forget_in_backend(gone, i)
+            if self.on_forgotten is not None:
+                for h in gone:
+                    self.on_forgotten(h, i)
 
-    def _forget_in_backends(self, gone: set[tuple[bytes, int]]) -> None:
-        """Unmark each (block, backend); an entry left in no tier and unused is dropped.  Probe answers
+    def _forget_in_backend(self, gone: Sequence[bytes], i: int) -> None:
+        """Unmark ``gone`` in backend ``i``; an entry left in no tier and unused is dropped.  Probe answers
         that counted such a block are stale too."""
-        if not gone:
-            return
-        for h, i in gone:
-            if self.index.in_backends(h, (i,)):
-                self.index.remove_backend(h, i)
-                self.index.discard_if_unused(h)
-        self._drop_probes_through({h for h, _ in gone})
+        if gone:
+            self.index.leave_backend(gone, i)
+            self._drop_probes_through(set(gone))
 
     def _drop_probes_through(self, gone: set[bytes]) -> None:
         """Drop the probe answers that counted (or, still running, may count) a block in ``gone``: each
@@ -239,6 +235,7 @@ class TierManager:
         keys: list[str] | None = None
         while p < n:
             with self._lock:
+                self.fold_evictions_locked()
                 m = self.index.lookup_prefix(hashes[p:])
                 mem = [tier_of(t) for t in m.tiers[:m.in_memory].tolist()]
             out += mem
@@ -315,7 +312,8 @@ class TierManager:
     def apply(self, report: WorkerReport) -> None:
         """Fold a worker report into the index."""
         with self._lock:
-            self._forget_in_backends(report.left_backend)
+            for i in {i for _, i in report.left_backend}:
+                self._forget_in_backend([h for h, j in report.left_backend if j == i], i)
             for h in report.left_host:
                 if h in self.index:
                     self.index.clear_host(h)

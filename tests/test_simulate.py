@@ -62,7 +62,7 @@ def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write,
     # all (stores go straight to the disk); and stored values of 4 blocks (storage.block_tokens).
     cfg = _config(tmp_path, host=host, disk="12MiB", write=write, block_tokens=block_tokens)
     out = tmp_path / "run"
-    assert main(["run", "--config", cfg, "--no-progress", "--device-blocks", "96", "--users", "12",
+    assert main(["run", "--config", cfg, "--no-progress", "--wait-writes", "--device-blocks", "96", "--users", "12",
                  "--turns", "4", "--out", str(out), "--record-trace", str(out / "trace.jsonl")]) == 0
     real = _real_hit_rates(out)
     assert real["device"] > 0 and real["local_disk"] > 0 and (real["host"] > 0 if host != "0" else "host" not in real)
@@ -86,7 +86,7 @@ def test_simulated_hit_rates_match_a_real_run_of_another_trace(tmp_path):
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = _config(tmp_path, host="6MiB", disk="12MiB", write="write_back")
     out = tmp_path / "run"
-    assert main(["run", "--config", cfg, "--no-progress", "--device-blocks", "96", "--trace", str(trace),
+    assert main(["run", "--config", cfg, "--no-progress", "--wait-writes", "--device-blocks", "96", "--trace", str(trace),
                  "--out", str(out)]) == 0
     real = _real_hit_rates(out)
     assert real["device"] > 0 and real.get("local_disk", 0) > 0

@@ -41,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--record-trace", metavar="FILE",
                    help="also write the requests served as a JSONL trace (prompts as sent, with the answers "
                         "of earlier turns; arrival times t) that `kvtier simulate --trace` replays")
+    p.add_argument("--wait-writes", action="store_true",
+                   help="each request's writes to the backends finish before the next request starts, so "
+                        "what the backends hold depends on the requests alone (as `kvtier simulate` models "
+                        "it); default: writes overlap the next requests, as in a server")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -54,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     engine = CachedEngine.from_config(cfg, num_blocks=args.device_blocks, seed=args.seed)
+    engine.wait_writes = args.wait_writes
     vocab = engine.model.spec.vocab_size
     results: list[dict] = []
     t_start = time.perf_counter()

@@ -62,6 +62,10 @@ class CachedEngine:
         self.pool = pool
         self.hasher = stack.namespace.hasher()
         self.block_size = model.block_size
+        # Wait for each request's writes to the backends before the next request: what the backends hold
+        # (and so evict) then depends on the requests alone, not on how fast writes ran beside the model,
+        # as ``kvtier simulate`` models it.  Off, writes overlap the next requests, as in a server.
+        self.wait_writes = False
 
     @classmethod
     def from_config(cls, config: Any = None, *, num_blocks: int | None = None, seed: int = 0,
@@ -147,6 +151,8 @@ class CachedEngine:
                 self.stack.store(hashes[s0:], table[s0 : len(hashes)], start=s0).wait()
                 res.store_s = time.perf_counter() - t3
                 res.stored_blocks = len(hashes) - first_new
+                if self.wait_writes:
+                    self.stack.flush()
         finally:
             # Tail first, so a request's prefix outlives its suffix in the free queue (as vLLM does).
             self.pool.free(list(reversed(table)))

@@ -14,8 +14,9 @@ moves nothing:
 * host memory is a count of slots (``host.capacity // bytes per block``), as the real slab has.
 
 What the real stack does and this one does not: copy bytes, run I/O in threads (every operation here
-completes before it returns, as ``.wait()`` on the real handles makes it for ``kvtier run``), and fail
-(a ledger never faults).  ``tests/test_simulate.py`` holds the two together: on two workloads the
+completes before it returns, writes to the backends included, as ``kvtier run --wait-writes`` makes it
+for the real stack: what a backend evicts, and so writes again, then depends on the requests alone),
+and fail (a ledger never faults).  ``tests/test_simulate.py`` holds the two together: on two workloads the
 hit rates per tier of a real ``kvtier run`` and of a simulation agree within 1 percentage point.
 """
 
