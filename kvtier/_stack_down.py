@@ -309,11 +309,15 @@ class Downward:
         s = self.s
         ok = s._backends.put(b, s.namespace.keys([v[-1] for v in values]), payloads)
         with s._lock:
+            report = s._report
             for members, good in zip(values, ok):
                 if good:
                     for key in members:
                         if key in s.index:
                             s.index.add_backend(key, b)
+                        if report is not None:  # a manager elsewhere learns it without asking the backend
+                            report.in_backend.add((key, b))
+                            report.left_backend.discard((key, b))
         return ok
 
     def _abandon(self, handle: StoreHandle, hashes: list[bytes], new: list[int], status: list[str],

@@ -282,10 +282,11 @@ class KvtierConfig(_Section):
         t = self.storage.block_tokens
         return 1 if t is None else t // self.model.block_size
 
-    def summary(self) -> str:
-        """One line: the tiers from fastest to slowest."""
+    def summary(self, device_blocks: int | None = None) -> str:
+        """One line: the tiers from fastest to slowest.  ``device_blocks``: the engine's block count, where
+        an engine owns the device blocks (``device.num_blocks`` sizes only the standalone pool)."""
         d = self.device
-        tiers = [f"device ({d.kind}, {d.layout}, {d.num_blocks} blocks)"]
+        tiers = [f"device ({d.kind}, {d.layout}, {d.num_blocks if device_blocks is None else device_blocks} blocks)"]
         host = self.host
         tiers.append(f"host {format_size(host.capacity)}" if host.capacity else "host off")
         for b in self.backends:

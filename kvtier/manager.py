@@ -153,10 +153,11 @@ class TierManager:
             self.index.leave_backend(gone, i)
             self._drop_probes_through(set(gone))
 
-    def _drop_probes_through(self, gone: set[bytes]) -> None:
-        """Drop the probe answers that counted (or, still running, may count) a block in ``gone``: each
-        later lookup would remember it in the backend again."""
-        if not gone or not self._probes:
+    def _drop_probes_through(self, changed: set[bytes], *, missed: bool = False) -> None:
+        """Drop the probe answers that counted (or, still running, may count) a block in ``changed``, now
+        gone: each later lookup would remember it in the backend again.  ``missed``: the blocks were
+        written instead, so the answers that stopped short of one are stale."""
+        if not changed or not self._probes:
             return
         stale = []
         for key, (fut, _, probed) in self._probes.items():
@@ -166,7 +167,9 @@ class TierManager:
                     upto = fut.result()[0]
                 except Exception:  # noqa: BLE001 - _probe never raises; belt and braces
                     upto = 0
-            if not gone.isdisjoint(probed[:upto]):
+            elif missed:
+                continue  # still running: it may yet see the write
+            if not changed.isdisjoint(probed[upto:] if missed else probed[:upto]):
                 stale.append(key)
         for key in stale:
             del self._probes[key]
@@ -312,6 +315,10 @@ class TierManager:
     def apply(self, report: WorkerReport) -> None:
         """Fold a worker report into the index."""
         with self._lock:
+            for i in {i for _, i in report.in_backend}:
+                self._remember_backend([h for h, j in report.in_backend if j == i], i)
+            if report.in_backend:  # a probe that missed a block written since is stale
+                self._drop_probes_through({h for h, _ in report.in_backend}, missed=True)
             for i in {i for _, i in report.left_backend}:
                 self._forget_in_backend([h for h, j in report.left_backend if j == i], i)
             for h in report.left_host:

@@ -100,17 +100,18 @@ def keep_earliest(positions: dict[str, int], req_id: str, pos: int) -> None:
 @dataclass
 class WorkerReport:
     """What the worker learnt since its last report: blocks now in its host memory (hash, slot), blocks
-    that left it, blocks a load found missing or corrupt (hints the manager must forget), blocks a
-    backend evicted to stay within its capacity (hash, backend index), and where each request's failed
-    load left off.
+    that left it, blocks a load found missing or corrupt (hints the manager must forget), blocks it
+    wrote to a backend and blocks a backend evicted to stay within its capacity (hash, backend index),
+    and where each request's failed load left off.
 
-    Reports of several workers (TP ranks) merge with :meth:`merge`: a block counts as in host memory
-    only if every rank has it (each rank holds its own shard), and anything lost or evicted on one rank
-    is gone."""
+    Reports of several workers (TP ranks) merge with :meth:`merge`: a block counts as in host memory or
+    written to a backend only if every rank says so (each rank holds its own shard), and anything lost or
+    evicted on one rank is gone."""
 
     in_host: dict[bytes, int] = field(default_factory=dict)
     left_host: set[bytes] = field(default_factory=set)
     lost: set[bytes] = field(default_factory=set)
+    in_backend: set[tuple[bytes, int]] = field(default_factory=set)
     left_backend: set[tuple[bytes, int]] = field(default_factory=set)
     # request id -> chain position of the first block its load did not deliver: the engine recomputes
     # from there, so those blocks are not stored yet (the scheduler plans them again once recomputed).
@@ -123,10 +124,12 @@ class WorkerReport:
         for req_id, pos in other.unloaded.items():
             keep_earliest(unloaded, req_id, pos)
         return WorkerReport(in_host=both, left_host=set(gone), lost=self.lost | other.lost,
+                            in_backend=self.in_backend & other.in_backend,
                             left_backend=self.left_backend | other.left_backend, unloaded=unloaded)
 
     def __bool__(self) -> bool:
-        return bool(self.in_host or self.left_host or self.lost or self.left_backend or self.unloaded)
+        return bool(self.in_host or self.left_host or self.lost or self.in_backend or self.left_backend
+                    or self.unloaded)
 
 
 __all__ = ["LoadPlan", "Lookup", "LookupState", "StepPlan", "StorePlan", "WorkerReport", "keep_earliest"]

@@ -230,6 +230,7 @@ class TierStack:
         process must forget it too, or it offers a hit every load of which fails."""
         if self._report is not None:
             self._report.left_backend.add((key, backend))
+            self._report.in_backend.discard((key, backend))
 
     def leading_in_memory(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` in host memory or on the device."""

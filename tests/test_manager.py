@@ -132,6 +132,14 @@ def test_blocks_a_backend_evicts_are_forgotten_there(tmp_path):
         m.apply(WorkerReport(left_backend={(a[2], 0)}))
         assert not m.index.in_backends(a[2], (0,))
         assert _eventually(lambda: m.lookup(a[2:])) == Lookup(LookupState.HIT, 2, (DISK,) * 2)  # still there
+        # What a worker writes, the scheduler knows at once: no probe, and none that missed it kept.
+        c = hasher.hash_blocks(list(range(200, 208)))
+        assert _eventually(lambda: m.lookup(c)) == Lookup(LookupState.MISS)  # asked: the answer is kept
+        disk.put(ns.keys(c), [bytes(16)] * 2, ns.layout_id)
+        assert m.lookup(c) == Lookup(LookupState.MISS)  # the kept answer, until...
+        m.apply(WorkerReport(in_backend={(c[0], 0), (c[1], 0)}))
+        assert m.lookup(c) == Lookup(LookupState.HIT, 2, (DISK,) * 2)  # ...the report: no probe needed
+        assert not any(k[0] == c[0] for k in m._probes)
     finally:
         m.close()
 
@@ -152,6 +160,8 @@ def test_plans_check_invariants_and_pickle():
     b = WorkerReport(in_host={h[0]: 1})
     merged = a.merge(b)  # TP ranks: in host only where every rank has it; lost anywhere is lost
     assert merged.in_host == {h[0]: 1} and merged.left_host == {h[1]} and merged.lost == {h[2]}
-    evicted = WorkerReport(left_backend={(h[0], 1)}).merge(WorkerReport(left_backend={(h[1], 0)}))
+    evicted = WorkerReport(left_backend={(h[0], 1)}, in_backend={(h[1], 0), (h[2], 0)}).merge(
+        WorkerReport(left_backend={(h[1], 0)}, in_backend={(h[2], 0)}))
     assert evicted.left_backend == {(h[0], 1), (h[1], 0)} and evicted  # evicted on any rank is gone
+    assert evicted.in_backend == {(h[2], 0)}  # written: only where every rank wrote its shard
     assert pickle.loads(pickle.dumps(evicted)) == evicted

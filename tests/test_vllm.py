@@ -430,9 +430,12 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
                          "options": {"path": str(tmp_path / "disk"), "capacity": 10 * value}}]}
     res = run_vllm(model_dir, tmp_path, "kv_both", [A, A, C, A], cfg, reset_between=True)
     r = res["results"]
-    assert [x["cached"] for x in r] == [0, 288, 0, 0], res["log"][-3000:]
+    assert [x["cached"] for x in r] == [0, 288, 0, 0], ([x["cached"] for x in r], res["log"][-3000:])
     assert r[0]["tokens"] == r[1]["tokens"] == r[3]["tokens"] == cold[1]["tokens"]
     assert "not loaded" not in res["log"], res["log"][-3000:]
+    # Both halves log vLLM's own KV block count (not the standalone pool's device.num_blocks).
+    counts = re.findall(r"kvtier: (?:scheduler|worker) side up.*?device \(auto, \w+, (\d+) blocks\)", res["log"])
+    assert len(counts) == 2 and counts[0] == counts[1] != "1024", counts
 
 
 def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path):

@@ -113,8 +113,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(cfg, load=self._load, store=self._store,
                                             vllm_hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
                                             load_mode=mode)
-            log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s", cfg.summary(),
-                     cfg.namespace().id, mode.value)
+            log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s",
+                     cfg.summary(getattr(kv_cache_config, "num_blocks", None)), cfg.namespace().id, mode.value)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -134,7 +134,8 @@ class KvtierConnector(KVConnectorBase_V1):
         cfg = kvtier_config(self._vllm_config, len(tensors), tp_rank=get_tp_group().rank_in_group,
                             pp_rank=get_pp_group().rank_in_group, layout=layout)
         self._worker = WorkerSide(cfg, tensors)
-        log.info("kvtier: worker side up: %d layers, layout %s, %s", len(tensors), layout, cfg.summary())
+        log.info("kvtier: worker side up: %d layers, layout %s, %s", len(tensors), layout,
+                 cfg.summary(self._worker.stack.device.num_blocks))
         log.info("kvtier: threads run on CPUs %s (transfer.cpus: %s); vLLM's worker thread is bound to %s",
                  _cpu_list(self._worker.thread_cpus()), cfg.transfer.cpus, _cpu_list(_own_cpus()))
 
