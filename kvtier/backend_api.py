@@ -471,8 +471,6 @@ class StorageBackend(ABC):
             raise InvalidKey(self.name, keys[i], f"refused before any I/O: {why}")
 
     def _on_corrupt(self, key: str, why: str) -> None:
-        import logging
-
         log.warning("backend %r: corrupt block %s (%s); deleting",
                                                     self.name, key, why)
 
