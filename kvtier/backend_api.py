@@ -471,8 +471,7 @@ class StorageBackend(ABC):
             raise InvalidKey(self.name, keys[i], f"refused before any I/O: {why}")
 
     def _on_corrupt(self, key: str, why: str) -> None:
-        log.warning("backend %r: corrupt block %s (%s); deleting",
-                                                    self.name, key, why)
+        log.warning("backend %r: corrupt block %s (%s); deleting", self.name, key, why)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a hook, turning any exception into a typed BackendError naming backend and key."""
