@@ -151,7 +151,8 @@ class TierManager:
         that counted such a block are stale too."""
         if gone:
             self.index.leave_backend(gone, i)
-            self._drop_probes_through(set(gone))
+            if self._probes:
+                self._drop_probes_through(set(gone))
 
     def _drop_probes_through(self, changed: set[bytes], *, missed: bool = False) -> None:
         """Drop the probe answers that counted (or, still running, may count) a block in ``changed``, now
