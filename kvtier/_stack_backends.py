@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 from .backend_api import BackendError, BackendUnavailable, StorageBackend
@@ -40,19 +39,9 @@ class BackendSet:
         # full answer.
         self._suspect = [False] * len(self.backends)
         self.on_recovered: Callable[[int], bool] | None = None
-        # ``on_evicted(i, keys)``: backend ``i`` evicted ``keys`` itself (capacity), from the thread that
-        # wrote to it.  Each backend's own hook is pointed here, so its owner hears of it.
-        self.on_evicted: Callable[[int, list[str]], None] | None = None
-        for i, b in enumerate(self.backends):
-            b.on_evicted = partial(self._evicted, i)
 
     def __len__(self) -> int:
         return len(self.backends)
-
-    def _evicted(self, i: int, keys: list[str]) -> None:
-        listener = self.on_evicted
-        if listener is not None:
-            listener(i, keys)
 
     def _outage(self, i: int) -> bool:
         """Surface keys backend ``i`` left unanswered for unavailability since we last looked (a whole

@@ -17,9 +17,9 @@ Invariants:
 * **Bounded.**  Probe results are kept ``probe_ttl_s`` and at most ``max_probes`` at once; backend hints
   beyond ``max_hints`` entries are forgotten oldest first.
 * **What a backend evicts, it says.**  A backend that evicts blocks itself to stay within its capacity
-  (local_disk) tells its ``BackendSet``; the manager forgets those blocks there (``on_forgotten`` hears of
-  each, so a worker can report them to a manager in another process).  Blocks another process evicted
-  stay hints until a load or a probe finds them gone.
+  (local_disk) calls its ``on_evicted`` hook, which the manager sets: the manager forgets those blocks
+  there (``on_forgotten`` hears of each, so a worker can report them to a manager in another process).
+  Blocks another process evicted stay hints until a load or a probe finds them gone.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 from . import threads
@@ -90,7 +91,8 @@ class TierManager:
         self.backends.on_recovered = self._backend_back
         # Blocks the backends evicted themselves, not yet folded into the index: (backend, keys).
         self._evictions: deque[tuple[int, list[str]]] = deque()
-        self.backends.on_evicted = self._backend_evicted
+        for i, b in enumerate(self.backends.backends):
+            b.on_evicted = partial(self._backend_evicted, i)
         # Called (under the lock) with (hash, backend) for each block forgotten there because that backend
         # evicted it: the worker's report to a manager in another process.
         self.on_forgotten: Callable[[bytes, int], None] | None = None
@@ -151,15 +153,15 @@ class TierManager:
         that counted such a block are stale too."""
         if gone:
             self.index.leave_backend(gone, i)
-            if self._probes:
-                self._drop_probes_through(set(gone))
+            self._drop_probes_through(gone)
 
-    def _drop_probes_through(self, changed: set[bytes], *, missed: bool = False) -> None:
+    def _drop_probes_through(self, changed: Collection[bytes], *, missed: bool = False) -> None:
         """Drop the probe answers that counted (or, still running, may count) a block in ``changed``, now
         gone: each later lookup would remember it in the backend again.  ``missed``: the blocks were
         written instead, so the answers that stopped short of one are stale."""
         if not changed or not self._probes:
             return
+        changed = set(changed)
         stale = []
         for key, (fut, _, probed) in self._probes.items():
             upto = len(probed)
@@ -316,12 +318,11 @@ class TierManager:
     def apply(self, report: WorkerReport) -> None:
         """Fold a worker report into the index."""
         with self._lock:
-            for i in {i for _, i in report.in_backend}:
-                self._remember_backend([h for h, j in report.in_backend if j == i], i)
-            if report.in_backend:  # a probe that missed a block written since is stale
-                self._drop_probes_through({h for h, _ in report.in_backend}, missed=True)
-            for i in {i for _, i in report.left_backend}:
-                self._forget_in_backend([h for h, j in report.left_backend if j == i], i)
+            for i, hashes in _by_backend(report.in_backend).items():
+                self._remember_backend(hashes, i)
+                self._drop_probes_through(hashes, missed=True)  # an answer that missed a block written since
+            for i, hashes in _by_backend(report.left_backend).items():
+                self._forget_in_backend(hashes, i)
             for h in report.left_host:
                 if h in self.index:
                     self.index.clear_host(h)
@@ -371,6 +372,14 @@ class TierManager:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         self.backends.close([self._owned] * len(self.backends))
+
+
+def _by_backend(pairs: Iterable[tuple[bytes, int]]) -> dict[int, list[bytes]]:
+    """(block hash, backend index) pairs of a report, grouped by backend."""
+    out: dict[int, list[bytes]] = {}
+    for h, i in pairs:
+        out.setdefault(i, []).append(h)
+    return out
 
 
 def _answer(n: int, tiers: list[Tier]) -> Lookup:
