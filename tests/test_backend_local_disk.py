@@ -150,6 +150,21 @@ def test_capacity_evictions_are_told_to_the_owner(tmp_path):
     assert b.exists([*ks, *extra]) == [False, False, False, True, True, True, True]
 
 
+def test_a_failing_eviction_listener_never_fails_the_put(tmp_path, caplog):
+    size = 1000
+    b = mk(tmp_path, capacity=2 * (H + size))
+
+    def listener(keys):
+        raise RuntimeError("listener broke")
+
+    b.on_evicted = listener
+    ks = newkeys(3)
+    assert b.put(ks[:2], [os.urandom(size)] * 2, LID) == [True] * 2
+    assert b.put(ks[2:], [os.urandom(size)], LID) == [True]  # evicts the first; the listener raises
+    assert b.exists(ks) == [False, True, True]
+    assert "the eviction listener failed: listener broke" in caplog.text
+
+
 def test_block_bigger_than_capacity_is_refused(tmp_path):
     b = mk(tmp_path, capacity=1000)
     assert b.put(newkeys(1), [os.urandom(2000)], LID) == [False]
