@@ -20,6 +20,9 @@ Invariants:
   (local_disk) calls its ``on_evicted`` hook, which the manager sets: the manager forgets those blocks
   there (``on_forgotten`` hears of each, so a worker can report them to a manager in another process).
   Blocks another process evicted stay hints until a load or a probe finds them gone.
+* **A value of several blocks is one unit.**  With ``storage.block_tokens`` a backend holds a group's
+  blocks in one value under the group's last block's key: a block only in a backend is offered only
+  with that last block marked there and inside the lookup (``_servable_locked``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from . import threads
 from ._stack_backends import BackendSet
 from .backend_api import StorageBackend
 from .config import KvtierConfig
-from .groups import group_ends
+from .groups import group_ends, group_of
 from .index import BlockIndex, Tier, TierNames, tier_of
 from .keys import Namespace
 from .metrics import StackMetrics
@@ -120,11 +123,10 @@ class TierManager:
         should the caller itself hold it (a backend called under the lock), after a short wait the next
         taker of the lock folds them (``fold_evictions_locked``: lookups, reports, write-downs).
 
-        Values of several blocks (``storage.block_tokens``) are stored under their last block's key, and
-        which blocks an evicted value held is known only while they are in host memory: there an evicted
-        value stays a hint, as before, until a load finds it gone."""
-        if self.storage_blocks > 1:
-            return
+        Values of several blocks (``storage.block_tokens``) are stored under their last block's key: only
+        that block is unmarked, which is enough, since what decides for a group reads its last block's
+        marks (a write-down rewrites a group whose last block is unmarked; a lookup serves a block only in
+        a backend only if its group's last block is marked there: ``_servable_locked``)."""
         self._evictions.append((i, keys))
         if self._lock.acquire(timeout=0.05):
             try:
@@ -219,8 +221,12 @@ class TierManager:
             self.fold_evictions_locked()
             m = self.index.lookup_prefix(hashes)
             p, tiers = m.length, [tier_of(t) for t in m.tiers.tolist()]
-        if p == n or not len(self.backends):
-            return _answer(p, tiers), None
+            if self.storage_blocks > 1:
+                p = self._servable_locked(hashes, start, tiers)
+                del tiers[p:]
+        k = self.storage_blocks
+        if p == n or not len(self.backends) or (k > 1 and not group_ends(start, p, n, k)):
+            return _answer(p, tiers), None  # (no value ends inside the rest: nothing to ask for)
         got = self._probe_result(hashes[p:], start + p)
         if isinstance(got, Future):
             return Lookup(LookupState.PENDING, 0), got
@@ -229,6 +235,25 @@ class TierManager:
             with self._lock:
                 self._remember_backend(hashes[p:p + found], who)
         return _answer(p + found, tiers + [Tier.backend(who)] * found), None
+
+    def _servable_locked(self, hashes: Sequence[bytes], start: int, tiers: Sequence[Tier]) -> int:
+        """How many leading blocks of an index answer (``tiers``, from ``hashes[0]`` at chain position
+        ``start``) can be served when stored values hold several blocks.  A block only in a backend comes
+        out of its group's value, stored under the group's last block's key: that block must be inside
+        the answer and marked in a backend.  Otherwise (the value was evicted, or the group ends beyond
+        the hashes asked about) the answer stops at that block, not at a failed load."""
+        k, index = self.storage_blocks, self.index
+        for j, tier in enumerate(tiers):
+            if tier < Tier.BACKEND_0:
+                continue
+            last = group_of(start, j, k)[1]
+            if last >= len(tiers):
+                return j
+            if tiers[last] < Tier.BACKEND_0:  # in memory there: is its value stored too?
+                entry = index.get(hashes[last])
+                if entry is None or not entry.backends:
+                    return j
+        return len(tiers)
 
     def resolve(self, hashes: Sequence[bytes], start: int = 0) -> tuple[Tier, ...]:
         """The in-process lookup (it may wait on I/O): where each block of the longest available prefix

@@ -165,3 +165,40 @@ def test_plans_check_invariants_and_pickle():
     assert evicted.left_backend == {(h[0], 1), (h[1], 0)} and evicted  # evicted on any rank is gone
     assert evicted.in_backend == {(h[2], 0)}  # written: only where every rank wrote its shard
     assert pickle.loads(pickle.dumps(evicted)) == evicted
+
+
+def test_grouped_values_the_backend_evicts_are_never_offered(tmp_path):
+    """With values of several blocks (storage.block_tokens), a value is stored under its group's last
+    block's key, and the other blocks of the group come out of it.  An evicted value unmarks that block,
+    and a lookup offers a block only in a backend only with its group's last block marked there and
+    inside the lookup: so neither a group whose value is gone nor the first half of a group that ends
+    beyond the blocks asked about (a prompt's last, never loadable block) is offered as a load that
+    must fail."""
+    value = blockformat.HEADER_SIZE + 32
+    disk = LocalDiskBackend({"path": str(tmp_path / "d"), "capacity": 3 * value}, name="disk")
+    cfg = parse_config({"model": MODEL, "storage": {"block_tokens": 8},
+                        "backends": [{"name": "disk", "type": "local_disk",
+                                      "options": {"path": str(tmp_path / "d")}}]}, env={})
+    m = TierManager(cfg, backends=[disk])
+    forgotten: list[tuple[bytes, int]] = []
+    m.on_forgotten = lambda h, i: forgotten.append((h, i))
+    try:
+        ns, hasher = m.namespace, m.namespace.hasher()
+        a = hasher.hash_blocks(list(range(24)))  # 6 blocks, 3 values: under a[1], a[3], a[5]
+        disk.put(ns.keys([a[1], a[3], a[5]]), [bytes(32)] * 3, ns.layout_id)
+        m.apply(WorkerReport(in_backend={(h, 0) for h in a}))  # a worker marks every block of its values
+        assert m.lookup(a) == Lookup(LookupState.HIT, 6, (DISK,) * 6)
+        # Blocks 2..4 asked about: block 4's value is under a[5], outside: two blocks, no probe.
+        assert m.lookup(a[2:5], start=2) == Lookup(LookupState.HIT, 2, (DISK,) * 2)
+        assert not m._probes
+        b = hasher.hash_blocks(list(range(100, 108)))
+        disk.put(ns.keys([b[1]]), [bytes(32)], ns.layout_id)  # evicts the oldest value, a[1]'s
+        assert forgotten == [(a[1], 0)] and not m.index.in_backends(a[1], (0,))
+        assert m.index.in_backends(a[0], (0,))  # a hint the lookup must not trust alone
+        assert _eventually(lambda: m.lookup(a)) == Lookup(LookupState.MISS)  # the chain's first value is gone
+        assert m.lookup(a[2:], start=2) == Lookup(LookupState.HIT, 4, (DISK,) * 4)
+        # Block 1 in memory does not stand for its value: block 0 is not offered from the backend.
+        m.apply(WorkerReport(in_host={a[1]: 3}))
+        assert _eventually(lambda: m.lookup(a)) == Lookup(LookupState.MISS)
+    finally:
+        m.close()

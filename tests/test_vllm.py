@@ -442,10 +442,10 @@ SOAK = Path(__file__).parent / "vllm" / "soak.py"
 
 
 def run_soak(model: str, tmp: Path, config: dict | None, seed: int) -> dict:
-    cfg = tmp / f"soak-{seed}.yaml"
+    tag = f"soak-{seed}-{time.monotonic_ns()}"
+    cfg, out, log = tmp / f"{tag}.yaml", tmp / f"{tag}.json", tmp / f"{tag}.log"
     if config is not None:
         cfg.write_text(yaml.safe_dump(config))
-    out, log = tmp / f"soak-{seed}-{config is not None}.json", tmp / f"soak-{seed}-{config is not None}.log"
     with open(log, "w") as f:
         rc = subprocess.run([sys.executable, str(SOAK), "--model", model, "--config", str(cfg) if config else "none",
                              "--seed", str(seed), "--out", str(out)], stdout=f, stderr=subprocess.STDOUT,
@@ -454,17 +454,28 @@ def run_soak(model: str, tmp: Path, config: dict | None, seed: int) -> dict:
     return json.loads(out.read_text())
 
 
-def test_randomised_soak_leaks_nothing_and_serves_exact_tokens(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def soak_reference(model_dir, tmp_path_factory) -> dict:
+    """The soak's seed-2 run without a connector: the tokens every configuration must reproduce."""
+    return run_soak(model_dir, tmp_path_factory.mktemp("soak-ref"), None, 2)
+
+
+@pytest.mark.parametrize("block_tokens", [None, 64], ids=["one-block-values", "two-block-values"])
+def test_randomised_soak_leaks_nothing_and_serves_exact_tokens(model_dir, soak_reference, tmp_path, block_tokens):
     """~140 requests over 400 engine steps: random cuts of six prompts, random lengths, aborts, tenants'
     salts, prompt logprobs, a vLLM KV cache small enough to preempt, a 1 MiB host tier and a 3 MiB disk
-    that both evict.  Afterwards kvtier tracks no request, pins nothing, has no load in flight and both
-    indexes validate; the six prompts served alone from what kvtier kept give the tokens of a run with
-    no connector; and no load fails (the disk's own evictions reach the scheduler: before they did, 16
-    of 79 blocks offered failed to load on this seed)."""
+    that both evict; stored values of one vLLM block, or of two (``storage.block_tokens: 64``).
+    Afterwards kvtier tracks no request, pins nothing, has no load in flight and both indexes validate;
+    the six prompts served alone from what kvtier kept give the tokens of a run with no connector; and
+    no load fails.  Before the disk's own evictions reached the scheduler, 16 of 79 blocks offered
+    failed to load on this seed; before they did for two-block values too, and before the scheduler
+    offered a block only with its value's key in the lookup, 26-86 per seed did."""
     config = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "1MiB"},
               "backends": [{"name": "disk", "type": "local_disk",
                             "options": {"path": str(tmp_path / "disk"), "capacity": "3MiB"}}]}
-    got, ref = run_soak(model_dir, tmp_path, config, 2), run_soak(model_dir, tmp_path, None, 2)
+    if block_tokens:
+        config["storage"] = {"block_tokens": block_tokens}
+    got, ref = run_soak(model_dir, tmp_path, config, 2), soak_reference
     assert [f["tokens"] for f in got["final"]] == [f["tokens"] for f in ref["final"]]
     assert sum(f["cached"] for f in got["final"]) > 0 and sum(f["cached"] for f in ref["final"]) == 0
     st = got["state"]

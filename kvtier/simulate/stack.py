@@ -350,22 +350,30 @@ class SimulatedStack:
         return [got[i] for i in pos]
 
     def _write_groups(self, groups: list[tuple[bytes, ...]]) -> set[bytes]:
-        """``Grouped.write_from_host`` / ``write_now``: each group whose blocks are all in host memory,
-        once, to the writable backends lacking it (by its last block's marks); the last keys written."""
+        """``Grouped.write_from_host`` / ``write_now``: each group whose blocks are all in host memory, once,
+        to the writable backends lacking it (by its last block's marks); the last keys written.  Which
+        backends lack a group is decided for all groups before the first put (``Grouped._claim_locked``):
+        a group a put of this batch evicts is not written again by the same batch."""
         idx = self.index
-        written: set[bytes] = set()
+        todo = []
         for members in dict.fromkeys(groups):
             if any(idx.host_slot(key) is None for key in members):
                 continue
-            for b in self.writable:
-                if idx.in_backends(members[-1], (b,)):
-                    continue
-                if self._put(b, [members[-1]])[0]:
+            targets = [b for b in self.writable if not idx.in_backends(members[-1], (b,))]
+            if targets:
+                todo.append((members, targets))
+        written: set[bytes] = set()
+        for b in self.writable:
+            part = [members for members, targets in todo if b in targets]
+            if not part:
+                continue
+            for members, good in zip(part, self._put(b, [m[-1] for m in part])):
+                if good:
                     written.add(members[-1])
                     for key in members:
                         if key in idx:
                             idx.add_backend(key, b)
-                self.counters["host"].read += len(members)
+            self.counters["host"].read += sum(map(len, part))
         return written
 
     def _remember(self, members: tuple[bytes, ...]) -> None:
