@@ -163,7 +163,8 @@ class LocalDiskBackend(StorageBackend):
         self.capacity = o.capacity
         self._idx_lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> stored bytes, LRU first
-        self._inflight: dict[str, int] = {}  # keys being written by this process: never evicted
+        # Keys this process is writing, or holds for a planned read (``hold``): never evicted.
+        self._inflight: dict[str, int] = {}
         self._dir_bytes = 0  # the ledger's total when last seen
         self._tmp_seq = itertools.count()  # next() on itertools.count is atomic under the GIL
         self._pool: ThreadPoolExecutor | None = None
@@ -697,6 +698,18 @@ class LocalDiskBackend(StorageBackend):
 
     def _location(self) -> str:
         return self.root
+
+    def hold(self, keys: Sequence[str]) -> None:
+        with self._idx_lock:
+            for key in keys:
+                self._inflight[key] = self._inflight.get(key, 0) + 1
+
+    def release(self, keys: Sequence[str]) -> None:
+        with self._idx_lock:
+            for key in keys:
+                n = self._inflight.pop(key, 0) - 1
+                if n > 0:
+                    self._inflight[key] = n
 
     def _eviction_order(self) -> list[StoredBlock]:
         """The index's LRU order (the order a put evicts in), in-flight writes excluded."""

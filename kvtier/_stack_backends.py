@@ -143,6 +143,21 @@ class BackendSet:
         self.metrics.add(name, bytes_in=n_ok * self.block_nbytes, stores_skipped=len(ok) - n_ok)
         return ok
 
+    def hold(self, keys: Sequence[str]) -> None:
+        """Every backend keeps ``keys`` from its own evictions until ``release`` (a load will read them);
+        a backend that fails to is logged, never an error: the load may then find a block gone."""
+        self._each("hold", keys)
+
+    def release(self, keys: Sequence[str]) -> None:
+        self._each("release", keys)
+
+    def _each(self, what: str, keys: Sequence[str]) -> None:
+        for i, b in enumerate(self.backends):
+            try:
+                getattr(b, what)(keys)
+            except Exception as e:  # noqa: BLE001 - a hold is an optimisation, its failure a possible miss
+                self._fault(i, what, e)
+
     def get_into(self, i: int, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         """Read blocks of backend ``i`` into ``buffers``; per key ok (all False when it fails).  A buffer
         whose key is not ok holds undefined bytes."""

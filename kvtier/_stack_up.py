@@ -118,17 +118,22 @@ class Upward:
                 if step.source is not Source.SAME:
                     s.index.free_device(b)  # about to be overwritten: whatever it held is gone
         if any(p.source is Source.FETCH for p in plan):
-            if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan, start):
+            # A put meanwhile (write-back, another request's store) must not evict what this load reads.
+            held = s.namespace.keys(hashes)
+            s._backends.hold(held)
+            if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan, start, held):
+                s._backends.release(held)
                 self._finish_load(handle, hashes, ids, plan, 0, None, [], ["stack closed"])
         else:
             self._scatter(handle, hashes, ids, plan, len(plan), [])
         return handle
 
     def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
-                  start: int = 0) -> None:
+                  start: int = 0, held: Sequence[str] = ()) -> None:
         """Fetch the backend blocks a chunk at a time and start each chunk's host -> device copy as soon
         as the chunk is in host memory, so copies (transfer workers) overlap the reads (this thread);
-        blocks already in host memory start copying before the first read."""
+        blocks already in host memory start copying before the first read.  ``held``: the keys the
+        backends keep for this load (``BackendSet.hold``), released once the reads are done."""
         s = self.s
         errors: list[str] = []
         copies: list[TransferHandle] = []
@@ -169,6 +174,8 @@ class Upward:
             log.exception("load: fetch failed")
             errors.append(f"fetch: {type(e).__name__}: {e}")
             cut = 0
+        finally:
+            s._backends.release(held)
         if not copies:
             handle._stage(None)
             self._finish_load(handle, hashes, ids, plan, cut, None, [], errors)

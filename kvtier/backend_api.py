@@ -256,6 +256,15 @@ class StorageBackend(ABC):
             except Exception as e:  # noqa: BLE001 - a hint lost is a future failed load, not a failed put
                 log.error("backend %r: the eviction listener failed: %s", self.name, e)
 
+    def hold(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional: only self-evicting backends hold
+        """``keys`` are about to be read (a load was planned on them): a backend that evicts on its own
+        keeps them until ``release(keys)`` (counted: each ``hold`` needs its ``release``), so a load in
+        flight never finds its block evicted by a put meanwhile.  Keys not stored are fine.  The default
+        does nothing: a backend that never evicts by itself has nothing to hold."""
+
+    def release(self, keys: Sequence[str]) -> None:  # noqa: B027 - see hold
+        """End one ``hold(keys)``."""
+
     # ------------------------------------------------------------------ public API (used by the stack)
     # Each method that takes keys (or a namespace id) raises InvalidKey for a non-canonical one before
     # any hook runs, never a miss: see the module docstring.

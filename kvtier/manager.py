@@ -244,12 +244,12 @@ class TierManager:
         the hashes asked about) the answer stops at that block, not at a failed load."""
         k, index = self.storage_blocks, self.index
         for j, tier in enumerate(tiers):
-            if tier < Tier.BACKEND_0:
+            if not tier.is_backend:
                 continue
             last = group_of(start, j, k)[1]
             if last >= len(tiers):
                 return j
-            if tiers[last] < Tier.BACKEND_0:  # in memory there: is its value stored too?
+            if not tiers[last].is_backend:  # in memory there: is its value stored too?
                 entry = index.get(hashes[last])
                 if entry is None or not entry.backends:
                     return j

@@ -165,6 +165,29 @@ def test_a_failing_eviction_listener_never_fails_the_put(tmp_path, caplog):
     assert "the eviction listener failed: listener broke" in caplog.text
 
 
+def test_held_keys_are_never_evicted_until_released(tmp_path):
+    """A load holds the keys it will read: puts evict around them (the next least recently used), a put
+    that could only make room by evicting held keys is refused, and each hold needs its release."""
+    size = 1000
+    b = mk(tmp_path, capacity=3 * (H + size))
+    ks = newkeys(7)
+    assert b.put(ks[:3], [os.urandom(size)] * 3, LID) == [True] * 3
+    b.hold(ks[:2])
+    b.hold(ks[:1])  # a second load of the first block
+    assert b.put(ks[3:4], [os.urandom(size)], LID) == [True]
+    assert b.exists(ks[:4]) == [True, True, False, True]  # ks[2], not the held ks[0], ks[1]
+    b.hold(ks[3:4])
+    assert b.put(ks[4:5], [os.urandom(size)], LID) == [False]  # all three held: no room, nothing lost
+    assert b.exists(ks[:5]) == [True, True, False, True, False]
+    b.release(ks[:2])
+    assert b.put(ks[4:5], [os.urandom(size)], LID) == [True]  # ks[1] is free again; ks[0] still held once
+    assert b.exists(ks[:5]) == [True, False, False, True, True]
+    b.release(ks[:1])
+    b.release(ks[3:4])
+    assert b.put(ks[5:7], [os.urandom(size)] * 2, LID) == [True] * 2
+    assert b.exists(ks) == [False, False, False, False, True, True, True]
+
+
 def test_block_bigger_than_capacity_is_refused(tmp_path):
     b = mk(tmp_path, capacity=1000)
     assert b.put(newkeys(1), [os.urandom(2000)], LID) == [False]

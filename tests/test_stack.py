@@ -14,6 +14,7 @@ from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stac
 
 from kvtier.backend_api import BackendTimeout, BackendUnavailable
 from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.blockformat import HEADER_SIZE
 from kvtier.groups import load_chunks
 from kvtier.index import Tier
 from kvtier.layout import LayoutError
@@ -181,6 +182,36 @@ def test_blocks_being_loaded_are_not_evicted(stack_fb):
     lr = h.wait(TIMEOUT)
     assert lr.num_loaded == 4 and h.wait_layer(1, timeout=TIMEOUT)
     assert torch.equal(read(st, [10, 11, 12, 13]), rows)
+
+
+def test_a_full_disk_never_evicts_what_a_load_is_about_to_read(tmp_path):
+    """A load holds the keys it will read in the backends: a store meanwhile, on a full local_disk, is
+    refused rather than evicting them under the load (before: the blocks went, the load failed at block
+    0 and the engine recomputed the whole prefix); once the load has read them, they can go."""
+    disk = LocalDiskBackend({"path": str(tmp_path / "disk"), "capacity": 4 * (HEADER_SIZE + BLOCK_NBYTES)},
+                            name="disk")
+    fb = FaultyBackend(disk)
+    st = TierStack(config(tmp_path, host_slots=0), backends=[fb])  # no host tier: stores go to the disk
+    try:
+        hs = chain(st, 4)
+        rows = fill(st, [0, 1, 2, 3], seed=21)
+        assert st.store(hs, [0, 1, 2, 3]).wait(TIMEOUT).num_stored == 4
+        st.on_device_freed(range(32))
+        gate = fb.gate("get", times=1)
+        h = st.load(hs, [10, 11, 12, 13])
+        assert gate.entered.wait(TIMEOUT)  # the load's read has begun and waits
+        fill(st, [4, 5], seed=22)
+        other = chain(st, 2, start=77)
+        assert st.store(other, [4, 5]).wait(TIMEOUT).num_stored == 0  # no room but the held blocks
+        assert disk.exists(st.namespace.keys(hs)) == [True] * 4
+        gate.release()
+        lr = h.wait(TIMEOUT)
+        assert lr.num_loaded == 4 and torch.equal(read(st, [10, 11, 12, 13]), rows)
+        assert st.store(other, [4, 5]).wait(TIMEOUT).num_stored == 2  # the load is done: LRU as usual
+        assert disk.exists(st.namespace.keys(hs)) == [False, False, True, True]
+    finally:
+        fb.clear()
+        st.close(timeout=TIMEOUT)
 
 
 def test_corrupt_read_cuts_the_prefix_and_names_blocks_to_recompute(stack_fb):

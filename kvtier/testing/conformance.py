@@ -269,6 +269,20 @@ class BackendConformance:
         assert kv.stats().deletes == 2
         assert self.get1(kv, ks[0], 64) is None
 
+    def test_hold_and_release_change_no_block(self, kv: StorageBackend) -> None:
+        """A load holds the keys it will read (stored or not), then releases them: neither call fails,
+        and every block reads back as stored, overwritten while held or not."""
+        ks = keys(NS_A, 4)
+        data = [rand(64) for _ in ks]
+        kv.put(ks[:3], data[:3], NS_A.layout_id)
+        kv.hold(ks)
+        kv.hold(ks[:1])
+        kv.put(ks[2:], data[2:], NS_A.layout_id)
+        assert [self.get1(kv, k, 64) for k in ks] == data
+        kv.release(ks[:1])
+        kv.release(ks)
+        assert kv.delete(ks[:1]) == 1 and kv.exists(ks) == [False, True, True, True]
+
     def test_manifest_round_trip(self, kv: StorageBackend) -> None:
         assert kv.get_manifest(NS_A.id) is None
         kv.put_manifest(NS_A)

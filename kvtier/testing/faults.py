@@ -218,6 +218,12 @@ class FaultyBackend(StorageBackend):
                 ok[i] = False
         return ok
 
+    def hold(self, keys: Sequence[str]) -> None:
+        self.inner.hold(keys)
+
+    def release(self, keys: Sequence[str]) -> None:
+        self.inner.release(keys)
+
     def delete(self, keys: Sequence[str]) -> int:
         self._before("delete", keys)
         return self.inner.delete(keys)
