@@ -164,6 +164,29 @@ def test_a_load_in_the_step_has_landed_when_start_returns_and_is_never_reported_
         ws.close()
 
 
+def test_a_load_into_the_blocks_a_prefix_was_stored_from_reads_it_again(tmp_path):
+    """vLLM reuses a device block for KV kvtier never sees (decode tokens, a partial block) without
+    telling the worker, then may allocate that same block to load the prefix once stored from it: the
+    load must bring the stored bytes, not trust the block to still hold them (a real vLLM soak served
+    wrong tokens from exactly this)."""
+    ws, kv = _worker(tmp_path)
+    try:
+        hashes = ws.stack.namespace.hasher().hash_blocks(list(range(3 * BLOCK)))
+        want = [t[0:3].clone() for t in kv]
+        ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes), (0, 1, 2))]))
+        assert ws.stack.flush(10)
+        with ws.stack._lock:  # host memory pressure: the blocks are on the disk only
+            for h in hashes:
+                ws.stack._drop_host_locked(h)
+        for t in kv:
+            t[0] = torch.randn_like(t[0])  # vLLM wrote another request's decode KV into block 0
+        ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (0, 1, 2), sync=True)]))
+        assert ws.load_errors() == set() and ws.stats["loaded_blocks"] == 3
+        assert all(torch.equal(t[0:3], w) for t, w in zip(kv, want))
+    finally:
+        ws.close()
+
+
 def test_a_load_in_the_step_reports_its_missing_blocks_before_start_returns(tmp_path):
     """Blocks 1-2 were never stored: vLLM must hear of them in this step (it recomputes them), and the
     request is not reported finished (vLLM never waited for it)."""

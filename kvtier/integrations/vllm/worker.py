@@ -90,6 +90,10 @@ class WorkerSide:
             self.stats["sync_loads"] += lp.sync
             try:
                 self._started[lp.req_id] = time.perf_counter()
+                # vLLM allocated these blocks for the load, and reuses blocks without telling the worker
+                # (decode tokens, partial blocks: KV kvtier never stores), so what the stack last placed
+                # in them is not there any more: never "already on the device", always copied in.
+                self.stack.on_device_freed(lp.block_ids)
                 handle = self.stack.load(list(lp.hashes), list(lp.block_ids), start=lp.start)
             except Exception as e:  # noqa: BLE001 - a kvtier fault is a recompute, never a crash
                 log.error("kvtier: load for request %s refused: %s", lp.req_id, e)
