@@ -36,6 +36,7 @@ from pydantic import Field, SecretStr, model_validator
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
 from kvtier.blockformat import HEADER_SIZE
 
+from ._redis_events import EvictionEvents, EvictionListener
 from ._resp import NODE_ERRORS, Buf, Connection, RedisNodeError, Reply, ReplyError, command, pipeline
 from ._router import Addr, Router
 
@@ -66,6 +67,11 @@ class RedisOptions(BackendOptions):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_verify: bool = True
+    eviction_events: EvictionEvents = EvictionEvents.AUTO
+    """Listen for the keys Redis drops by itself (``maxmemory`` evictions, ``ttl_s`` expiry), so kvtier
+    stops offering them as hits: ``auto`` switches the server's keyevent notifications on where they are
+    off (``CONFIG SET notify-keyspace-events``, adding ``Eex``), ``listen`` only listens (configure the
+    server yourself), ``off`` never subscribes.  One extra connection per master node."""
     window_bytes: int = Field(default=1 << 16, ge=1 << 16)
     """Bytes per pipelined window (at least one block); at most two windows are in flight per
     connection.  Small on purpose: what is in flight should fit the socket buffers, or the kernel
@@ -132,6 +138,13 @@ class RedisBackend(StorageBackend):
                               o.cluster, o.max_connections, o.timeout_s, self.name)
         self._stripes = min(o.stripes, o.max_connections)
         self._router.on_lost = self.note_unavailable  # a node down: its keys are outage, not misses
+        self._events = None if o.eviction_events is EvictionEvents.OFF else EvictionListener(
+            self.name, o.eviction_events, 0 if o.cluster else self._db, self._prefix, self._masters,
+            lambda addr: self._connect(addr, bool(self._router.cluster)), self._evicted)
+
+    def _masters(self) -> list[Addr]:
+        self._router.ensure()
+        return list(self._router.masters)
 
     def __repr__(self) -> str:
         return f"RedisBackend(name={self.name!r}, url={self.options.url!r}, cluster={self._router.cluster})"
@@ -292,6 +305,8 @@ class RedisBackend(StorageBackend):
         raise errors[0]
 
     def _close(self) -> None:
+        if self._events is not None:
+            self._events.close()
         self._router.close()
 
 

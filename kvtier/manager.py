@@ -42,7 +42,7 @@ from .backend_api import StorageBackend
 from .config import KvtierConfig
 from .groups import group_ends, group_of
 from .index import BlockIndex, Tier, TierNames, tier_of
-from .keys import Namespace
+from .keys import Namespace, invalid_key
 from .metrics import StackMetrics
 from .plans import Lookup, LookupState, WorkerReport
 
@@ -127,6 +127,8 @@ class TierManager:
         that block is unmarked, which is enough, since what decides for a group reads its last block's
         marks (a write-down rewrites a group whose last block is unmarked; a lookup serves a block only in
         a backend only if its group's last block is marked there: ``_servable_locked``)."""
+        if invalid_key(keys) is not None:  # a third-party backend's garbage must not break a lookup
+            keys = [k for k in keys if invalid_key([k]) is None]
         self._evictions.append((i, keys))
         if self._lock.acquire(timeout=0.05):
             try:

@@ -59,6 +59,53 @@ def test_round_trip_and_ttl(redis_server):  # noqa: F811
     b.close()
 
 
+def _told_until(told, n, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while sum(map(len, told)) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [k for batch in told for k in batch]
+
+
+def test_keys_redis_evicts_or_expires_are_told_to_the_owner():
+    """A Redis at maxmemory (allkeys-lru) evicts on its own: the backend hears it (keyevent notifications,
+    switched on by the default ``eviction_events: auto``) and tells ``on_evicted`` exactly the kvtier
+    keys that are gone; another application's keys and ``eviction_events: off`` tell nothing."""
+    if redis_available():
+        pytest.skip(redis_available())
+    srv = start_redis(extra_args=["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"])
+    b = RedisBackend({"url": srv.url})
+    quiet = RedisBackend({"url": srv.url, "eviction_events": "off"})
+    told: list[list[str]] = []
+    b.on_evicted = told.append
+    quiet.on_evicted = lambda keys: pytest.fail(f"eviction_events: off told {keys}")
+    try:
+        assert b._events is not None and b._events.subscribed.wait(10) and quiet._events is None
+        assert "E" in srv.cli("CONFIG", "GET", "notify-keyspace-events")
+        srv.client().set(b"someone-else", b"x" * 1000)
+        ks = keys(120)  # 7.5 MiB of 64 KiB blocks into 4 MiB
+        for i in range(0, 120, 10):
+            assert b.put(ks[i:i + 10], payloads(10), NS.layout_id) == [True] * 10
+        gone = [k for k, there in zip(ks, b.exists(ks)) if not there]
+        assert len(gone) > 40
+        got = _told_until(told, len(gone))
+        assert sorted(got) == sorted(gone)  # every kvtier key evicted, nothing else
+        # A TTL's end is the same news.
+        short = RedisBackend({"url": srv.url, "ttl_s": 0.2})
+        short.on_evicted = told.append
+        assert short._events is not None and short._events.subscribed.wait(10)
+        told.clear()
+        k = keys(1)
+        short.put(k, payloads(1, 1000), NS.layout_id)
+        time.sleep(0.3)
+        assert short.exists(k) == [False]  # an access makes Redis expire it at once
+        assert k[0] in _told_until(told, 1)
+        short.close()
+    finally:
+        b.close()
+        quiet.close()
+        srv.cleanup()
+
+
 def test_no_ttl_by_default(redis_server):  # noqa: F811
     b = RedisBackend({"url": redis_server.url})
     k = keys(1)
@@ -229,6 +276,25 @@ def test_cluster_spread_and_round_trip(redis_cluster):  # noqa: F811
     assert b.contains_prefix(ks) == 90 and b.delete(ks[:30]) == 30
     assert b.exists(ks[:31]) == [False] * 30 + [True]
     assert b.stats().extra["nodes"] == 3
+
+
+def test_cluster_nodes_each_tell_the_keys_they_expire(redis_cluster):  # noqa: F811
+    """A cluster node publishes only its own keys' events: the backend listens to every master."""
+    b = RedisBackend({"url": redis_cluster.url, "ttl_s": 0.2})
+    told: list[list[str]] = []
+    b.on_evicted = told.append
+    try:
+        deadline = time.monotonic() + 10
+        while len(b._events.subscribed_nodes) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(b._events.subscribed_nodes) == 3
+        ks = keys(30)
+        assert b.put(ks, payloads(30, 1000), NS.layout_id) == [True] * 30
+        time.sleep(0.3)
+        assert b.exists(ks) == [False] * 30
+        assert sorted(_told_until(told, 30)) == sorted(ks)
+    finally:
+        b.close()
 
 
 def test_cluster_node_down(redis_cluster):  # noqa: F811
