@@ -12,8 +12,8 @@ Invariants:
 * **Never in the data path.**  The listener has its own connection per node; a failure there (node
   down, notifications refused) is logged and retried with back-off, and costs only the hints it would
   have corrected.
-* **Only kvtier's block keys.**  A key outside ``key_prefix``, or not a canonical block key (a manifest,
-  another application's data), is not passed on.
+* **Only kvtier's keys.**  A key outside ``key_prefix`` (another application's data) is not passed on;
+  what is not a block key (a manifest) the owner drops (``TierManager._backend_evicted``).
 * **Batched.**  The keys of the notifications already received are passed on together, once the socket
   has nothing more to read (a full Redis evicts on every SET).
 """
@@ -27,8 +27,6 @@ import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
-
-from kvtier.keys import invalid_key
 
 from ._resp import Connection, RedisReplyError, command
 
@@ -74,7 +72,6 @@ class EvictionListener:
         self._warned: set[Addr] = set()
         self.subscribed = threading.Event()  # set once a node's subscription is confirmed (for tests)
         self.subscribed_nodes: set[Addr] = set()
-        self.told = 0  # keys passed on so far
         self._watcher = threading.Thread(target=self._watch, name=f"kvtier-{name}-evictions", daemon=True)
         self._watcher.start()
 
@@ -175,13 +172,8 @@ class EvictionListener:
         return False
 
     def _pass_on(self, keys: list[str]) -> None:
-        bad = invalid_key(keys)
-        if bad is not None:  # rare (a manifest, someone else's key under our prefix): sort them out
-            keys = [k for k in keys if invalid_key([k]) is None]
-        if keys:
-            self.told += len(keys)
-            with contextlib.suppress(Exception):  # _evicted logs a listener's failure itself
-                self._tell(keys)
+        with contextlib.suppress(Exception):  # _evicted logs a listener's failure itself
+            self._tell(keys)
 
 
 __all__ = ["EvictionEvents", "EvictionListener"]

@@ -202,3 +202,18 @@ def test_grouped_values_the_backend_evicts_are_never_offered(tmp_path):
         assert _eventually(lambda: m.lookup(a)) == Lookup(LookupState.MISS)
     finally:
         m.close()
+
+
+def test_malformed_keys_a_backend_says_it_evicted_never_break_a_lookup(tmp_path):
+    """A third-party backend may tell garbage (a manifest, a path, not even a str): those are dropped,
+    the block keys beside them are still forgotten, and lookups keep answering."""
+    m, fb = _manager(tmp_path)
+    try:
+        ns, h = m.namespace, m.namespace.hasher().hash_blocks(list(range(8)))
+        m.apply(WorkerReport(in_backend={(h[0], 0), (h[1], 0)}))
+        assert m.lookup(h) == Lookup(LookupState.HIT, 2, (DISK,) * 2)
+        fb.on_evicted([f"{ns.id}/manifest.json", "../x", None, ns.keys(h[1:])[0], ns.id + "/zz"])
+        assert not m.index.in_backends(h[1], (0,)) and m.index.in_backends(h[0], (0,))
+        assert m.lookup(h[:1]) == Lookup(LookupState.HIT, 1, (DISK,))
+    finally:
+        m.close()
