@@ -22,7 +22,9 @@ Invariants:
   under it.  So bytes on disk never run ahead of the ledger.  A put that cannot get room (the room is held
   by in-flight writes) is refused, never waits.  The ledger is recounted from a scan of the directory
   when it is missing or unreadable, when a writer that held bytes in it is found dead (kill -9: it may
-  have renamed without accounting), and when a process must evict but knows no block to evict.
+  have renamed or unlinked without accounting), and when a process must evict but knows no block to
+  evict.  A writer with nothing in flight enters itself (1 byte) before it unlinks, so a kill among its
+  unlinks is found too.
 * The in-memory index is a cache of the directory, rebuilt at start-up (LRU order from each file's
   max(atime, mtime)) and refreshed whenever the ledger is recounted (blocks it did not know go first,
   oldest first).  A key it does not know is looked up on disk (another process may have written it) and
@@ -87,6 +89,8 @@ class _Ledger:
     held: dict[str, list] = field(default_factory=dict)  # "<host tag>:<pid>" -> [reserved bytes, time]
     file_size: int = 0
     changed: bool = False
+    fd: int = -1  # the descriptor of the session that read it (the flock holder)
+    filed: frozenset[str] = frozenset()  # the writers whose entries are in the file as last read or written
 
     @property
     def total(self) -> int:
@@ -100,6 +104,18 @@ class _Ledger:
         if h[0] <= 0:  # nothing in flight: no entry, so a dead writer's entry always means lost bytes
             del self.held[writer]
         self.changed = True
+
+    def enter_before_unlinking(self, writer: str) -> bool:
+        """Make sure the file names ``writer`` before it unlinks blocks inside this session.  A kill between
+        an unlink and the session's write-back leaves the file counting bytes no longer on disk; only a
+        dead writer's entry makes the next session recount, and a writer with nothing in flight has none.
+        True if an entry of 1 byte was written for it: the caller takes it back (``hold(writer, -1)``)
+        when its unlinks are done (the session's write-back then drops it)."""
+        if writer in self.filed:
+            return False
+        self.hold(writer, 1)
+        self.write(self.fd)
+        return True
 
     def drop_dead_writers(self, max_age_s: float) -> bool:
         """Forget reservations of writers that are gone (dead pid on this host; silent for ``max_age_s``
@@ -122,7 +138,8 @@ class _Ledger:
         try:
             doc = json.loads(os.pread(fd, size, 0))
             led = cls(int(doc["bytes"]), {str(w): [int(n), float(t)] for w, (n, t) in doc["held"].items()},
-                      size)
+                      size, fd=fd)
+            led.filed = frozenset(led.held)
         except (ValueError, TypeError, KeyError, AttributeError):
             return None
         return led if led.bytes >= 0 and all(h[0] > 0 for h in led.held.values()) else None
@@ -133,6 +150,7 @@ class _Ledger:
         # the pages it has instead of needing new ones.
         self.file_size = max(self.file_size, -(-len(data) // _PAGE) * _PAGE)
         os.pwrite(fd, data.ljust(self.file_size), 0)
+        self.filed = frozenset(self.held)
         self.changed = False
 
 
@@ -295,7 +313,7 @@ class LocalDiskBackend(StorageBackend):
             fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
             led = _Ledger.read(fd)
             if led is None:  # first use of the directory, or a torn / foreign file: count it
-                led = _Ledger(file_size=os.fstat(fd).st_size)
+                led = _Ledger(file_size=os.fstat(fd).st_size, fd=fd)
                 self._recount(led)
             try:
                 yield led
@@ -329,22 +347,29 @@ class LocalDiskBackend(StorageBackend):
         recounted = led.drop_dead_writers(self.options.tmp_max_age_s)
         if recounted:
             self._recount(led)
-        while led.total + need > self.capacity:
-            with self._idx_lock:
-                victim = next((k for k in self._index if k not in self._inflight), None)
-                if victim is not None:
-                    del self._index[victim]
-            if victim is None:
-                if recounted:
-                    return False
-                self._recount(led)  # the room is held by blocks other processes wrote
-                recounted = True
-                continue
-            led.bytes -= _unlink_sized(self._where(victim, checked=True)[1])[1]
-            led.changed = True
-            if victims is not None:
-                victims.append(victim)
-        return True
+        entered: bool | None = None  # None: no unlink yet; then whether a 1-byte entry was written for it
+        try:
+            while led.total - bool(entered) + need > self.capacity:
+                with self._idx_lock:
+                    victim = next((k for k in self._index if k not in self._inflight), None)
+                    if victim is not None:
+                        del self._index[victim]
+                if victim is None:
+                    if recounted:
+                        return False
+                    self._recount(led)  # the room is held by blocks other processes wrote
+                    recounted = True
+                    continue
+                if entered is None:
+                    entered = led.enter_before_unlinking(self._writer())
+                led.bytes -= _unlink_sized(self._where(victim, checked=True)[1])[1]
+                led.changed = True
+                if victims is not None:
+                    victims.append(victim)
+            return True
+        finally:
+            if entered:
+                led.hold(self._writer(), -1)
 
     def _writer(self) -> str:
         return f"{_HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own
@@ -661,14 +686,19 @@ class LocalDiskBackend(StorageBackend):
         where = self._check_keys(keys)
         n = 0
         with self._shared() as led:  # unlinked under the lock: a put cannot reuse room not yet freed
-            for key, (_, path) in zip(keys, where):
-                with self._idx_lock:
-                    self._index.pop(key, None)
-                removed, freed = _unlink_sized(path)
-                if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger
-                    led.bytes -= freed
-                    led.changed = True
-                n += removed
+            entered = led.enter_before_unlinking(self._writer())
+            try:
+                for key, (_, path) in zip(keys, where):
+                    with self._idx_lock:
+                        self._index.pop(key, None)
+                    removed, freed = _unlink_sized(path)
+                    if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger
+                        led.bytes -= freed
+                        led.changed = True
+                    n += removed
+            finally:
+                if entered:
+                    led.hold(self._writer(), -1)
         return n
 
     def _scan(self, prefix: str) -> Iterator[StoredBlock]:

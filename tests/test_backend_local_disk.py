@@ -535,6 +535,48 @@ def test_ledger_survives_a_writer_killed_between_rename_and_account(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["evicting", "deleting"])
+def test_ledger_survives_a_writer_killed_between_unlink_and_account(tmp_path, how):
+    """kill -9 of a writer, with nothing else in flight, right after it unlinked a block (evicting for a
+    put, or deleting) and before the ledger records it: the ledger must show that writer, or it would
+    count the freed bytes for ever.  The next process that needs room recounts, and the account matches
+    the disk again."""
+    size = 1000
+    cap = 4 * (H + size)
+    root = tmp_path / "d"
+    a = LocalDiskBackend({"path": str(root), "capacity": cap})
+    full = newkeys(4)
+    assert a.put(full, [os.urandom(size)] * 4, LID) == [True] * 4
+    assert _ledger(root) == {"bytes": cap, "held": {}}
+    code = textwrap.dedent(f"""
+        import os, signal
+        from kvtier.backends import local_disk
+        from kvtier.keys import Namespace
+        ns = Namespace("m", "bfloat16", 2, 2, 64, 16)
+        b = local_disk.LocalDiskBackend({{"path": {str(root)!r}, "capacity": {cap}}})
+        real = local_disk._unlink_sized
+        def unlink_then_die(path):
+            out = real(path)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        local_disk._unlink_sized = unlink_then_die
+        if {how!r} == "evicting":
+            b.put([ns.key(bytes([7]) * 16)], [os.urandom({size})], ns.layout_id)
+        else:
+            b.delete([{str(full[0])!r}])
+    """)
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == -9
+    assert disk_bytes(root) == 3 * (H + size), "the killed writer unlinked one block"
+    led = _ledger(root)
+    assert led["bytes"] == cap and list(led["held"].values())[0][0] == 1, "the writer is named before unlinking"
+    ks = newkeys(2)
+    assert a.put(ks, [os.urandom(size)] * 2, LID) == [True, True]
+    assert _ledger(root)["held"] == {}
+    assert _ledger(root)["bytes"] == disk_bytes(root) <= cap
+    a.close()
+
+
+@pytest.mark.timeout(60)
 def test_ledger_missing_or_torn_is_recounted(tmp_path):
     size = 1000
     a = mk(tmp_path, capacity=10 * (H + size))
