@@ -39,21 +39,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import hashlib
 import itertools
-import json
 import logging
 import os
 import re
-import socket
 import stat
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from operator import itemgetter
 
 from pydantic import Field, field_validator
@@ -61,6 +56,7 @@ from pydantic import Field, field_validator
 from kvtier import blockformat
 from kvtier import threads as kvthreads
 from kvtier.backend_api import MANIFEST_NAME, BackendOptions, StorageBackend, StoredBlock, frame
+from kvtier.backends._disk_ledger import HOST_TAG, Ledger, pid_alive, shared_ledger
 from kvtier.keys import invalid_key, show_key
 from kvtier.units import ByteSize
 
@@ -76,84 +72,6 @@ _RFLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os
 _WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _PROBE = bytearray(1)  # one byte past the expected end: tells "longer than expected" without an fstat
 _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces at least this large
-_HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-LEDGER_NAME = ".kvtier-usage.json"  # at the root: a dot name, never a namespace, never a block
-_PAGE = 4096  # the ledger is rewritten in place, padded to whole pages: never truncated, never shrunk
-
-
-@dataclass
-class _Ledger:
-    """The directory's usage, shared by every process using it (see the module docstring)."""
-
-    bytes: int = 0  # sum of the sizes of the block files
-    held: dict[str, list] = field(default_factory=dict)  # "<host tag>:<pid>" -> [reserved bytes, time]
-    file_size: int = 0
-    changed: bool = False
-    fd: int = -1  # the descriptor of the session that read it (the flock holder)
-    filed: frozenset[str] = frozenset()  # the writers whose entries are in the file as last read or written
-
-    @property
-    def total(self) -> int:
-        return self.bytes + sum(h[0] for h in self.held.values())
-
-    def hold(self, writer: str, nbytes: int) -> None:
-        """Reserve (``nbytes`` > 0) or release (< 0) room for a writer's temp files."""
-        h = self.held.setdefault(writer, [0, 0.0])
-        h[0] += nbytes
-        h[1] = time.time()
-        if h[0] <= 0:  # nothing in flight: no entry, so a dead writer's entry always means lost bytes
-            del self.held[writer]
-        self.changed = True
-
-    def enter_before_unlinking(self, writer: str) -> bool:
-        """Make sure the file names ``writer`` before it unlinks blocks inside this session.  A kill between
-        an unlink and the session's write-back leaves the file counting bytes no longer on disk; only a
-        dead writer's entry makes the next session recount, and a writer with nothing in flight has none.
-        True if an entry of 1 byte was written for it: the caller takes it back (``hold(writer, -1)``)
-        when its unlinks are done (the session's write-back then drops it)."""
-        if writer in self.filed:
-            return False
-        self.hold(writer, 1)
-        self.write(self.fd)
-        return True
-
-    def drop_dead_writers(self, max_age_s: float) -> bool:
-        """Forget reservations of writers that are gone (dead pid on this host; silent for ``max_age_s``
-        on another); True if any was dropped."""
-        now = time.time()
-        dead = [w for w, (_, t) in self.held.items()
-                if (not _pid_alive(int(w.partition(":")[2])) if w.partition(":")[0] == _HOST_TAG
-                    else now - t > max_age_s)]
-        for w in dead:
-            del self.held[w]
-        self.changed |= bool(dead)
-        return bool(dead)
-
-    @classmethod
-    def read(cls, fd: int) -> _Ledger | None:
-        """The ledger in ``fd``; None if it is empty or unreadable (then it is recounted)."""
-        size = os.fstat(fd).st_size
-        if not size:
-            return None
-        try:
-            doc = json.loads(os.pread(fd, size, 0))
-            led = cls(int(doc["bytes"]), {str(w): [int(n), float(t)] for w, (n, t) in doc["held"].items()},
-                      size, fd=fd)
-            led.filed = frozenset(led.held)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
-        return led if led.bytes >= 0 and all(h[0] > 0 for h in led.held.values()) else None
-
-    def write(self, fd: int) -> None:
-        data = json.dumps({"bytes": self.bytes, "held": self.held}).encode()
-        # Padded in place (JSON allows trailing spaces): no truncate, so a rewrite on a full disk reuses
-        # the pages it has instead of needing new ones.
-        self.file_size = max(self.file_size, -(-len(data) // _PAGE) * _PAGE)
-        os.pwrite(fd, data.ljust(self.file_size), 0)
-        self.filed = frozenset(self.held)
-        self.changed = False
-
-
 class LocalDiskBackend(StorageBackend):
     """Blocks as files in a (possibly shared) directory, bounded by ``capacity`` bytes with LRU eviction."""
 
@@ -290,41 +208,24 @@ class LocalDiskBackend(StorageBackend):
             age = now - entry.stat(follow_symlinks=False).st_mtime
         except FileNotFoundError:
             return
-        if (m["host"] == _HOST_TAG and not _pid_alive(int(m["pid"]))) or age > self.options.tmp_max_age_s:
+        if (m["host"] == HOST_TAG and not pid_alive(int(m["pid"]))) or age > self.options.tmp_max_age_s:
             _unlink(entry.path)
             log.info("local_disk: removed leftover temp file %s", entry.path)
 
     # ------------------------------------------------------------------ the shared ledger, capacity
 
     @contextlib.contextmanager
-    def _shared(self) -> Iterator[_Ledger]:
-        """The directory's ledger, held exclusively (an flock), written back on the way out, also after an
-        error: every change made to it stands for a filesystem change already done.
-
-        Opened per session, on a descriptor of its own: flocks on two descriptors exclude each other even
-        within one process, so this also orders this process's threads.  (A kept descriptor would be
-        shared by threads and forked children, whose flocks would then not exclude each other, and, open
-        for writing, would keep the filesystem from being remounted read-only.)  The index lock is taken
-        inside, only around index changes, and never held while waiting for the flock or for the pool:
-        the pool's read tasks take it."""
-        fd = os.open(f"{self.root}/{LEDGER_NAME}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-                     | getattr(os, "O_NOFOLLOW", 0), 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
-            led = _Ledger.read(fd)
-            if led is None:  # first use of the directory, or a torn / foreign file: count it
-                led = _Ledger(file_size=os.fstat(fd).st_size, fd=fd)
-                self._recount(led)
+    def _shared(self) -> Iterator[Ledger]:
+        """The directory's ledger, held exclusively (``shared_ledger``), counted from the directory when it
+        is new or unreadable.  The index lock is taken inside, only around index changes, and never held
+        while waiting for the flock or for the pool: the pool's read tasks take it."""
+        with shared_ledger(self.root, self._recount) as led:
             try:
                 yield led
             finally:
-                if led.changed:
-                    led.write(fd)
                 self._dir_bytes = led.total
-        finally:
-            os.close(fd)
 
-    def _recount(self, led: _Ledger) -> None:
+    def _recount(self, led: Ledger) -> None:
         """Set the ledger's block bytes from a scan of the directory (under the ledger's lock, so no other
         process changes it meanwhile), and refresh the index from it: blocks this process did not know
         (other processes', a dead writer's) go first, oldest first, ahead of its own LRU order."""
@@ -338,7 +239,7 @@ class LocalDiskBackend(StorageBackend):
             index.update((key, sizes[key]) for key in self._index if key in sizes)
             self._index = index
 
-    def _make_room(self, led: _Ledger, need: int, victims: list[str] | None = None) -> bool:
+    def _make_room(self, led: Ledger, need: int, victims: list[str] | None = None) -> bool:
         """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if in-flight
         writes hold the room.  Called under ``_shared``; the keys unlinked are added to ``victims``."""
         if led.total + need <= self.capacity:
@@ -355,8 +256,8 @@ class LocalDiskBackend(StorageBackend):
                     if victim is not None:
                         del self._index[victim]
                 if victim is None:
-                    if recounted:
-                        return False
+                    if recounted or not self._knows_less_than(led):
+                        return False  # the room is held by in-flight writes and loads
                     self._recount(led)  # the room is held by blocks other processes wrote
                     recounted = True
                     continue
@@ -371,8 +272,16 @@ class LocalDiskBackend(StorageBackend):
             if entered:
                 led.hold(self._writer(), -1)
 
+    def _knows_less_than(self, led: Ledger) -> bool:
+        """Whether the directory holds block bytes this process's index does not know (another process's
+        blocks), so that a recount could find something to evict.  When it knows every byte and all of
+        it is held, a put is refused without a scan of the directory."""
+        with self._idx_lock:
+            known = sum(self._index.values())
+        return led.bytes > known
+
     def _writer(self) -> str:
-        return f"{_HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own
+        return f"{HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own
 
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int]) -> list[bool]:
         """Reserve room for a batch's blocks, in order, in one lock session; per key whether granted (not:
@@ -490,7 +399,7 @@ class LocalDiskBackend(StorageBackend):
     def _write_tmp(self, d: str, path: str, header: bytes, payload: memoryview) -> str:
         """Write the value to a new temp file beside ``path``; its name (removed again on any error)."""
         # The pid is read per write, not cached: a forked child must not reuse its parent's temp names.
-        tmp = f"{d}/.{path[len(d) + 1:]}.{_HOST_TAG}.{os.getpid()}.{next(self._tmp_seq)}.tmp"
+        tmp = f"{d}/.{path[len(d) + 1:]}.{HOST_TAG}.{os.getpid()}.{next(self._tmp_seq)}.tmp"
         try:
             fd = os.open(tmp, _WFLAGS, 0o666)
         except FileNotFoundError:  # first block of this shard: create it, once, lazily
@@ -803,13 +712,3 @@ def _unlink_sized(path: str) -> tuple[int, int]:
     size = _regular_size(path)
     removed = _unlink(path)
     return removed, size if removed else 0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # PermissionError: it exists, owned by someone else
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True

@@ -11,7 +11,8 @@ import pytest
 
 from kvtier import blockformat, plugins
 from kvtier.backend_api import BackendError
-from kvtier.backends.local_disk import _HOST_TAG, LocalDiskBackend
+from kvtier.backends._disk_ledger import HOST_TAG
+from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.keys import Namespace
 
 NS = Namespace("m", "bfloat16", 2, 2, 64, 16)
@@ -73,8 +74,8 @@ def test_temp_files_are_never_blocks_and_are_cleaned_at_start(tmp_path):
     ns, h = k.split("/")
     shard = os.path.join(b.root, ns, h[:2])
     os.makedirs(shard)
-    dead = os.path.join(shard, f".{h}.{_HOST_TAG}.999999999.0.tmp")  # no such pid
-    alive = os.path.join(shard, f".{h}.{_HOST_TAG}.{os.getpid()}.0.tmp")
+    dead = os.path.join(shard, f".{h}.{HOST_TAG}.999999999.0.tmp")  # no such pid
+    alive = os.path.join(shard, f".{h}.{HOST_TAG}.{os.getpid()}.0.tmp")
     stale = os.path.join(shard, f".{h}.0badf00d.1.0.tmp")  # another host's, old
     for p in (dead, alive, stale):
         with open(p, "wb") as f:
@@ -186,6 +187,33 @@ def test_held_keys_are_never_evicted_until_released(tmp_path):
     b.release(ks[3:4])
     assert b.put(ks[5:7], [os.urandom(size)] * 2, LID) == [True] * 2
     assert b.exists(ks) == [False, False, False, False, True, True, True]
+
+
+def test_a_put_refused_because_all_room_is_held_scans_no_directory(tmp_path, monkeypatch):
+    """Every block held by loads: a put is refused without a directory scan when this process knows every
+    block on disk (before, each refused put recounted the whole directory); once another process's blocks
+    are on disk, the next refused put recounts once and evicts those."""
+    size = 1000
+    b = mk(tmp_path, capacity=3 * (H + size))
+    ks = newkeys(6)
+    assert b.put(ks[:3], [os.urandom(size)] * 3, LID) == [True] * 3
+    b.hold(ks[:3])
+    scans = []
+    real = LocalDiskBackend._list_blocks
+    monkeypatch.setattr(LocalDiskBackend, "_list_blocks", lambda self, now: scans.append(1) or real(self, now))
+    for k in ks[3:5]:
+        assert b.put([k], [os.urandom(size)], LID) == [False]
+    assert scans == []
+    b.release(ks[:1])
+    other = mk(tmp_path, capacity=3 * (H + size))  # another process's writer over the same directory
+    assert other.put(ks[5:6], [os.urandom(size)], LID) == [True]  # it evicts ks[0], the one not held
+    other.close()
+    scans.clear()  # its start-up scan
+    assert b.exists(ks) == [False, True, True, False, False, True]
+    assert b.put(ks[3:4], [os.urandom(size)], LID) == [True]  # ks[5] is unknown here: one recount finds it
+    assert len(scans) == 1
+    assert b.exists(ks) == [False, True, True, True, False, False]
+    b.release(ks[1:3])
 
 
 def test_block_bigger_than_capacity_is_refused(tmp_path):
@@ -507,18 +535,18 @@ def test_ledger_survives_a_writer_killed_between_rename_and_account(tmp_path):
     a = LocalDiskBackend({"path": str(root), "capacity": cap})  # running before and after the kill
     code = textwrap.dedent(f"""
         import os, signal
-        from kvtier.backends import local_disk
+        from kvtier.backends import _disk_ledger, local_disk
         from kvtier.keys import Namespace
         ns = Namespace("m", "bfloat16", 2, 2, 64, 16)
         b = local_disk.LocalDiskBackend({{"path": {str(root)!r}, "capacity": {cap}}})
         writes = []
-        real = local_disk._Ledger.write
+        real = _disk_ledger.Ledger.write
         def write(self, fd):
             writes.append(1)
             if len(writes) == 2:  # the batch's second session: renames done, not yet accounted
                 os.kill(os.getpid(), signal.SIGKILL)
             real(self, fd)
-        local_disk._Ledger.write = write
+        _disk_ledger.Ledger.write = write
         b.put([ns.key(bytes([i]) * 16) for i in range(4)], [os.urandom({size})] * 4, ns.layout_id)
     """)
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == -9
