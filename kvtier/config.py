@@ -282,11 +282,14 @@ class KvtierConfig(_Section):
         t = self.storage.block_tokens
         return 1 if t is None else t // self.model.block_size
 
-    def summary(self, device_blocks: int | None = None) -> str:
+    def summary(self, device_blocks: int | None = None, *, engine: str | None = None) -> str:
         """One line: the tiers from fastest to slowest.  ``device_blocks``: the engine's block count, where
-        an engine owns the device blocks (``device.num_blocks`` sizes only the standalone pool)."""
+        an engine owns the device blocks (``device.num_blocks`` sizes only the standalone pool).
+        ``engine``: say the device blocks are that engine's, without a kind or layout (vLLM's scheduler
+        process knows neither: its workers detect them from the KV tensors)."""
         d = self.device
-        tiers = [f"device ({d.kind}, {d.layout}, {d.num_blocks if device_blocks is None else device_blocks} blocks)"]
+        n = d.num_blocks if device_blocks is None else device_blocks
+        tiers = [f"device ({engine}'s KV cache, {n} blocks)" if engine else f"device ({d.kind}, {d.layout}, {n} blocks)"]
         host = self.host
         tiers.append(f"host {format_size(host.capacity)}" if host.capacity else "host off")
         for b in self.backends:

@@ -172,6 +172,7 @@ def test_summary(fake_plugins):
     assert c.summary() == ("device (auto, flash_attn, 1024 blocks) -> host 256MiB -> local_disk (local_disk) "
                            "-> shared (redis, read-only)")
     assert "host off" in parse_config(cfg(host={"capacity": "0"})).summary()
+    assert c.summary(48, engine="vLLM").startswith("device (vLLM's KV cache, 48 blocks) -> host 256MiB")
 
 
 # --------------------------------------------------------------------------- error messages

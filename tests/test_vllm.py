@@ -434,8 +434,10 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     assert r[0]["tokens"] == r[1]["tokens"] == r[3]["tokens"] == cold[1]["tokens"]
     assert "not loaded" not in res["log"], res["log"][-3000:]
     # Both halves log vLLM's own KV block count (not the standalone pool's device.num_blocks).
-    counts = re.findall(r"kvtier: (?:scheduler|worker) side up.*?device \(auto, \w+, (\d+) blocks\)", res["log"])
-    assert len(counts) == 2 and counts[0] == counts[1] != "1024", counts
+    # The scheduler names no layout (only the workers know it): not the config's default flash_attn.
+    sched = re.findall(r"kvtier: scheduler side up.*?device \(vLLM's KV cache, (\d+) blocks\)", res["log"])
+    worker = re.findall(r"kvtier: worker side up.*?device \(auto, cpu_attn, (\d+) blocks\)", res["log"])
+    assert len(sched) == len(worker) == 1 and sched == worker != ["1024"], (sched, worker)
 
 
 SOAK = Path(__file__).parent / "vllm" / "soak.py"

@@ -114,7 +114,8 @@ class KvtierConnector(KVConnectorBase_V1):
                                             vllm_hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
                                             load_mode=mode)
             log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s",
-                     cfg.summary(getattr(kv_cache_config, "num_blocks", None)), cfg.namespace().id, mode.value)
+                     cfg.summary(getattr(kv_cache_config, "num_blocks", None), engine="vLLM"), cfg.namespace().id,
+                     mode.value)
 
     @property
     def requires_kv_delivery(self) -> bool:
