@@ -70,13 +70,13 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
              load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False,
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
              max_model_len: int | None = None, max_batched_tokens: int | None = None,
-             salts: list[str | None] | None = None, reset_between: bool = False) -> dict:
+             salts: list[str | None] | None = None, reset_between: bool = False, block_size: int = BS) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
     pf.write_text(json.dumps(prompts))
     cmd = [sys.executable, str(DRIVER), "--model", model, "--role", role, "--prompts", str(pf), "--out", str(out),
-           "--hash-algo", hash_algo, "--block-size", str(BS), "--tp", str(tp)]
+           "--hash-algo", hash_algo, "--block-size", str(block_size), "--tp", str(tp)]
     if config is not None:
         cfg_path.write_text(yaml.safe_dump(config))
         cmd += ["--config", str(cfg_path)]
@@ -185,7 +185,7 @@ def block_files(root: Path) -> dict[str, Path]:
     return {p.name: p for p in root.rglob("*") if p.is_file() and re.fullmatch(r"[0-9a-f]{64}", p.name)}
 
 
-def vllm_block_hashes(tokens: list[int]) -> list[bytes]:
+def vllm_block_hashes(tokens: list[int], block_size: int = BS) -> list[bytes]:
     """vLLM's own request.block_hashes for ``tokens`` (sha256_cbor, PYTHONHASHSEED=0), from its functions."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as kcu
@@ -201,8 +201,8 @@ def vllm_block_hashes(tokens: list[int]) -> list[bytes]:
         else:
             os.environ["PYTHONHASHSEED"] = old
     out, parent = [], None
-    for i in range(len(tokens) // BS):
-        parent = kcu.hash_block_tokens(fn, parent, tokens[i * BS:(i + 1) * BS], None)
+    for i in range(len(tokens) // block_size):
+        parent = kcu.hash_block_tokens(fn, parent, tokens[i * block_size:(i + 1) * block_size], None)
         out.append(bytes(parent))
     return out
 
@@ -438,6 +438,45 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     sched = re.findall(r"kvtier: scheduler side up.*?device \(vLLM's KV cache, (\d+) blocks\)", res["log"])
     worker = re.findall(r"kvtier: worker side up.*?device \(auto, cpu_attn, (\d+) blocks\)", res["log"])
     assert len(sched) == len(worker) == 1 and sched == worker != ["1024"], (sched, worker)
+
+
+@pytest.fixture(scope="module")
+def mla_model_dir(tmp_path_factory) -> str:
+    """A random-weight DeepSeek-V2-shaped model (MLA: one 512 + 64 latent per token and layer; vLLM CPU's
+    MLA kernels want exactly that and blocks of 16 tokens), all layers dense (no experts run)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    d = tmp_path_factory.mktemp("deepseek")
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                           n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=512,
+                           q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                           max_position_embeddings=4096, initializer_range=0.15)  # varied greedy tokens
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    return str(d)
+
+
+def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_use_them(mla_model_dir, tmp_path):
+    """An MLA model on vLLM's CPU build, whose KV tensor per layer is ``[N, 1, 16, 576]`` (kvtier once
+    refused it, so vLLM did not start).  The prefill instance stores every full block of A and C under
+    vLLM's own block hashes, each value one 576-wide bf16 latent per token and layer.  vLLM's CPU MLA
+    attention computes a prompt as if nothing before it were cached (vLLM turns its own prefix caching
+    off for it), so a loaded prefix would give wrong tokens (measured: other greedy tokens from B's second
+    and A's first): the decode instance loads nothing, says why, and equals a null connector's run."""
+    bs, root = 16, tmp_path / "blocks"
+    cfg = kv_config(disk(root))
+    prefill = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], cfg, block_size=bs)
+    assert "kvtier: worker side up: 2 layers, layout mla" in prefill["log"]
+    files = block_files(root)
+    assert set(files) == {h.hex() for h in vllm_block_hashes(A, bs) + vllm_block_hashes(C, bs)}
+    assert {p.stat().st_size for p in files.values()} == {blockformat.HEADER_SIZE + 2 * bs * 576 * 2}
+    got = run_vllm(mla_model_dir, tmp_path, "kv_consumer", [B, A], cfg, block_size=bs)
+    assert "kvtier: loads are off: vLLM's CPU MLA attention cannot compute" in got["log"]
+    assert [r["cached"] for r in got["results"]] == [0, 0]
+    assert_same_outputs(got["results"], run_vllm(mla_model_dir, tmp_path, "kv_both", [B, A], NULL,
+                                                 block_size=bs)["results"])
 
 
 SOAK = Path(__file__).parent / "vllm" / "soak.py"

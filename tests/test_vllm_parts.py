@@ -13,7 +13,7 @@ from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config
 from kvtier.config import parse_config
 from kvtier.integrations.vllm.facts import kv_layers
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
-from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, layer_order
+from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, kv_view, layer_order
 from kvtier.plans import LoadPlan, StepPlan, StorePlan, WorkerReport
 
 
@@ -26,6 +26,18 @@ def test_detect_layout_of_each_supported_tensor_and_refuse_others():
     with pytest.raises(ValueError, match=r"unsupported vLLM KV cache tensor: shape \(4, 32, 8, 256\).*"
                                          r"\(8 kv heads, head dim 128, block size 32\); supported: CPU"):
         detect_layout(torch.empty(4, b, h, 2 * d), h, d, b, mla=False)
+
+
+def test_vllm_cpu_mla_tensor_is_seen_as_kvtier_mla_layout_over_the_same_memory():
+    """vLLM CPU's MLA backend keeps a head axis of one, ``[N, 1, B, 576]``: kvtier works on a view of it as
+    ``[N, B, 576]``, so a copy into the view lands in vLLM's tensor; other tensors pass unchanged."""
+    t = torch.zeros(4, 1, 16, 576)
+    v = kv_view(t, mla=True)
+    assert tuple(v.shape) == (4, 16, 576) and detect_layout(v, 1, 576, 16, mla=True) == "mla"
+    v[2, 3].fill_(7.0)
+    assert t[2, 0, 3].eq(7.0).all() and t.sum() == 7.0 * 576
+    mha = torch.empty(4, 2, 16, 128)
+    assert kv_view(mha, mla=False) is mha and kv_view(t, mla=False) is t
 
 
 def test_layer_order_is_by_layer_index_not_by_name():

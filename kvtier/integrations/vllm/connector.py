@@ -34,10 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ...plans import StepPlan, WorkerReport
-from .facts import kv_layers, kvtier_config
+from .facts import kv_layers, kvtier_config, why_loads_cannot_work
 from .logs import join_vllm_logging
 from .scheduler import LoadMode, SchedulerSide
-from .worker import WorkerSide, detect_layout, layer_order
+from .worker import WorkerSide, detect_layout, kv_view, layer_order
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,6 +108,11 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.info("kvtier: setting kv_load_failure_policy=recompute (a block kvtier cannot load is "
                          "recomputed, never an error)")
                 ktc.kv_load_failure_policy = "recompute"
+            why = why_loads_cannot_work(vllm_config) if self._load else None
+            if why is not None:
+                log.warning("kvtier: loads are off: %s; %s", why,
+                            "this instance only stores" if self._store else "this kv_consumer does nothing")
+                self._load = False
             cfg = kvtier_config(vllm_config, len(kv_layers(kv_cache_config)))
             mode = LoadMode.from_extra_config(ktc.kv_connector_extra_config)
             self._scheduler = SchedulerSide(cfg, load=self._load, store=self._store,
@@ -127,9 +132,9 @@ class KvtierConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         names = layer_order(list(kv_caches))
-        tensors = [kv_caches[n] for n in names]
         mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
         mla = bool(getattr(mc, "use_mla", False))
+        tensors = [kv_view(kv_caches[n], mla) for n in names]
         layout = detect_layout(tensors[0], 1 if mla else mc.get_num_kv_heads(pc), mc.get_head_size(),
                                self._vllm_config.cache_config.block_size, mla)
         cfg = kvtier_config(self._vllm_config, len(tensors), tp_rank=get_tp_group().rank_in_group,

@@ -36,6 +36,22 @@ def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank:
     }
 
 
+def why_loads_cannot_work(vllm_config: Any) -> str | None:
+    """Why this vLLM cannot compute a prompt over a prefix loaded into its KV cache (None: it can).
+
+    vLLM's CPU MLA attention computes a prefill as if no earlier tokens were cached, so it turns its own
+    prefix caching off for MLA models; a connector's loaded prefix would be ignored by the prompt's
+    other tokens, and the output would be wrong (measured on a DeepSeek-V2-shaped model: other greedy
+    tokens from the second one on).  Its AMX MLA path keeps prefix caching on, and so do loads."""
+    from vllm.platforms import current_platform
+
+    if (current_platform.is_cpu() and getattr(vllm_config.model_config, "use_mla", False)
+            and not vllm_config.cache_config.enable_prefix_caching):
+        return ("vLLM's CPU MLA attention cannot compute a prompt over a prefix computed before (vLLM turns "
+                "its own prefix caching off for MLA models on CPU)")
+    return None
+
+
 def kvtier_config(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank: int = 0,
                   layout: str | None = None) -> KvtierConfig:
     """The deployment's kvtier config: the YAML named by ``kv_connector_extra_config.kvtier_config``

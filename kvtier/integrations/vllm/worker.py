@@ -49,6 +49,14 @@ def detect_layout(t: torch.Tensor, num_kv_heads: int, head_dim: int, block_size:
                      "CPU [N, H, B, 2D], FlashAttention [2, N, B, H, D], FlashInfer [N, 2, B, H, D], MLA [N, B, D]")
 
 
+def kv_view(t: torch.Tensor, mla: bool) -> torch.Tensor:
+    """vLLM's per-layer KV tensor as kvtier's layouts name it: a view of the same memory.  vLLM CPU's MLA
+    backend keeps a head axis of one (``[N, 1, B, D]``); kvtier's ``mla`` layout is ``[N, B, D]``."""
+    if mla and t.dim() == 4 and t.shape[1] == 1:
+        return t.select(1, 0)
+    return t
+
+
 def layer_order(names: list[str]) -> list[str]:
     """Layer names sorted by their layer index ("model.layers.12.self_attn.attn" -> 12)."""
     def index(name: str) -> tuple[int, str]:
