@@ -464,7 +464,8 @@ def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_
     vLLM's own block hashes, each value one 576-wide bf16 latent per token and layer.  vLLM's CPU MLA
     attention computes a prompt as if nothing before it were cached (vLLM turns its own prefix caching
     off for it), so a loaded prefix would give wrong tokens (measured: other greedy tokens from B's second
-    and A's first): the decode instance loads nothing, says why, and equals a null connector's run."""
+    and A's first, though the loaded bytes equal the prefill's): the decode instance loads nothing, says
+    why, and equals a null connector's run.  A TP=2 prefill stores one copy, not one per rank."""
     bs, root = 16, tmp_path / "blocks"
     cfg = kv_config(disk(root))
     prefill = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], cfg, block_size=bs)
@@ -472,6 +473,11 @@ def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_
     files = block_files(root)
     assert set(files) == {h.hex() for h in vllm_block_hashes(A, bs) + vllm_block_hashes(C, bs)}
     assert {p.stat().st_size for p in files.values()} == {blockformat.HEADER_SIZE + 2 * bs * 576 * 2}
+    # Both TP ranks hold the same latent: they store one copy, under the namespace TP=1 uses.
+    tp2 = tmp_path / "tp2"
+    run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], kv_config(disk(tp2)), block_size=bs, tp=2)
+    copies = sorted(p.relative_to(tp2) for p in tp2.rglob("*") if p.name in files)  # any namespace
+    assert copies == sorted(p.relative_to(root) for p in files.values())
     got = run_vllm(mla_model_dir, tmp_path, "kv_consumer", [B, A], cfg, block_size=bs)
     assert "kvtier: loads are off: vLLM's CPU MLA attention cannot compute" in got["log"]
     assert [r["cached"] for r in got["results"]] == [0, 0]

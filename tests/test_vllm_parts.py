@@ -11,7 +11,7 @@ import torch
 from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config
 
 from kvtier.config import parse_config
-from kvtier.integrations.vllm.facts import kv_layers
+from kvtier.integrations.vllm.facts import kv_layers, model_facts
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, kv_view, layer_order
 from kvtier.plans import LoadPlan, StepPlan, StorePlan, WorkerReport
@@ -38,6 +38,27 @@ def test_vllm_cpu_mla_tensor_is_seen_as_kvtier_mla_layout_over_the_same_memory()
     assert t[2, 0, 3].eq(7.0).all() and t.sum() == 7.0 * 576
     mha = torch.empty(4, 2, 16, 128)
     assert kv_view(mha, mla=False) is mha and kv_view(t, mla=False) is t
+
+
+def _vllm_config(mla: bool, tp: int, dcp: int = 1) -> types.SimpleNamespace:
+    mc = types.SimpleNamespace(dtype=torch.bfloat16, served_model_name=None, model="m", use_mla=mla,
+                               get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 576 if mla else 64)
+    pc = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, decode_context_parallel_size=dcp,
+                               prefill_context_parallel_size=1)
+    return types.SimpleNamespace(model_config=mc, cache_config=types.SimpleNamespace(cache_dtype="auto", block_size=16),
+                                 parallel_config=pc)
+
+
+def test_an_mla_namespace_is_the_same_on_every_tp_rank_and_size():
+    """MLA ranks hold the same latent (vLLM replicates it), so the TP rank and size stay out of the namespace
+    (one copy for all ranks; a TP=8 prefill feeds a TP=4 decode); MHA ranks hold other heads, and under
+    decode context parallelism MLA ranks hold other tokens: those keep their rank."""
+    def tp_of(facts: dict) -> tuple[int, int]:
+        return facts["tp_rank"], facts["tp_size"]
+    assert tp_of(model_facts(_vllm_config(mla=True, tp=4), 2, tp_rank=3)) == (0, 1)
+    assert model_facts(_vllm_config(mla=True, tp=4), 2, tp_rank=3) == model_facts(_vllm_config(mla=True, tp=1), 2)
+    assert tp_of(model_facts(_vllm_config(mla=False, tp=4), 2, tp_rank=3)) == (3, 4)
+    assert tp_of(model_facts(_vllm_config(mla=True, tp=4, dcp=2), 2, tp_rank=3)) == (3, 4)
 
 
 def test_layer_order_is_by_layer_index_not_by_name():

@@ -21,6 +21,12 @@ def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank:
     name = mc.served_model_name
     name = name[0] if isinstance(name, list | tuple) else name
     mla = bool(getattr(mc, "use_mla", False))
+    # MLA: every TP rank holds the same latent for every token (vLLM replicates it: both ranks of a TP=2
+    # run stored bitwise equal values), so the TP rank and size do not describe the bytes and stay out of
+    # the namespace: the ranks share one copy, and deployments of any TP size share blocks (a TP=8 prefill
+    # feeds a TP=4 decode).  Not under context parallelism, which gives each rank other tokens.
+    replicated = mla and all(int(getattr(pc, f, 1)) == 1 for f in ("decode_context_parallel_size",
+                                                                    "prefill_context_parallel_size"))
     return {
         "id": str(name or mc.model),
         "kv_dtype": kv_dtype,
@@ -29,8 +35,8 @@ def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank:
         "head_dim": int(mc.get_head_size()),
         "block_size": int(cc.block_size),
         "attention": "mla" if mla else "mha",
-        "tp_rank": int(tp_rank),
-        "tp_size": int(pc.tensor_parallel_size),
+        "tp_rank": 0 if replicated else int(tp_rank),
+        "tp_size": 1 if replicated else int(pc.tensor_parallel_size),
         "pp_rank": int(pp_rank),
         "pp_size": int(pc.pipeline_parallel_size),
     }
