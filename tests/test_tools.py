@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier.backends._disk_ledger import LEDGER_NAME
-from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.backends.local_disk import LEDGER_NAME, LocalDiskBackend
 from kvtier.cli import main
 from kvtier.commands._storage_tools import NamespaceInfo
 from kvtier.keys import Namespace
