@@ -170,12 +170,15 @@ def test_hybrid_cache_controller(tmp_path, layout):
 @pytest.mark.parametrize("layout", h.MLA_LAYOUTS)
 def test_mla_pages_are_shared_by_every_tp_rank(tmp_path, layout):
     """MLA KV is the same on every TP rank: rank 0 stores (SGLang writes MLA from one rank), rank 1 of the
-    same deployment loads it, in another host layout; an MHA deployment of the same model finds nothing."""
+    same deployment loads it, in another host layout, and so does a deployment of another TP size (as
+    vLLM's MLA namespace); an MHA deployment of the same model finds nothing."""
     cfg = write_yaml(tmp_path, disk(tmp_path / "blocks"))
     toks = tokens(6, 7)
     assert store(cfg, toks, 7, layout=layout, mla=True, tp_rank=0, tp_size=2) == 6 * P
     other = h.MLA_LAYOUTS[(h.MLA_LAYOUTS.index(layout) + 1) % 3]
     pf, got = load(cfg, toks, layout=other, mla=True, tp_rank=1, tp_size=2)
+    assert pf.loaded_tokens == 6 * P and same(got, pages_for(toks, 7, mla=True))
+    pf, got = load(cfg, toks, layout=layout, mla=True, tp_rank=3, tp_size=4)
     assert pf.loaded_tokens == 6 * P and same(got, pages_for(toks, 7, mla=True))
     assert load(cfg, toks, layout=layout)[0].hit_tokens == 0
 

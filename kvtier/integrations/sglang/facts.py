@@ -65,8 +65,10 @@ def model_facts(storage_config: Any, geo: PageGeometry) -> dict[str, Any]:
         "head_dim": geo.head_dim,
         "block_size": geo.page_size,
         "attention": "mla" if mla else "mha",
+        # MLA KV is the same on every TP rank: neither the rank nor the TP size describes its bytes, so
+        # deployments of any TP size (and vLLM's, kvtier.integrations.vllm.facts) share MLA pages.
         "tp_rank": 0 if mla else int(storage_config.tp_rank),
-        "tp_size": int(storage_config.tp_size),
+        "tp_size": 1 if mla else int(storage_config.tp_size),
         "pp_rank": int(storage_config.pp_rank),
         "pp_size": int(storage_config.pp_size),
     }
