@@ -3,7 +3,7 @@ every process writing the directory reads and rewrites under an exclusive ``floc
 
 It holds the bytes of the block files (``bytes``) and each live writer's reservations for its in-flight
 temp files (``held``: ``"<host tag>:<pid>" -> [bytes, time]``).  A writer's entry exists only while it
-has something in flight, or for the moment it unlinks files (``enter_before_unlinking``): so an entry
+has something in flight, or for the moment it unlinks files (``unlinking``): so an entry
 of a writer that is gone (a dead pid on this host, or silent for long on another) means the file may
 disagree with the disk, and the backend recounts the directory.  Which file changes go with which
 ledger change is the backend's business (``backends/local_disk.py``); this module is the file.
@@ -50,17 +50,22 @@ class Ledger:
             del self.held[writer]
         self.changed = True
 
-    def enter_before_unlinking(self, writer: str) -> bool:
-        """Make sure the file names ``writer`` before it unlinks blocks inside this session.  A kill between
-        an unlink and the session's write-back leaves the file counting bytes no longer on disk; only a
-        dead writer's entry makes the next session recount, and a writer with nothing in flight has none.
-        True if an entry of 1 byte was written for it: the caller takes it back (``hold(writer, -1)``)
-        when its unlinks are done (the session's write-back then drops it)."""
-        if writer in self.filed:
-            return False
-        self.hold(writer, 1)
-        self.write(self.fd)
-        return True
+    @contextlib.contextmanager
+    def unlinking(self, writer: str) -> Iterator[int]:
+        """Around unlinks of block files in this session: the file names ``writer`` before the first one.
+        A kill between an unlink and the session's write-back leaves the file counting bytes no longer on
+        disk; only a dead writer's entry makes the next session recount, and a writer with nothing in
+        flight has none, so one of 1 byte is written first and taken back after the unlinks (the
+        session's write-back then drops it).  Yields the bytes that entry adds to ``total`` (0 or 1)."""
+        entered = writer not in self.filed
+        if entered:
+            self.hold(writer, 1)
+            self.write()
+        try:
+            yield int(entered)
+        finally:
+            if entered:
+                self.hold(writer, -1)
 
     def drop_dead_writers(self, max_age_s: float) -> bool:
         """Forget reservations of writers that are gone (dead pid on this host; silent for ``max_age_s``
@@ -89,12 +94,12 @@ class Ledger:
             return None
         return led if led.bytes >= 0 and all(h[0] > 0 for h in led.held.values()) else None
 
-    def write(self, fd: int) -> None:
+    def write(self) -> None:
         data = json.dumps({"bytes": self.bytes, "held": self.held}).encode()
         # Padded in place (JSON allows trailing spaces): no truncate, so a rewrite on a full disk reuses
         # the pages it has instead of needing new ones.
         self.file_size = max(self.file_size, -(-len(data) // _PAGE) * _PAGE)
-        os.pwrite(fd, data.ljust(self.file_size), 0)
+        os.pwrite(self.fd, data.ljust(self.file_size), 0)
         self.filed = frozenset(self.held)
         self.changed = False
 
@@ -121,7 +126,7 @@ def shared_ledger(root: str, count: Callable[[Ledger], None]) -> Iterator[Ledger
             yield led
         finally:
             if led.changed:
-                led.write(fd)
+                led.write()
     finally:
         os.close(fd)
 

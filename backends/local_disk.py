@@ -249,9 +249,8 @@ class LocalDiskBackend(StorageBackend):
         recounted = led.drop_dead_writers(self.options.tmp_max_age_s)
         if recounted:
             self._recount(led)
-        entered: bool | None = None  # None: no unlink yet; then whether a 1-byte entry was written for it
-        try:
-            while led.total - bool(entered) + need > self.capacity:
+        with led.unlinking(self._writer()) as marker:
+            while led.total - marker + need > self.capacity:
                 with self._idx_lock:
                     victim = next((k for k in self._index if k not in self._inflight), None)
                     if victim is not None:
@@ -262,16 +261,11 @@ class LocalDiskBackend(StorageBackend):
                     self._recount(led)  # the room is held by blocks other processes wrote
                     recounted = True
                     continue
-                if entered is None:
-                    entered = led.enter_before_unlinking(self._writer())
                 led.bytes -= _unlink_sized(self._where(victim, checked=True)[1])[1]
                 led.changed = True
                 if victims is not None:
                     victims.append(victim)
-            return True
-        finally:
-            if entered:
-                led.hold(self._writer(), -1)
+        return True
 
     def _knows_less_than(self, led: Ledger) -> bool:
         """Whether the directory holds block bytes this process's index does not know (another process's
@@ -595,20 +589,16 @@ class LocalDiskBackend(StorageBackend):
     def _delete(self, keys: Sequence[str]) -> int:
         where = self._check_keys(keys)
         n = 0
-        with self._shared() as led:  # unlinked under the lock: a put cannot reuse room not yet freed
-            entered = led.enter_before_unlinking(self._writer())
-            try:
-                for key, (_, path) in zip(keys, where):
-                    with self._idx_lock:
-                        self._index.pop(key, None)
-                    removed, freed = _unlink_sized(path)
-                    if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger
-                        led.bytes -= freed
-                        led.changed = True
-                    n += removed
-            finally:
-                if entered:
-                    led.hold(self._writer(), -1)
+        # Unlinked under the lock: a put cannot reuse room not yet freed.
+        with self._shared() as led, led.unlinking(self._writer()):
+            for key, (_, path) in zip(keys, where):
+                with self._idx_lock:
+                    self._index.pop(key, None)
+                removed, freed = _unlink_sized(path)
+                if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger
+                    led.bytes -= freed
+                    led.changed = True
+                n += removed
         return n
 
     def _scan(self, prefix: str) -> Iterator[StoredBlock]:

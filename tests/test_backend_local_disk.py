@@ -541,11 +541,11 @@ def test_ledger_survives_a_writer_killed_between_rename_and_account(tmp_path):
         b = local_disk.LocalDiskBackend({{"path": {str(root)!r}, "capacity": {cap}}})
         writes = []
         real = _disk_ledger.Ledger.write
-        def write(self, fd):
+        def write(self):
             writes.append(1)
             if len(writes) == 2:  # the batch's second session: renames done, not yet accounted
                 os.kill(os.getpid(), signal.SIGKILL)
-            real(self, fd)
+            real(self)
         _disk_ledger.Ledger.write = write
         b.put([ns.key(bytes([i]) * 16) for i in range(4)], [os.urandom({size})] * 4, ns.layout_id)
     """)
