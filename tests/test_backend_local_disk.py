@@ -415,11 +415,14 @@ def test_bench_backends_disk_smoke(tmp_path, monkeypatch, capsys):
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert {(r["op"], r["block_bytes"]) for r in rows} == {(op, 262144) for op in
-                                                           ("put", "get", "put fsync", "get cold")}
+                                                           ("put", "get", "put full", "put fsync", "get cold")}
     assert all(r["ratio"] > 0 and r["gib_s"] > 0 and r["ceiling_gib_s"] > 0 for r in rows)
     # get rows: beside raw readv and raw readv + xxh3, each with its ratio
     assert all(r["ceiling_xxh3_gib_s"] > 0 and r["ratio_vs_ceiling_xxh3"] > 0 for r in rows)
     assert res["summary"]["disk_get_median_ratio"] > 0 and "startup_2k_blocks_s" in rows[-1]
+    assert res["summary"]["disk_put_full_median_ratio"] > 0
+    full = next(r for r in rows if r["op"] == "put full")
+    assert "every put evicts one" in full["note"] and "unlink the oldest" in full["note"]
 
 
 def test_symlinked_shard_directory_is_refused(tmp_path):

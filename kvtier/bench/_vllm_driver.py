@@ -5,8 +5,8 @@ id lists), ``steps`` (``["ttft", i]``: time a 1-token generation of prompt ``i``
 own prefix cache, so the next hit must come from the connector; ``["itl", [i, ...]]``: a running request
 decodes while prompts ``i, ...`` arrive and are served, and the gaps between its tokens are recorded
 before and while they are; ``["files", "cold" | "page cache", [path, ...]]``: put those files in that
-state and time the raw file ceiling of reading them in it), ``out`` (JSON path),
-``kv_space_gib``.
+state and time the raw file ceiling of reading them in it; ``["redis", port, [key, ...], value_bytes]``:
+time the raw Redis wire ceiling of reading those values), ``out`` (JSON path), ``kv_space_gib``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def main(spec_path: str) -> None:
             continue
         if step[0] == "files":
             rows.append({"files": step[1], "read_s": _read_files(step[2], cold=step[1] == "cold")})
+            continue
+        if step[0] == "redis":
+            rows.append({"raw": "redis", "read_s": _read_redis(step[1], step[2], step[3])})
             continue
         if step[0] == "reset":
             while not llm.reset_prefix_cache():
@@ -84,6 +87,27 @@ def _read_files(paths: list[str], cold: bool) -> float:
         for b in bufs:
             b.release()
         mem.close()
+
+
+def _read_redis(port: int, keys: list[str], value_bytes: int) -> float:
+    """Seconds of ``bench backends``' Redis wire ceiling (raw RESP, values received straight into
+    buffers, no framing or checksum) reading ``keys``: the faster of its loops (``Ceiling.VARIANTS``),
+    each timed once after an untimed read of one value on its connections."""
+    from .backend_redis import Ceiling
+
+    bufs = [memoryview(bytearray(value_bytes)) for _ in keys]
+    ks = [k.encode() for k in keys]
+    ceiling = Ceiling(port)
+    try:
+        best = float("inf")
+        for v in range(len(Ceiling.VARIANTS)):
+            ceiling.get(v, ks[:1], bufs[:1])
+            t0 = time.perf_counter()
+            ceiling.get(v, ks, bufs)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        ceiling.close()
 
 
 def _itl(llm: LLM, arriving: list[list[int]], vocab_hint: int) -> dict[str, Any]:

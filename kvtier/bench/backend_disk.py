@@ -1,8 +1,10 @@
 """``local_disk`` put / get throughput beside the raw file ceiling, on the same payloads, same filesystem.
 
-Two modes per block size: ``page cache`` (ops ``put`` / ``get``) and ``fsync + cold`` (ops ``put fsync`` /
-``get cold``: every put fsyncs its files and directories, and before each get batch its files are
-dropped from the page cache with ``posix_fadvise(DONTNEED)``, untimed, so every read comes from the disk).
+Two modes per block size: ``page cache`` (ops ``put`` / ``get``, and ``put full``: every put into a
+directory at its capacity, so each block written first evicts the least recently used one) and ``fsync +
+cold`` (ops ``put fsync`` / ``get cold``: every put fsyncs its files and directories, and before each get
+batch its files are dropped from the page cache with ``posix_fadvise(DONTNEED)``, untimed, so every read
+comes from the disk).
 Contenders move the same blocks, in the same batches, with the same number of threads as the backend:
 
 * ``raw`` (the ceiling): the least work that moves the bytes: per block ``open`` / ``write`` [``fsync``] /
@@ -10,12 +12,15 @@ Contenders move the same blocks, in the same batches, with the same number of th
   directory serialises file creation), and ``open`` / ``readv`` into the same preallocated, page-aligned
   buffers / ``close`` (no file object, no ``fstat``).  For cold gets it is the best of two strategies,
   buffered reads and ``O_DIRECT`` (which reads a cold 2 MiB file about twice as fast here); per batch the
-  faster one counts, so a peer that reads with ``O_DIRECT`` cannot beat the ceiling;
+  faster one counts, so a peer that reads with ``O_DIRECT`` cannot beat the ceiling.  For ``put full`` it
+  unlinks the oldest file (a filler, then the blocks in the order they were written) before each write;
 * ``raw+xxh3``: the same, plus xxh3-64 of each payload in the same thread right after its read (before
   its write): the floor for any store that checksums what it writes and verifies what it reads, as the
   block format requires;
 * the backend: framing, checksum, temp file + rename, verification of every header field and the
-  checksum, LRU index.
+  checksum, LRU index; for ``put full``, choosing each victim, unlinking it and accounting its bytes in
+  the directory's shared ledger, under the directory's lock (``put full`` checks afterwards that exactly
+  the newest blocks that fit are kept).
 
 Rows carry ``gib_s`` (the backend), ``ceiling_gib_s`` / ``ratio`` (raw; backend / raw) and
 ``ceiling_xxh3_gib_s`` / ``ratio_vs_ceiling_xxh3`` (raw+xxh3; backend / raw+xxh3).  Before every put round
@@ -39,6 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
+
+from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.blockformat import HEADER_SIZE
 
 STARTUP_BLOCKS = 100_000  # start-up (index rebuild) is measured with this many blocks on disk
 BATCH_BYTES = 64 << 20  # bytes per put/get_into call (32 x 2 MiB, 256 x 256 KiB): a long prompt's worth
@@ -76,10 +84,14 @@ class RawFiles:
         idx = range(len(self.paths))[sl]
         list(self.pool.map(lambda j: [fn(i) for i in idx[j :: self.threads]], range(self.threads)))
 
-    def put(self, sl: slice, payloads: list[memoryview], checksum: bool = False) -> None:
+    def put(self, sl: slice, payloads: list[memoryview], checksum: bool = False,
+            evict: list[str] | None = None) -> None:
+        """``evict[i]``: a file to unlink before block ``i`` is written (a directory kept at its capacity)."""
         paths, fsync = self.paths, self.fsync
 
         def one(i: int) -> None:
+            if evict is not None:
+                os.unlink(evict[i])
             if checksum:
                 xxhash.xxh3_64_intdigest(payloads[i])
             fd = os.open(paths[i], _WFLAGS, 0o644)
@@ -173,7 +185,6 @@ def startup_seconds(root: str, blocks: int) -> float:
     """Seconds a new LocalDiskBackend takes to index ``blocks`` files (page cache warm, median of 3).
 
     The files are small: start-up reads directory entries and inodes, never block contents."""
-    from kvtier.backends.local_disk import LocalDiskBackend
     from kvtier.keys import Namespace
 
     ns = Namespace("bench/disk-startup", "bfloat16", 32, 8, 128, 16)
@@ -201,8 +212,17 @@ def _best(times: dict[str, list[list[float]]], *names: str) -> float:
     return sum(min(statistics.median(times[c][j]) for c in names if c in times) for j in range(batches))
 
 
+def _check_full(full: LocalDiskBackend, keys: list[str], filler_keys: list[str]) -> None:
+    """After a round of ``put full``: the directory keeps exactly the newest blocks that fit (LRU)."""
+    fill, n = len(filler_keys), len(keys)
+    kept = keys[max(0, n - fill):] + filler_keys[min(n, fill):]
+    gone = keys[:max(0, n - fill)] + filler_keys[:min(n, fill)]
+    if not all(full.exists(kept)) or any(full.exists(gone)):
+        raise RuntimeError(f"local_disk at its capacity kept {sum(full.exists(keys + filler_keys))} blocks, not "
+                           f"the newest {fill}")
+
+
 def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = False) -> list[dict]:
-    from kvtier.backends.local_disk import LocalDiskBackend
     from kvtier.keys import Namespace
 
     ns = Namespace("bench/disk", "bfloat16", 32, 8, 128, 16)
@@ -219,16 +239,36 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
     per = max(1, BATCH_BYTES // block)
     batches = [slice(i, i + per) for i in range(0, n, per)]
     lid = ns.layout_id
+    # ``put full``: a directory that holds ``fill`` values, filled (untimed) with as many other blocks, so
+    # that every block put evicts one: the fillers first, then the blocks in the order they were put.  At
+    # least a batch, so that the raw contenders' victims were written by an earlier batch.
+    fill = max(n // 2, per)
+    filler_keys = ns.keys([os.urandom(16) for _ in range(fill)])
+    fillers = [payloads[i % n] for i in range(fill)]
+    full = None if cold else LocalDiskBackend({"path": os.path.join(root, f"backend-{block}-full"),
+                                               "capacity": fill * (HEADER_SIZE + block), "threads": THREADS})
+    ops = ("put", "get") if cold else ("put", "get", "put full")
     with ThreadPoolExecutor(THREADS) as pool:
-        # The backend's own layout, <namespace>/<hash[:2]>/<hash>, for the raw files of both contenders.
-        raw = {c: RawFiles([os.path.join(root, f"{c}-{block}-{mode}", k[:32], k[33:35], k[33:]) for k in keys],
-                           pool, THREADS, fsync=cold) for c in ("raw", "xxh3")}
+        def layout(d: str, ks: list[str]) -> list[str]:
+            """The backend's own layout, <namespace>/<hash[:2]>/<hash>, for the raw contenders' files."""
+            return [os.path.join(root, d, k[:32], k[33:35], k[33:]) for k in ks]
+
+        raw = {c: RawFiles(layout(f"{c}-{block}-{mode}", keys), pool, THREADS, fsync=cold) for c in ("raw", "xxh3")}
+        raw_full = {c: (RawFiles(layout(f"{c}-{block}-full", keys), pool, THREADS),
+                        RawFiles(layout(f"{c}-{block}-full", filler_keys), pool, THREADS)) for c in raw}
+        victims = {c: fl.paths + r.paths[:max(0, n - fill)] for c, (r, fl) in raw_full.items()}
         direct = False
         if cold:
             raw["raw"].put(slice(0, 1), payloads)
             direct = direct_io_works(raw["raw"].paths[0], block)
 
         def contenders(op: str, sl: slice) -> dict:
+            if op == "put full":
+                def bf() -> None:
+                    if full is None or not all(full.put(keys[sl], payloads[sl], lid)):
+                        raise RuntimeError("local_disk refused a put into its full directory")
+                return {"backend": bf, "raw": lambda: raw_full["raw"][0].put(sl, payloads, evict=victims["raw"]),
+                        "xxh3": lambda: raw_full["xxh3"][0].put(sl, payloads, True, evict=victims["xxh3"])}
             if op == "put":
                 def b() -> None:
                     if not all(backend.put(keys[sl], payloads[sl], lid)):
@@ -252,12 +292,20 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
         # times[op][contender][batch] = one time per repeat.  Contenders take turns batch by batch, in a
         # rotating order, so writeback stalls, neighbours' load and drift fall on all of them alike; a
         # contender's time is the sum over batches of its median per batch, robust to a stall in one round.
-        times: dict[str, dict[str, list[list[float]]]] = {"put": {}, "get": {}}
+        times: dict[str, dict[str, list[list[float]]]] = {op: {} for op in ops}
         for rep in range(repeats + 1):  # round 0 warms up and is dropped
             for r in raw.values():
                 r.delete()
             backend.delete(keys)
-            for op in ("put", "get"):
+            if full is not None:  # fill the full directories again
+                full.delete(keys + filler_keys)
+                if not all(full.put(filler_keys, fillers, lid)):
+                    raise RuntimeError("local_disk refused a filler block")
+                for r, fl in raw_full.values():
+                    r.delete()
+                    fl.delete()
+                    fl.put(slice(None), fillers)
+            for op in ops:
                 for j, sl in enumerate(batches):
                     fns = list(contenders(op, sl).items())
                     rot = (j + rep) % len(fns)
@@ -270,8 +318,14 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
             for i in range(0, n, max(1, n // 16)):  # the bytes read back are the bytes written
                 if not backend.get_into([keys[i]], [bufs[i]], lid) or bufs[i] != payloads[i]:
                     raise RuntimeError(f"local_disk returned wrong bytes for block {i}")
+            if full is not None:
+                _check_full(full, keys, filler_keys)
     backend.close()
-    for d in (*(os.path.join(root, f"{c}-{block}-{mode}") for c in raw), backend.root):
+    dirs = [os.path.join(root, f"{c}-{block}-{m}") for c in raw for m in (mode, "full")] + [backend.root]
+    if full is not None:
+        full.close()
+        dirs.append(full.root)
+    for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
     rows = []
     for op, op_times in times.items():
@@ -280,8 +334,11 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
         how = "open/readv/close" if op == "get" else "open/write/close"
         if op == "get" and direct:
             how += ", best of buffered and O_DIRECT per batch"
+        if op == "put full":
+            how = "unlink the oldest, open/write/close"
         note = (f"{THREADS} threads, {per}-block batches, "
                 + ("fsync; cold: page cache dropped before each get batch" if cold else "page cache")
+                + (f"; a directory at its capacity ({fill} blocks): every put evicts one" if op == "put full" else "")
                 + f"; raw: {how}")
         rows.append({"backend": "disk", "op": op if not cold else ("put fsync" if op == "put" else "get cold"),
                      "block_bytes": block, "gib_s": gib / med["backend"],

@@ -3,9 +3,10 @@ payloads.
 
 Each backend's cases live in ``kvtier/bench/backend_<name>.py``, which exposes
 ``run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict]`` returning rows
-``{"backend", "op" ("put"|"get"), "block_bytes", "gib_s", "ceiling_gib_s", "ratio", "note"}``
-(medians over ``repeats``; ``ratio`` = backend / ceiling).  A module whose import or set-up fails (no
-``redis-server``, no moto) prints a ``SKIP`` line with the reason and the run goes on.
+``{"backend", "op", "block_bytes", "gib_s", "ceiling_gib_s", "ratio", "note"}`` (``op``: ``put``, ``get``, or
+a variant such as ``put full`` or ``get cold``; the summary gives each op's median ratio), medians over
+``repeats``; ``ratio`` = backend / ceiling.  A module whose import or set-up fails (no ``redis-server``, no
+moto) prints a ``SKIP`` line with the reason and the run goes on.
 
 Default block sizes: 2 MiB = 32 layers x 8 kv heads x 128 head dim x 2 bytes (bf16) x 16 tokens x 2 (K, V),
 and 256 KiB.
@@ -87,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
         print_table(table, COLUMNS + list(dict.fromkeys(extra)) + ["note"])
     summary = {}
     for name in sorted({r["backend"] for r in rows}):
-        for op in ("put", "get"):
+        for op in dict.fromkeys(r["op"] for r in rows):
             ratios = [r["ratio"] for r in rows if r["backend"] == name and r["op"] == op]
             if ratios:
-                summary[f"{name}_{op}_median_ratio"] = statistics.median(ratios)
+                summary[f"{name}_{op.replace(' ', '_')}_median_ratio"] = statistics.median(ratios)
     if summary:
         print("median ratios: " + ", ".join(f"{k.removesuffix('_median_ratio')} {v:.2f}x"
                                             for k, v in summary.items()))

@@ -15,6 +15,11 @@ random weights built locally) is served by vLLM.  Rows, all on the same prompts 
 
 Ratios are TTFT / floor (lower is better).  Medians over ``--repeats`` prompts.
 
+Beside each local_disk and Redis load row, the raw ceiling of reading the same stored values, timed in the
+decode process just before the load (local_disk: open / readv, files in the same page-cache state; Redis:
+the raw wire loops of ``bench backends``): no load ends before its bytes are read, so a raw read already
+over a goal's multiple of the floor says the goal is out of reach on that machine, whatever the loader.
+
 Then decode stalls: a request decodes while two other 4k-token prompts arrive.  In the prefill process
 they are computed (``recompute``); in each decode process their KV is loaded by kvtier from the backend
 (asynchronously: the request waits in vLLM while the decoder keeps stepping).  The table gives the
@@ -94,6 +99,27 @@ def _files_of(root: Path, prompts: list[list[int]], block_size: int = 32) -> lis
     return [[by_name[h.hex()] for h in hasher.hash_blocks(p) if h.hex() in by_name] for p in prompts]
 
 
+def _redis_values_of(url: str, prompts: list[list[int]], block_size: int = 32) -> tuple[int, list[list[str]], int]:
+    """Per prompt, the Redis keys holding its stored blocks (a key ends with its block hash), the server's
+    port and a value's size in bytes (header + payload)."""
+    from urllib.parse import urlsplit
+
+    from ..backends._resp import Connection
+    from ..keys import BlockHasher
+
+    u = urlsplit(url)
+    port = u.port or 6379
+    conn = Connection((u.hostname or "127.0.0.1", port), timeout=30, connect_timeout=30)
+    try:
+        by_hash = {k.decode().rsplit("/", 1)[-1]: k.decode() for k in conn.call("KEYS", "*")}
+        hasher = BlockHasher(block_size, "sha256_cbor", None)  # the bench configs' keys
+        keys = [[by_hash[h.hex()] for h in hasher.hash_blocks(p) if h.hex() in by_hash] for p in prompts]
+        size = int(conn.call("STRLEN", keys[0][0])) if keys and keys[0] else 0
+    finally:
+        conn.close()
+    return port, keys, size
+
+
 def run(args: argparse.Namespace) -> int:
     import yaml
 
@@ -137,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
                 files = _files_of(Path(be["options"]["path"]), prompts[:2 * n])
                 first = [s for i in range(n) for s in (["files", "cold", files[i]], ["ttft", i])]
                 first += [s for i in extra for s in (["files", "page cache", files[i]], ["ttft", i])]
+            elif be["type"] == "redis":
+                port, values, size = _redis_values_of(be["options"]["url"], prompts[:n])
+                first = [s for i in range(n) for s in (["redis", port, values[i], size], ["ttft", i])]
             else:
                 first = [["ttft", i] for i in range(n)]
             dec = _run(tmp, f"decode-{be['name']}", model, prompts,
@@ -152,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
                         reads.setdefault(f"kvtier:{be['name']} ({r['files']})", []).append(r["read_s"])
             else:
                 rows.setdefault(f"kvtier:{be['name']}", []).extend(r["ttft_s"] for r in loads)
+                for r in dec:
+                    if r.get("raw") == "redis":
+                        reads.setdefault(f"kvtier:{be['name']}", []).append(r["read_s"])
             rows.setdefault("kvtier:host", []).extend(r["ttft_s"] for r in host)
             rows.setdefault("vllm-device-cache-quiet", []).extend(r["ttft_s"] for r in again)
             itl.append({"arrivals": f"kvtier:{be['name']}", **dec[-1]})
@@ -178,12 +210,17 @@ def run(args: argparse.Namespace) -> int:
           f"{args.tokens * args.layers * 2 * 8 * 128 * 2 / 2**20:.0f} MiB of KV), medians")
     print_table(table, ["source", "ttft_ms", "x_floor", "x_quiet_floor", "runs"])
     read_rows = [{"source": row, "raw_read_ms": statistics.median(v) * 1e3,
-                  "kvtier_ttft_ms": statistics.median(rows[row]) * 1e3, "runs": len(v)} for row, v in reads.items()]
+                  "raw_read_x_floor": statistics.median(v) / floor, "raw_read_x_quiet_floor":
+                  statistics.median(v) / quiet, "kvtier_ttft_ms": statistics.median(rows[row]) * 1e3,
+                  "runs": len(v)} for row, v in reads.items()]
     if read_rows:
-        print("\nlocal_disk: the raw file ceiling (open / readv with the backend's threads, as `bench backends`) "
-              "over the same prompt's block files in the same state, just before kvtier's load (the TTFT adds "
-              "the checksums, the copy into vLLM's KV and the step)")
-        print_table(read_rows, ["source", "raw_read_ms", "kvtier_ttft_ms", "runs"])
+        print("\nraw ceilings, timed in the decode process just before each kvtier load, over the same prompt's "
+              "stored values (the TTFT adds the checksums, the copy into vLLM's KV and the step): local_disk: "
+              "open / readv with the backend's threads, as `bench backends`, files in the same state; Redis: the "
+              "raw wire loops of `bench backends` (the faster one).  A load cannot end before its bytes are read: "
+              "where raw_read_x_floor exceeds a goal, no loader meets it on this machine")
+        print_table(read_rows, ["source", "raw_read_ms", "raw_read_x_floor", "raw_read_x_quiet_floor",
+                                "kvtier_ttft_ms", "runs"])
     print("x_floor: / vLLM's own cache in the prefill process, while kvtier writes that process's earlier "
           "prompts down in the background; x_quiet_floor: / the same hit in a decode process, where kvtier "
           "writes nothing")
