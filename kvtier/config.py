@@ -282,6 +282,11 @@ class KvtierConfig(_Section):
         t = self.storage.block_tokens
         return 1 if t is None else t // self.model.block_size
 
+    def reading_only(self) -> KvtierConfig:
+        """This deployment with every backend read-only (``write: false``): for a process that loads what
+        another one writes (a TP rank whose blocks rank 0 writes)."""
+        return self.model_copy(update={"backends": [b.model_copy(update={"write": False}) for b in self.backends]})
+
     def summary(self, device_blocks: int | None = None, *, engine: str | None = None) -> str:
         """One line: the tiers from fastest to slowest.  ``device_blocks``: the engine's block count, where
         an engine owns the device blocks (``device.num_blocks`` sizes only the standalone pool).

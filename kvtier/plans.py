@@ -106,7 +106,8 @@ class WorkerReport:
 
     Reports of several workers (TP ranks) merge with :meth:`merge`: a block counts as in host memory or
     written to a backend only if every rank says so (each rank holds its own shard), and anything lost or
-    evicted on one rank is gone."""
+    evicted on one rank is gone.  Only ranks that write the backends (``writes``) have a say on what is
+    written: where every rank holds the same bytes (MLA), rank 0 alone writes the one shared copy."""
 
     in_host: dict[bytes, int] = field(default_factory=dict)
     left_host: set[bytes] = field(default_factory=set)
@@ -116,6 +117,9 @@ class WorkerReport:
     # request id -> chain position of the first block its load did not deliver: the engine recomputes
     # from there, so those blocks are not stored yet (the scheduler plans them again once recomputed).
     unloaded: dict[str, int] = field(default_factory=dict)
+    # Whether this worker writes the backends; one that does not (its in_backend is always empty) does
+    # not veto the blocks a writing rank reports written.
+    writes: bool = True
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         both = {h: s for h, s in self.in_host.items() if h in other.in_host}
@@ -123,9 +127,13 @@ class WorkerReport:
         unloaded = dict(self.unloaded)
         for req_id, pos in other.unloaded.items():
             keep_earliest(unloaded, req_id, pos)
-        return WorkerReport(in_host=both, left_host=set(gone), lost=self.lost | other.lost,
-                            in_backend=self.in_backend & other.in_backend,
-                            left_backend=self.left_backend | other.left_backend, unloaded=unloaded)
+        if self.writes and other.writes:
+            written = self.in_backend & other.in_backend
+        else:
+            written = set(self.in_backend if self.writes else other.in_backend)
+        return WorkerReport(in_host=both, left_host=set(gone), lost=self.lost | other.lost, in_backend=written,
+                            left_backend=self.left_backend | other.left_backend, unloaded=unloaded,
+                            writes=self.writes or other.writes)
 
     def __bool__(self) -> bool:
         return bool(self.in_host or self.left_host or self.lost or self.in_backend or self.left_backend

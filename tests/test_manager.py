@@ -165,6 +165,14 @@ def test_plans_check_invariants_and_pickle():
     assert evicted.left_backend == {(h[0], 1), (h[1], 0)} and evicted  # evicted on any rank is gone
     assert evicted.in_backend == {(h[2], 0)}  # written: only where every rank wrote its shard
     assert pickle.loads(pickle.dumps(evicted)) == evicted
+    # A rank that reads only (MLA: rank 0 writes the copy all ranks share) has no say on what is written,
+    # in either order; two reading ranks report nothing written; anything lost on it is still lost.
+    writer = WorkerReport(in_backend={(h[0], 0), (h[1], 0)})
+    reader = WorkerReport(in_host={h[0]: 3}, lost={h[2]}, writes=False)
+    for merged in (writer.merge(reader), reader.merge(writer)):
+        assert merged.in_backend == {(h[0], 0), (h[1], 0)} and merged.writes and merged.lost == {h[2]}
+    assert not reader.merge(WorkerReport(writes=False)).writes
+    assert writer.merge(reader).merge(WorkerReport(in_backend={(h[1], 0)})).in_backend == {(h[1], 0)}
 
 
 def test_grouped_values_the_backend_evicts_are_never_offered(tmp_path):

@@ -458,14 +458,16 @@ def mla_model_dir(tmp_path_factory) -> str:
     return str(d)
 
 
-def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_use_them(mla_model_dir, tmp_path):
+def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_use_them(mla_model_dir, redis_server,
+                                                                                         tmp_path):
     """An MLA model on vLLM's CPU build, whose KV tensor per layer is ``[N, 1, 16, 576]`` (kvtier once
     refused it, so vLLM did not start).  The prefill instance stores every full block of A and C under
     vLLM's own block hashes, each value one 576-wide bf16 latent per token and layer.  vLLM's CPU MLA
     attention computes a prompt as if nothing before it were cached (vLLM turns its own prefix caching
     off for it), so a loaded prefix would give wrong tokens (measured: other greedy tokens from B's second
     and A's first, though the loaded bytes equal the prefill's): the decode instance loads nothing, says
-    why, and equals a null connector's run.  A TP=2 prefill stores one copy, not one per rank."""
+    why, and equals a null connector's run.  A TP=2 prefill stores one copy, not one per rank, and only
+    rank 0 writes it: Redis sees one SET per block (each rank wrote every block before)."""
     bs, root = 16, tmp_path / "blocks"
     cfg = kv_config(disk(root))
     prefill = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], cfg, block_size=bs)
@@ -475,9 +477,16 @@ def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_
     assert {p.stat().st_size for p in files.values()} == {blockformat.HEADER_SIZE + 2 * bs * 576 * 2}
     # Both TP ranks hold the same latent: they store one copy, under the namespace TP=1 uses.
     tp2 = tmp_path / "tp2"
-    run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], kv_config(disk(tp2)), block_size=bs, tp=2)
+    redis = {"name": "redis", "type": "redis", "options": {"url": redis_server.url}}
+    redis_server.cli("CONFIG", "RESETSTAT")
+    run = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], {**cfg, "backends": [disk(tp2), redis]},
+                   block_size=bs, tp=2)
     copies = sorted(p.relative_to(tp2) for p in tp2.rglob("*") if p.name in files)  # any namespace
     assert copies == sorted(p.relative_to(root) for p in files.values())
+    # every key (the 30 blocks and the namespace's manifest) was SET once
+    sets = re.search(r"cmdstat_set:calls=(\d+)", redis_server.cli("INFO", "commandstats"))
+    assert sets and int(sets.group(1)) == int(redis_server.cli("DBSIZE")) == len(files) + 1
+    assert "kvtier: TP rank 1 reads the backends and leaves writing to rank 0" in run["log"]
     got = run_vllm(mla_model_dir, tmp_path, "kv_consumer", [B, A], cfg, block_size=bs)
     assert "kvtier: loads are off: vLLM's CPU MLA attention cannot compute" in got["log"]
     assert [r["cached"] for r in got["results"]] == [0, 0]

@@ -11,7 +11,7 @@ import torch
 from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config
 
 from kvtier.config import parse_config
-from kvtier.integrations.vllm.facts import kv_layers, model_facts
+from kvtier.integrations.vllm.facts import kv_layers, kv_replicated_across_tp, model_facts
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, kv_view, layer_order
 from kvtier.plans import LoadPlan, StepPlan, StorePlan, WorkerReport
@@ -59,6 +59,20 @@ def test_an_mla_namespace_is_the_same_on_every_tp_rank_and_size():
     assert model_facts(_vllm_config(mla=True, tp=4), 2, tp_rank=3) == model_facts(_vllm_config(mla=True, tp=1), 2)
     assert tp_of(model_facts(_vllm_config(mla=False, tp=4), 2, tp_rank=3)) == (3, 4)
     assert tp_of(model_facts(_vllm_config(mla=True, tp=4, dcp=2), 2, tp_rank=3)) == (3, 4)
+    # the same facts say whose bytes are one shared copy (so rank 0 alone writes it)
+    assert kv_replicated_across_tp(_vllm_config(mla=True, tp=4))
+    assert not kv_replicated_across_tp(_vllm_config(mla=False, tp=4))
+    assert not kv_replicated_across_tp(_vllm_config(mla=True, tp=4, dcp=2))
+
+
+def test_a_reading_only_config_writes_no_backend_and_keeps_everything_else():
+    cfg = parse_config({"model": _MODEL, "backends": [
+        {"name": "d", "type": "local_disk", "options": {"path": "/tmp/x"}},
+        {"name": "r", "type": "redis", "options": {"url": "redis://127.0.0.1:1"}, "write": False}]})
+    ro = cfg.reading_only()
+    assert [b.write for b in ro.backends] == [False, False] and [b.write for b in cfg.backends] == [True, False]
+    assert ro.namespace() == cfg.namespace() and [b.options for b in ro.backends] == [b.options for b in cfg.backends]
+    assert "d (local_disk, read-only)" in ro.summary()
 
 
 def test_layer_order_is_by_layer_index_not_by_name():

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ...plans import StepPlan, WorkerReport
-from .facts import kv_layers, kvtier_config, why_loads_cannot_work
+from .facts import kv_layers, kv_replicated_across_tp, kvtier_config, why_loads_cannot_work
 from .logs import join_vllm_logging
 from .scheduler import LoadMode, SchedulerSide
 from .worker import WorkerSide, detect_layout, kv_view, layer_order
@@ -137,8 +137,15 @@ class KvtierConnector(KVConnectorBase_V1):
         tensors = [kv_view(kv_caches[n], mla) for n in names]
         layout = detect_layout(tensors[0], 1 if mla else mc.get_num_kv_heads(pc), mc.get_head_size(),
                                self._vllm_config.cache_config.block_size, mla)
-        cfg = kvtier_config(self._vllm_config, len(tensors), tp_rank=get_tp_group().rank_in_group,
-                            pp_rank=get_pp_group().rank_in_group, layout=layout)
+        tp_rank = get_tp_group().rank_in_group
+        cfg = kvtier_config(self._vllm_config, len(tensors), tp_rank=tp_rank, pp_rank=get_pp_group().rank_in_group,
+                            layout=layout)
+        if tp_rank and kv_replicated_across_tp(self._vllm_config) and any(b.write for b in cfg.backends):
+            # Every rank would write the same bytes under the same keys: rank 0 writes them, the others
+            # only read (and the scheduler hears what is written from rank 0 alone: WorkerReport.writes).
+            cfg = cfg.reading_only()
+            log.info("kvtier: TP rank %d reads the backends and leaves writing to rank 0 (MLA: every rank "
+                     "holds the same latent)", tp_rank)
         self._worker = WorkerSide(cfg, tensors)
         log.info("kvtier: worker side up: %d layers, layout %s, %s", len(tensors), layout,
                  cfg.summary(self._worker.stack.device.num_blocks))

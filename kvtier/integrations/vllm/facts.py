@@ -21,12 +21,9 @@ def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank:
     name = mc.served_model_name
     name = name[0] if isinstance(name, list | tuple) else name
     mla = bool(getattr(mc, "use_mla", False))
-    # MLA: every TP rank holds the same latent for every token (vLLM replicates it: both ranks of a TP=2
-    # run stored bitwise equal values), so the TP rank and size do not describe the bytes and stay out of
-    # the namespace: the ranks share one copy, and deployments of any TP size share blocks (a TP=8 prefill
-    # feeds a TP=4 decode).  Not under context parallelism, which gives each rank other tokens.
-    replicated = mla and all(int(getattr(pc, f, 1)) == 1 for f in ("decode_context_parallel_size",
-                                                                    "prefill_context_parallel_size"))
+    # Replicated KV: the TP rank and size do not describe the bytes and stay out of the namespace: the
+    # ranks share one copy, and deployments of any TP size share blocks (a TP=8 prefill feeds a TP=4 decode).
+    replicated = kv_replicated_across_tp(vllm_config)
     return {
         "id": str(name or mc.model),
         "kv_dtype": kv_dtype,
@@ -40,6 +37,15 @@ def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank:
         "pp_rank": int(pp_rank),
         "pp_size": int(pc.pipeline_parallel_size),
     }
+
+
+def kv_replicated_across_tp(vllm_config: Any) -> bool:
+    """Whether every TP rank holds the same KV bytes for every token: MLA, whose latent vLLM replicates
+    (both ranks of a TP=2 run stored bitwise equal values), unless context parallelism gives each rank
+    other tokens."""
+    pc = vllm_config.parallel_config
+    return bool(getattr(vllm_config.model_config, "use_mla", False)) and all(
+        int(getattr(pc, f, 1)) == 1 for f in ("decode_context_parallel_size", "prefill_context_parallel_size"))
 
 
 def why_loads_cannot_work(vllm_config: Any) -> str | None:
