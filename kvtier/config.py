@@ -282,6 +282,11 @@ class KvtierConfig(_Section):
         t = self.storage.block_tokens
         return 1 if t is None else t // self.model.block_size
 
+    @property
+    def writes_backends(self) -> bool:
+        """Whether some backend is written (not every one ``write: false``)."""
+        return any(b.write for b in self.backends)
+
     def reading_only(self) -> KvtierConfig:
         """This deployment with every backend read-only (``write: false``): for a process that loads what
         another one writes (a TP rank whose blocks rank 0 writes)."""

@@ -71,6 +71,7 @@ def test_a_reading_only_config_writes_no_backend_and_keeps_everything_else():
         {"name": "r", "type": "redis", "options": {"url": "redis://127.0.0.1:1"}, "write": False}]})
     ro = cfg.reading_only()
     assert [b.write for b in ro.backends] == [False, False] and [b.write for b in cfg.backends] == [True, False]
+    assert cfg.writes_backends and not ro.writes_backends
     assert ro.namespace() == cfg.namespace() and [b.options for b in ro.backends] == [b.options for b in cfg.backends]
     assert "d (local_disk, read-only)" in ro.summary()
 

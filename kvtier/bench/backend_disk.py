@@ -254,8 +254,8 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
             return [os.path.join(root, d, k[:32], k[33:35], k[33:]) for k in ks]
 
         raw = {c: RawFiles(layout(f"{c}-{block}-{mode}", keys), pool, THREADS, fsync=cold) for c in ("raw", "xxh3")}
-        raw_full = {c: (RawFiles(layout(f"{c}-{block}-full", keys), pool, THREADS),
-                        RawFiles(layout(f"{c}-{block}-full", filler_keys), pool, THREADS)) for c in raw}
+        raw_full = {} if cold else {c: (RawFiles(layout(f"{c}-{block}-full", keys), pool, THREADS),
+                                        RawFiles(layout(f"{c}-{block}-full", filler_keys), pool, THREADS)) for c in raw}
         victims = {c: fl.paths + r.paths[:max(0, n - fill)] for c, (r, fl) in raw_full.items()}
         direct = False
         if cold:

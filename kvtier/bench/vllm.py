@@ -90,30 +90,31 @@ def _kvtier(role: str, cfg_path: Path, load_mode: str) -> dict:
             "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path), "load_mode": load_mode}}
 
 
-def _files_of(root: Path, prompts: list[list[int]], block_size: int = 32) -> list[list[str]]:
-    """Per prompt, the local_disk files holding its stored blocks (a file is named by its block hash)."""
+def _stored_of(by_hash: dict[str, str], prompts: list[list[int]], block_size: int = 32) -> list[list[str]]:
+    """Per prompt, the names (``by_hash``: block hash hex -> file or key) holding its stored blocks."""
     from ..keys import BlockHasher
 
-    by_name = {p.name: str(p) for p in root.rglob("*") if p.is_file()}
     hasher = BlockHasher(block_size, "sha256_cbor", None)  # the bench configs' keys
-    return [[by_name[h.hex()] for h in hasher.hash_blocks(p) if h.hex() in by_name] for p in prompts]
+    return [[by_hash[h.hex()] for h in hasher.hash_blocks(p) if h.hex() in by_hash] for p in prompts]
 
 
-def _redis_values_of(url: str, prompts: list[list[int]], block_size: int = 32) -> tuple[int, list[list[str]], int]:
+def _files_of(root: Path, prompts: list[list[int]]) -> list[list[str]]:
+    """Per prompt, the local_disk files holding its stored blocks (a file is named by its block hash)."""
+    return _stored_of({p.name: str(p) for p in root.rglob("*") if p.is_file()}, prompts)
+
+
+def _redis_values_of(url: str, prompts: list[list[int]]) -> tuple[int, list[list[str]], int]:
     """Per prompt, the Redis keys holding its stored blocks (a key ends with its block hash), the server's
     port and a value's size in bytes (header + payload)."""
     from urllib.parse import urlsplit
 
     from ..backends._resp import Connection
-    from ..keys import BlockHasher
 
     u = urlsplit(url)
     port = u.port or 6379
     conn = Connection((u.hostname or "127.0.0.1", port), timeout=30, connect_timeout=30)
     try:
-        by_hash = {k.decode().rsplit("/", 1)[-1]: k.decode() for k in conn.call("KEYS", "*")}
-        hasher = BlockHasher(block_size, "sha256_cbor", None)  # the bench configs' keys
-        keys = [[by_hash[h.hex()] for h in hasher.hash_blocks(p) if h.hex() in by_hash] for p in prompts]
+        keys = _stored_of({k.decode().rsplit("/", 1)[-1]: k.decode() for k in conn.call("KEYS", "*")}, prompts)
         size = int(conn.call("STRLEN", keys[0][0])) if keys and keys[0] else 0
     finally:
         conn.close()

@@ -140,7 +140,7 @@ class KvtierConnector(KVConnectorBase_V1):
         tp_rank = get_tp_group().rank_in_group
         cfg = kvtier_config(self._vllm_config, len(tensors), tp_rank=tp_rank, pp_rank=get_pp_group().rank_in_group,
                             layout=layout)
-        if tp_rank and kv_replicated_across_tp(self._vllm_config) and any(b.write for b in cfg.backends):
+        if tp_rank and kv_replicated_across_tp(self._vllm_config) and cfg.writes_backends:
             # Every rank would write the same bytes under the same keys: rank 0 writes them, the others
             # only read (and the scheduler hears what is written from rank 0 alone: WorkerReport.writes).
             cfg = cfg.reading_only()

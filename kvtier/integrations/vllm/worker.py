@@ -68,7 +68,7 @@ def layer_order(names: list[str]) -> list[str]:
 class WorkerSide:
     def __init__(self, config: KvtierConfig, kv_caches: list[torch.Tensor]):
         self.stack = TierStack(config, kv_caches=kv_caches)
-        self.writes = any(b.write for b in config.backends)  # WorkerReport.writes
+        self.writes = config.writes_backends  # WorkerReport.writes
         self.stack.drain_report()  # start recording host-memory changes for the scheduler
         self._loads: dict[str, tuple[LoadPlan, LoadHandle]] = {}
         self._errors: set[int] = set()
