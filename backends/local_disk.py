@@ -76,6 +76,8 @@ _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces 
 class LocalDiskBackend(StorageBackend):
     """Blocks as files in a (possibly shared) directory, bounded by ``capacity`` bytes with LRU eviction."""
 
+    streams_verified = True  # _get_blocks reports each block as it verifies it (StorageBackend.get_into)
+
     class Options(BackendOptions):
         path: str = Field("~/.cache/kvtier/blocks", description="root directory; ~ and $VARS are expanded")
         capacity: ByteSize = Field(10 * 2**30, description='bytes of blocks kept, e.g. "200GiB"')
@@ -506,8 +508,8 @@ class LocalDiskBackend(StorageBackend):
         where = self._check_keys(keys)
         return self._store(keys, where, [len(h) + p.nbytes for h, p in values], values.__getitem__, "write")
 
-    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
-                    layout_id: int) -> list[bool | str]:
+    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int,
+                    on_verified: Callable[[int], None] | None = None) -> list[bool | str]:
         """Read and verify a batch, each payload straight into the caller's buffer (one ``preadv`` per file:
         header, payload and a one-byte probe; no copy), its checksum taken right after its read while the
         bytes are still in cache (one pass).  Batches worth splitting run in the pool's threads; file reads
@@ -544,6 +546,8 @@ class LocalDiskBackend(StorageBackend):
                     if why is None:
                         verified.append((key, size))
                         out.append(True)
+                        if on_verified is not None:
+                            on_verified(i)  # in this thread, while the bytes are still in cache
                     else:
                         out.append(why)
             return out

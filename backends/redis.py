@@ -119,6 +119,8 @@ class RedisOptions(BackendOptions):
 class RedisBackend(StorageBackend):
     """Redis / Redis Cluster backend.  Thread-safe: each call takes its own pooled connection per node."""
 
+    streams_verified = True  # _get_blocks reports each block as it verifies it (StorageBackend.get_into)
+
     Options = RedisOptions
 
     options: RedisOptions
@@ -229,15 +231,20 @@ class RedisBackend(StorageBackend):
         cache for the kernel's copy."""
         return self._set(keys, lambda i: frame(keys[i], payloads[i], layout_id), payloads)
 
-    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
-                    layout_id: int) -> list[bool | str]:
+    def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int,
+                    on_verified: Callable[[int], None] | None = None) -> list[bool | str]:
         """Verify each block right after it arrived (hot in cache), while the server keeps filling the
-        socket buffer with the next ones; no verification pass over the whole batch at the end."""
+        socket buffer with the next ones; no verification pass over the whole batch at the end.  A
+        verified block is reported at once (``on_verified``), still hot for the caller's copy."""
         headers = [memoryview(bytearray(HEADER_SIZE)) for _ in keys]
         results: list[bool | str] = [False] * len(keys)
+        told = bytearray(len(keys))  # a key read again (a retried stripe) is reported once
 
         def on_value(i: int, size: int) -> None:
             results[i] = verify(keys[i], size, headers[i], payloads[i], layout_id) or True
+            if results[i] is True and on_verified is not None and not told[i]:
+                told[i] = 1
+                on_verified(i)
         sizes = self._get(keys, headers, payloads, on_value)
         return [False if s is None else r for s, r in zip(sizes, results)]
 

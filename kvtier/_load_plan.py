@@ -27,11 +27,18 @@ class Source(enum.Enum):
 @dataclass(slots=True)
 class Step:
     """One block of a load plan.  ``at``: the host slot (HOST) or the temporary row (TMP); ``backend``:
-    the backend index the bytes were read from, None when they were already in memory."""
+    the backend index the bytes were read from, None when they were already in memory; ``landed``: the
+    bytes were already copied into the device block, by the thread that read and verified them."""
 
     source: Source
     at: Any = None
     backend: int | None = None
+    landed: bool = False
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the device block holds this block's bytes once the step is settled (nothing to copy)."""
+        return self.landed or self.source in (Source.SAME, Source.TMP)
 
     @property
     def tier(self) -> Tier | None:

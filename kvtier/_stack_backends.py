@@ -158,15 +158,16 @@ class BackendSet:
             except Exception as e:  # noqa: BLE001 - a hold is an optimisation, its failure a possible miss
                 self._fault(i, what, e)
 
-    def get_into(self, i: int, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+    def get_into(self, i: int, keys: Sequence[str], buffers: Sequence[Any],
+                 on_verified: Callable[[int], None] | None = None) -> list[bool]:
         """Read blocks of backend ``i`` into ``buffers``; per key ok (all False when it fails).  A buffer
-        whose key is not ok holds undefined bytes."""
+        whose key is not ok holds undefined bytes.  ``on_verified``: see ``StorageBackend.get_into``."""
         if not keys:
             return []
         name = self.names[i]
         t0 = time.perf_counter()
         try:
-            ok = [bool(x) for x in self.backends[i].get_into(keys, buffers, self.layout_id)]
+            ok = [bool(x) for x in self.backends[i].get_into(keys, buffers, self.layout_id, on_verified=on_verified)]
             if len(ok) != len(keys):
                 raise BackendError(name, keys[0], f"get_into returned {len(ok)} results for {len(keys)} keys")
         except Exception as e:  # noqa: BLE001 - a backend fault is a miss

@@ -10,7 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,11 +40,13 @@ class Upward:
         """For the longest prefix of ``keys`` present in some backend, the backend holding each block."""
         return self.s._backends.locate(self.s.namespace.keys(keys))
 
-    def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool) -> list[Step | None]:
+    def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool,
+              on_verified: Callable[[int, Any], None] | None = None) -> list[Step | None]:
         """Bring the first ``len(where)`` keys (``where[j]``: the backend to try first) up from the
         backends.  Per key: a HOST step (verified, now in host memory, or already there), a TMP step (no
         host room: a temporary row, only with ``allow_tmp``), or None.  The keys must be pinned by the
-        caller."""
+        caller.  ``on_verified(j, buffer)``: see ``StorageBackend.get_into`` (``buffer`` holds key ``j``'s
+        verified bytes; it is not yet visible in the host tier)."""
         s = self.s
         m = len(where)
         out: list[Step | None] = [None] * len(keys)
@@ -68,9 +70,9 @@ class Upward:
         src = {j: -1 for j in bufs}
         # Each key from the backend that has it; then what failed (vanished, corrupt) from the others.
         for b in sorted({where[j] for j in bufs}):
-            self._get(b, [j for j in bufs if where[j] == b], strs, bufs, src)
+            self._get(b, [j for j in bufs if where[j] == b], strs, bufs, src, on_verified)
         for b in range(len(s._backends)):
-            self._get(b, [j for j in bufs if src[j] < 0 and where[j] != b], strs, bufs, src)
+            self._get(b, [j for j in bufs if src[j] < 0 and where[j] != b], strs, bufs, src, on_verified)
         with s._lock:
             for r, j in enumerate(todo):
                 key, b = keys[j], src.get(j, -1)
@@ -89,9 +91,11 @@ class Upward:
         s.metrics.add("host", bytes_in=n_host * s.layout.block_nbytes)
         return out
 
-    def _get(self, b: int, want: list[int], strs: list[str], bufs: dict[int, Any], src: dict[int, int]) -> None:
+    def _get(self, b: int, want: list[int], strs: list[str], bufs: dict[int, Any], src: dict[int, int],
+             on_verified: Callable[[int, Any], None] | None = None) -> None:
         if want:
-            ok = self.s._backends.get_into(b, [strs[j] for j in want], [bufs[j] for j in want])
+            tell = None if on_verified is None else (lambda k: on_verified(want[k], bufs[want[k]]))
+            ok = self.s._backends.get_into(b, [strs[j] for j in want], [bufs[j] for j in want], tell)
             for j, good in zip(want, ok):
                 if good:
                     src[j] = b
@@ -146,9 +150,10 @@ class Upward:
             # after the end of the usable prefix is ever written to the device.
             stop = next((i for i, p in enumerate(plan) if p.source in (Source.FETCH, Source.LOST)), len(plan))
             part = range(done[0], stop)
-            self._write_tmp([i for i in part if plan[i].source is Source.TMP], ids, plan, errors)
-            self._copy([i for i in part if plan[i].source is Source.HOST], handle, hashes, ids, plan, copies, order,
-                       errors)
+            self._write_tmp([i for i in part if plan[i].source is Source.TMP and not plan[i].landed], ids, plan,
+                            errors)
+            self._copy([i for i in part if plan[i].source is Source.HOST and not plan[i].landed], handle, hashes,
+                       ids, plan, copies, order, errors)
             done[0] = max(done[0], stop)
 
         try:
@@ -159,10 +164,14 @@ class Upward:
             else:
                 keys = [hashes[i] for i in pos]
                 where = self.locate(keys)
+                landed: set[int] = set()  # plan positions whose reading thread copied them to the device
                 for a, b in load_chunks(len(where), s.layout.block_nbytes, s.load_chunk_bytes):
-                    got = self.fetch(keys[a:b], where[a:b], allow_tmp=True)
+                    land = None if s.device.is_cuda else self._lander(ids, pos[a:b], landed)
+                    got = self.fetch(keys[a:b], where[a:b], allow_tmp=True, on_verified=land)
                     for i, g in zip(pos[a:b], got):
                         plan[i] = g or lost()
+                        if g is not None and i in landed:
+                            g.landed = True
                     advance()
                     if any(g is None for g in got):
                         break  # the chain is broken here: later blocks are of no use
@@ -183,6 +192,24 @@ class Upward:
         xh = copies[0] if len(copies) == 1 else TransferGroup(copies)
         handle._stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
+
+    def _lander(self, ids: np.ndarray, pos: list[int], landed: set[int]) -> Callable[[int, Any], None]:
+        """``fetch``'s ``on_verified`` for a load into CPU memory: copy each block into its device block
+        in the thread that read and verified it, while its bytes are still in the CPU cache, and record
+        its plan position in ``landed``.  A copy that fails leaves the block to the usual host -> device
+        copy.  Blocks after a break in the chain may land too: they are reported not loaded whatever
+        their device block holds (the engine recomputes them)."""
+        device = self.s.device
+
+        def land(j: int, buf: Any) -> None:
+            try:
+                device.write_payload(buf, int(ids[pos[j]]))
+                landed.add(pos[j])
+            except Exception as e:  # noqa: BLE001 - never into the backend's reading thread
+                log.warning("load: copying block %d to the device as it was read failed (%s); copying it "
+                            "from host memory", int(ids[pos[j]]), e)
+
+        return land
 
     def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[Step],
                       advance: Any) -> None:
@@ -258,7 +285,7 @@ class Upward:
         try:
             for i in range(min(cut, len(plan))):
                 tiers[i] = plan[i].tier
-                copied[i] = plan[i].source in (Source.SAME, Source.TMP)
+                copied[i] = plan[i].on_device
             if r is not None:
                 for i, landed in zip(hp, r.ok):
                     copied[i] = landed
@@ -287,6 +314,8 @@ class Upward:
     def _count(self, served: list[Step], n: int, r: TransferResult | None) -> None:
         m = self.s.metrics
         same = sum(1 for p in served if p.source is Source.SAME)
+        landed = sum(1 for p in served if p.landed)
+        m.add("device", bytes_in=landed * self.s.layout.block_nbytes)
         from_host = sum(1 for p in served if p.source is Source.HOST and p.backend is None)
         m.hit("device", same)
         m.add("device", misses=n - same)

@@ -145,6 +145,10 @@ class StorageBackend(ABC):
     #: is one round trip: files, Redis pipelines); "bisect" asks about O(log n) keys one at a time (right
     #: when every probe is a request of its own, as on S3).
     prefix_probe: ClassVar[str] = "all"
+    #: Whether ``_get_blocks`` takes an ``on_verified`` callback and calls it for each key the moment
+    #: that key's buffer holds verified bytes (in its own reading thread).  Otherwise ``get_into``
+    #: reports the verified keys once the whole batch has been read.
+    streams_verified: ClassVar[bool] = False
 
     def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
         if options is None or isinstance(options, dict):
@@ -330,18 +334,35 @@ class StorageBackend(ABC):
             s.put_seconds += time.perf_counter() - t0
         return ok
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int) -> list[bool]:
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int, *,
+                 on_verified: Callable[[int], None] | None = None) -> list[bool]:
         """Read each key's payload into the matching writable buffer; per-key ok.  A value that fails
-        any check is a miss, counted as corrupt, and deleted."""
+        any check is a miss, counted as corrupt, and deleted.
+
+        ``on_verified(i)``, when given, is called once for each key ``i`` whose buffer holds verified
+        bytes: as soon as they are (a backend that ``streams_verified``, from its reading threads, so a
+        caller can copy a block on while it is still in the CPU cache) or else once the batch is read.
+        It must not raise.  It is never called for a key that is not ok, except when the batch then
+        fails as a whole (the result is all False: the caller must not serve what it was told of)."""
         if len(keys) != len(buffers):
             raise ValueError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
         self._refuse_invalid(keys)
         views = [memoryview(b).cast("B") for b in buffers]
+        told = bytearray(len(keys))  # keys the hook already reported verified
+        stream: tuple[Callable[[int], None], ...] = ()
+        if on_verified is not None and self.streams_verified:
+            tell = on_verified
+
+            def verified(i: int) -> None:
+                told[i] = 1
+                tell(i)
+
+            stream = (verified,)
         t0 = time.perf_counter()
         try:
-            results = self._call(self._get_blocks, keys, views, layout_id)
+            results = self._call(self._get_blocks, keys, views, layout_id, *stream)
         except BackendError:
             with self._lock:
                 self._stats.gets += len(keys)
@@ -354,6 +375,10 @@ class StorageBackend(ABC):
                 corrupt.append(key)
                 self._on_corrupt(key, res)
             ok.append(res is True)
+        if on_verified is not None:
+            for i, good in enumerate(ok):
+                if good and not told[i]:
+                    on_verified(i)
         if corrupt:
             # If the delete fails it stays a miss; `kvtier verify --fix` can remove it later.
             with contextlib.suppress(BackendError):

@@ -187,6 +187,20 @@ class DeviceTier:
         for li in layers:
             copy_2d(dst[:, li * ln:(li + 1) * ln], src[:, li * ln:(li + 1) * ln])
 
+    def write_payload(self, payload: Any, block_id: int) -> None:
+        """One block's payload (any contiguous buffer of ``block_nbytes`` bytes) into ``block_id``, every
+        copy in the calling thread (CPU KV only).
+
+        Why: a load from a backend copies each block the moment its read has verified it, in the thread
+        that read it, while its bytes are still in the CPU cache; copying a chunk of blocks afterwards
+        reads them from memory again (measured here, 512 MiB from local_disk into vLLM CPU's layout:
+        90 ms per block against 119 ms in two passes, on 2 cores)."""
+        if self.is_cuda:
+            raise LayoutError("write_payload copies within CPU memory; CUDA KV is loaded through staging")
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        self._codec.write_one(payload, block_id)
+
     def read_blocks(self, block_ids: Any) -> torch.Tensor:
         """The payloads of ``block_ids`` as a new CPU ``[n, block_nbytes]`` tensor (synchronous)."""
         ids = as_index(block_ids, "cpu")
@@ -226,6 +240,10 @@ class _Codec:
                                   f"{self.device}")
             self.views = layout.head_major_views(tensors, self.copy_dtype)
             self.np_views = [[v.detach().numpy() for v in comps] for comps in self.views]
+            # Each layer's blocks as [N, H, 2, B, D] (K and V of a head side by side): write_one's view.
+            shape = (layout.num_blocks, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
+            self.np_blocks = [(t if t.dtype == self.copy_dtype else t.view(self.copy_dtype)).view(shape).detach().numpy()
+                              for t in _as_list(tensors)]
             return
         self.views = layout.component_views(tensors, self.copy_dtype)
         # numpy aliases of the same rows (CPU only): the scatter's fast path.
@@ -346,9 +364,22 @@ class _Codec:
     def _scatter_head_major(self, ids: torch.Tensor, src: torch.Tensor, rows: Rows,
                             layers: Sequence[int] | None) -> None:
         lay = self.layout
-        shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        parts, np_views = self._row_parts(ids, rows), self._cpu_views()
+        parts = self._row_parts(ids, rows)
         src_np = src.numpy()
+        if layers is None:
+            # Whole blocks: one transposing copy per block and layer (write_one's), blocks split across
+            # the copy threads.
+            pairs = [(int(b), r) for part, sel in parts
+                     for b, r in zip(part.tolist(), range(sel.start, sel.stop) if isinstance(sel, slice) else sel.tolist())]
+
+            def run_blocks(chunk: list[tuple[int, int]]) -> None:
+                for b, r in chunk:
+                    self._put_block(src_np[r], b)
+
+            _parallel(run_blocks, pairs, len(pairs) * lay.block_nbytes)
+            return
+        shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
+        np_views = self._cpu_views()
 
         def run(chunk: list[tuple[int, int]]) -> None:
             for li, c in chunk:
@@ -357,6 +388,29 @@ class _Codec:
                     dst[part] = src_np[sel, li, c].reshape(-1, *shape).transpose(0, 2, 1, 3)
 
         self._run(run, layers, ids.numel())
+
+    def write_one(self, payload: Any, block_id: int) -> None:
+        """One payload (any buffer) into one block, in this thread (CPU)."""
+        src = np.frombuffer(payload, dtype=np.uint8)
+        if src.size != self.layout.block_nbytes:
+            raise LayoutError(f"payload of {src.size} B for a block of {self.layout.block_nbytes} B")
+        self._put_block(src.view(self._cpu_views()[0][0].dtype).reshape(self.layout.num_layers,
+                                                                          self.layout.num_components, -1), block_id)
+
+    def _put_block(self, rows: np.ndarray, block_id: int) -> None:
+        """Payload ``rows`` (``[L, C, row]`` in the copy dtype) into block ``block_id``: basic indexing by
+        the block id, and for a head-major layout one transposing copy per layer, K and V together
+        (measured here for 512 MiB in vLLM CPU's layout, one thread: 106 ms, against 152 ms per component
+        with fancy indexing)."""
+        lay = self.layout
+        if lay.head_major:
+            b, h, d = lay.block_size, lay.num_kv_heads, lay.head_dim
+            for li, blocks in enumerate(self.np_blocks):
+                blocks[block_id] = rows[li].reshape(2, b, h, d).transpose(2, 0, 1, 3)
+            return
+        for li, comps in enumerate(self._cpu_views()):
+            for c, view in enumerate(comps):
+                view[block_id] = rows[li, c]
 
     def _run(self, run: Any, layers: Sequence[int] | None, n: int) -> None:
         work = [(li, c) for li in _layers(layers, self.layout.num_layers)

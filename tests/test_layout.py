@@ -76,6 +76,30 @@ def test_round_trip_bit_exact(kind, inner, dtype):
     assert torch.equal(layout.to_payload(dst, [0, 4, 10]), layout.to_payload(before, [0, 4, 10]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("kind,inner", KINDS, ids=lambda k: str(k))
+def test_write_payload_writes_one_block_as_scatter_does(kind, inner, dtype):
+    """The per-block copy a load makes in its reading thread (``DeviceTier.write_payload``) writes the
+    same bytes as the batch scatter, into that block only, from any buffer (a memoryview, a numpy row)."""
+    from kvtier.device import DeviceTier
+
+    layout = make_layout(kind, inner, dtype)
+    payload = expected_payload(layout, random_tensors(layout, seed=2), [5, 6])
+    dst = random_tensors(layout, seed=1)
+    dev = DeviceTier(layout, dst)
+    dev.write_payload(memoryview(payload[0].numpy()), 9)
+    dev.write_payload(payload[1].numpy(), 0)
+    assert torch.equal(layout.to_payload(dst, [9, 0]), payload)
+    before = random_tensors(layout, seed=1)
+    others = [b for b in range(layout.num_blocks) if b not in (0, 9)]
+    assert torch.equal(layout.to_payload(dst, others), layout.to_payload(before, others))
+    with pytest.raises(IndexError, match=r"block id 12 out of range \[0, 12\)"):
+        dev.write_payload(payload[0].numpy(), 12)
+    with pytest.raises(LayoutError, match=f"payload of {layout.block_nbytes - 1} B for a block of"):
+        dev.write_payload(payload[0, 1:].numpy(), 1)
+
+
 @pytest.mark.parametrize("kind,inner", KINDS, ids=lambda k: str(k))
 def test_scattered_slots_and_layer_subsets(kind, inner):
     layout = make_layout(kind, inner)

@@ -46,6 +46,27 @@ def test_split_batch_serves_only_verified_blocks(tmp_path):
     b.close()
 
 
+def test_verified_blocks_are_reported_from_the_threads_that_read_them(tmp_path):
+    """A split batch reports each verified block from the pool thread that read it, right after its
+    checksum (so the caller can copy it on while it is in cache), never the failed ones."""
+    import threading
+
+    b = mk(tmp_path)
+    keys = NS.keys([os.urandom(16) for _ in range(16)])
+    payloads = [os.urandom(BLOCK) for _ in keys]
+    assert all(b.put(keys, payloads, LID))
+    os.unlink(b._where(keys[5])[1])
+    bufs = [bytearray(BLOCK) for _ in keys]
+    told: list[tuple[int, int, bool]] = []
+    ok = b.get_into(keys, bufs, LID, on_verified=lambda i: told.append(
+        (i, threading.get_ident(), bytes(bufs[i]) == payloads[i])))
+    assert ok == [i != 5 for i in range(16)]
+    assert sorted(i for i, _, _ in told) == [i for i in range(16) if i != 5]
+    assert all(good for _, _, good in told)  # each buffer was complete when reported
+    assert len({t for _, t, _ in told}) == 4  # four threads read (the caller's among them): each reported its own
+    b.close()
+
+
 def test_payload_lands_in_the_callers_buffer_of_any_shape(tmp_path):
     b = mk(tmp_path)
     keys = NS.keys([os.urandom(16) for _ in range(4)])

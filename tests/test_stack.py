@@ -216,17 +216,13 @@ def test_a_full_disk_never_evicts_what_a_load_is_about_to_read(tmp_path):
 
 def test_corrupt_read_cuts_the_prefix_and_names_blocks_to_recompute(stack_fb):
     st, fb = stack_fb
-    hs = chain(st, 4)
-    rows = fill(st, [0, 1, 2, 3], seed=10)
-    st.store(hs, [0, 1, 2, 3]).wait(TIMEOUT)
-    st.flush(TIMEOUT)
-    _evict_host(st)
+    hs, rows = _on_disk_only(st, 4, seed=10)
     fb.corrupt(keys=[st.namespace.key(hs[2])])
     lr = st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT)
     assert lr.ok == (True, True, False, False) and lr.num_loaded == 2
     assert lr.recompute == [12, 13] and lr.recompute_indices == [2, 3]
-    # Block 3 chains through block 2: it is not copied to the device, though its verified bytes were
-    # promoted into host memory.
+    # Block 3 chains through block 2: it is not reported copied (its verified bytes went into host memory,
+    # and into its device block as they were read; the engine recomputes that block).
     assert lr.copied == (True, True, False, False) and where(st, hs)[3] == "HD"
     assert torch.equal(read(st, [10, 11]), rows[:2])
     assert st.index.get(hs[3]).device is None  # never recorded as loaded
@@ -235,11 +231,7 @@ def test_corrupt_read_cuts_the_prefix_and_names_blocks_to_recompute(stack_fb):
 
 def test_load_copies_each_chunk_to_the_device_while_the_next_is_read(stack_fb8):
     st, fb = stack_fb8
-    hs = chain(st, 6)
-    rows = fill(st, list(range(6)), seed=12)
-    st.store(hs, list(range(6))).wait(TIMEOUT)
-    st.flush(TIMEOUT)
-    _evict_host(st)
+    hs, rows = _on_disk_only(st, 6, seed=12)
     st.load_chunk_bytes = 8 * BLOCK_NBYTES  # reads start at a quarter of it and double: 0-1, then 2-5
     assert load_chunks(6, BLOCK_NBYTES, st.load_chunk_bytes) == [(0, 2), (2, 6)]
     gate = fb.gate("get", after=1, times=1)  # the second chunk's read waits
@@ -256,13 +248,28 @@ def test_load_copies_each_chunk_to_the_device_while_the_next_is_read(stack_fb8):
     assert torch.equal(read(st, list(range(10, 16))), rows)
 
 
+def test_a_load_into_cpu_memory_copies_each_block_in_the_thread_that_read_it(stack_fb8):
+    """Into CPU KV, a block read from a backend is copied to its device block as soon as its read is
+    verified (no host -> device transfer afterwards), and it still lands in host memory; a block the
+    wrapper fails (corrupt) is neither reported copied nor served."""
+    st, fb = stack_fb8
+    hs, rows = _on_disk_only(st, 6, seed=14)
+    before = st.transfers().stats()["loads"]
+    lr = st.load(hs, [10, 11, 12, 13, 14, 15]).wait(TIMEOUT)
+    assert lr.num_loaded == 6 and lr.copied == (True,) * 6
+    assert torch.equal(read(st, list(range(10, 16))), rows)
+    assert st.transfers().stats()["loads"] == before  # no transfer batch: every block landed as read
+    assert where(st, hs) == ["HD"] * 6
+    _evict_host(st)
+    fb.corrupt(keys=[st.namespace.key(hs[4])])
+    lr = st.load(hs, [20, 21, 22, 23, 24, 25]).wait(TIMEOUT)
+    assert lr.ok == (True,) * 4 + (False,) * 2 and lr.copied == (True,) * 4 + (False,) * 2
+    assert torch.equal(read(st, [20, 21, 22, 23]), rows[:4])
+
+
 def test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(stack_fb8):
     st, fb = stack_fb8
-    hs = chain(st, 6)
-    rows = fill(st, list(range(6)), seed=13)
-    st.store(hs, list(range(6))).wait(TIMEOUT)
-    st.flush(TIMEOUT)
-    _evict_host(st)
+    hs, rows = _on_disk_only(st, 6, seed=13)
     st.load_chunk_bytes = 4 * BLOCK_NBYTES
     assert load_chunks(6, BLOCK_NBYTES, st.load_chunk_bytes) == [(0, 1), (1, 3), (3, 6)]
     fb.corrupt(keys=[st.namespace.key(hs[2])])
@@ -574,6 +581,16 @@ def test_concurrent_requests_on_overlapping_prefixes(tmp_path, write):
     assert not st._writing and hs.writing == 0
     assert st.metrics.snapshot()["tiers"]["host"]["evictions"] > 0
     st.close()
+
+
+def _on_disk_only(st: TierStack, n: int, seed: int) -> tuple[list[bytes], torch.Tensor]:
+    """A chain of ``n`` random blocks stored from device blocks 0..n-1, then in the backend only."""
+    hs = chain(st, n)
+    rows = fill(st, list(range(n)), seed=seed)
+    st.store(hs, list(range(n))).wait(TIMEOUT)
+    st.flush(TIMEOUT)
+    _evict_host(st)
+    return hs, rows
 
 
 def _evict_host(st: TierStack) -> None:

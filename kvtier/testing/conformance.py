@@ -177,6 +177,19 @@ class BackendConformance:
         s = kv.stats()
         assert (s.gets, s.hits, s.misses, s.corrupt) == (2, 1, 1, 0)
 
+    def test_on_verified_reports_exactly_the_verified_keys(self, kv: StorageBackend) -> None:
+        """``get_into(..., on_verified=)`` reports each key whose buffer holds its verified bytes once, by
+        the time ``get_into`` returns, with the bytes already in the buffer; a missing or corrupt key never."""
+        ks = keys(NS_A, 6)
+        data = [rand(SIZE) for _ in ks]
+        assert kv.put(ks[:5], data[:5], NS_A.layout_id) == [True] * 5  # ks[5]: never stored
+        self.corrupt(kv, ks[2], FIELDS["payload_checksum"])
+        bufs = [bytearray(SIZE) for _ in ks]
+        told: list[tuple[int, bool]] = []  # list.append is atomic: a backend may report from its threads
+        ok = kv.get_into(ks, bufs, NS_A.layout_id, on_verified=lambda i: told.append((i, bytes(bufs[i]) == data[i])))
+        assert ok == [True, True, False, True, True, False]
+        assert sorted(told) == [(0, True), (1, True), (3, True), (4, True)]
+
     def test_contains_prefix_and_exists(self, kv: StorageBackend) -> None:
         chain = keys(NS_A, 6)
         assert kv.put(chain[:3] + chain[4:], [rand(64) for _ in range(5)], NS_A.layout_id) == [True] * 5

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,9 +205,17 @@ class FaultyBackend(StorageBackend):
             out[i] = ok
         return out
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int) -> list[bool]:
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int, *,
+                 on_verified: Callable[[int], None] | None = None) -> list[bool]:
         bad = self._before("get", keys)
-        ok = self.inner.get_into(keys, buffers, layout_id)
+        tell = None
+        if on_verified is not None:
+            report = on_verified
+
+            def tell(i: int) -> None:  # a key this wrapper fails below is never reported verified
+                if keys[i] not in bad:
+                    report(i)
+        ok = self.inner.get_into(keys, buffers, layout_id, on_verified=tell)
         for i, k in enumerate(keys):
             if k in bad:
                 if bad[k] == "corrupt" and ok[i]:
