@@ -7,8 +7,10 @@ the operation inside fails (a failed block is reported, never raised).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,8 @@ from .index import Tier, TierNames
 if TYPE_CHECKING:
     from .stack import TierStack
     from .transfer import TransferGroup, TransferHandle
+
+log = logging.getLogger("kvtier.stack")
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,18 @@ class _Handle:
         self._done = threading.Event()
         self._result: Any = None
         self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once this is done: in the thread that finishes it, or at once if it is done."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done.wait(timeout):
@@ -148,7 +161,13 @@ class _Handle:
                 return False
             self._result = result
             self._done.set()
-            return True
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a waiter's fault never fails the operation
+                log.exception("%s: a done callback failed", self._what)
+        return True
 
 
 class StoreHandle(_Handle):

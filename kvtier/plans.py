@@ -87,6 +87,9 @@ class StepPlan:
 
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
+    #: No request computes in this step: the engine only waits for loads in the background (the worker
+    #: may then wait a little for one to end instead of returning at once into another empty step).
+    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores)

@@ -67,7 +67,8 @@ def model_dir(tmp_path_factory) -> str:
 
 def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict | None = None, *,
              pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1,
-             load_mode: str | None = None, while_decoding: bool = False, abort_first: bool = False,
+             load_mode: str | None = None, idle_wait_ms: float | None = None, while_decoding: bool = False,
+             abort_first: bool = False,
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
              max_model_len: int | None = None, max_batched_tokens: int | None = None,
              salts: list[str | None] | None = None, reset_between: bool = False, block_size: int = BS) -> dict:
@@ -82,6 +83,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
         cmd += ["--config", str(cfg_path)]
     if load_mode is not None:
         cmd += ["--load-mode", load_mode]
+    if idle_wait_ms is not None:
+        cmd += ["--idle-wait-ms", str(idle_wait_ms)]
     if while_decoding:
         cmd += ["--while-decoding"]
     if abort_first:
@@ -311,7 +314,9 @@ def test_request_aborted_while_its_blocks_load(model_dir, stored_on_disk, warm, 
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
     victim = damage_block(d, vllm_block_hashes(A)[3]) if damaged else None
-    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), abort_first=True)
+    # idle_wait_ms 0: vLLM computes nothing in the step that starts B's load, and B's 5 small blocks load
+    # within the worker's default wait in that step: the abort would come after the load ended.
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), abort_first=True, idle_wait_ms=0)
     assert got["abort"]["in_use_after_abort"], "the abort did not meet a load in flight"
     assert got["abort"]["freed_after_steps"] is not None, "the aborted request's blocks were never freed"
     assert got["abort"]["freed_after_steps"] <= 5

@@ -101,39 +101,54 @@ def _request(req_id: str, tokens: list[int]) -> types.SimpleNamespace:
                                  num_computed_tokens=0, block_hashes=None)
 
 
-def _side(mode: LoadMode) -> SchedulerSide:
-    """A scheduler side whose worker reported the first 3 blocks of ``PROMPT`` in its host memory."""
-    cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+def _side(mode: LoadMode, tmp_path, in_host: bool = False) -> SchedulerSide:
+    """A scheduler side whose worker reported the first 3 blocks of ``PROMPT`` written to its local_disk
+    backend, or (``in_host``) in its host memory."""
+    cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"},
+                        "backends": [{"name": "disk", "type": "local_disk", "options": {"path": str(tmp_path)}}]},
+                       env={})
     side = SchedulerSide(cfg, load=True, store=False, vllm_hash_algo=None, load_mode=mode)
     hashes = side.hasher.hash_blocks(PROMPT)
-    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[:3])}))
+    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[:3])}) if in_host else
+               WorkerReport(in_backend={(h, 0) for h in hashes[:3]}))
     return side
 
 
 PROMPT = list(range(1, 4 * BS + 2))  # 4 full blocks and a token: 4 loadable, 3 of them in host memory
 
 
+def _matched(side: SchedulerSide, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    """``matched_tokens`` once kvtier's probe of the backend (for the block after those it knows of) has
+    answered: vLLM asks again at its next step while it is pending."""
+    deadline = time.monotonic() + 10
+    while (got := side.matched_tokens(request, num_computed_tokens))[0] is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return got
+
+
 def _step(side: SchedulerSide, scheduled: dict[str, int]):
     return side.build_plan(types.SimpleNamespace(num_scheduled_tokens=scheduled))
 
 
-def test_auto_loads_in_the_step_only_when_no_other_request_ran():
-    side = _side(LoadMode.AUTO)
+def test_auto_loads_in_the_step_only_when_no_other_request_ran(tmp_path):
+    side = _side(LoadMode.AUTO, tmp_path)
     # Nothing ran yet: the hit is loaded in the step that schedules the request (load_kv_async False).
-    assert side.matched_tokens(_request("a", PROMPT), 0) == (3 * BS, False)
+    assert _matched(side, _request("a", PROMPT), 0) == (3 * BS, False)
     side.after_alloc(_request("a", PROMPT), [7, 8, 9, 10], 3 * BS)
     plan = _step(side, {"a": 4})
     assert [(lp.req_id, lp.block_ids, lp.sync) for lp in plan.loads] == [("a", (7, 8, 9), True)]
+    assert not plan.idle
     # "a" ran in that step and decodes on: the next request's load must not hold its steps up.
-    assert side.matched_tokens(_request("b", PROMPT), 0) == (3 * BS, True)
+    assert _matched(side, _request("b", PROMPT), 0) == (3 * BS, True)
     side.after_alloc(_request("b", PROMPT), [1, 2, 3, 4], 3 * BS)
     assert [lp.sync for lp in _step(side, {"a": 1}).loads] == [False]
     # Once "a" has finished and nothing else ran, loads are in the step again.
     side.finished(_request("a", PROMPT))
-    assert side.matched_tokens(_request("c", PROMPT), 0) == (3 * BS, False)
+    assert _matched(side, _request("c", PROMPT), 0) == (3 * BS, False)
     # A request asked about again is not held up by itself (it may have run a chunk already).
     _step(side, {"c": 4})
-    assert side.matched_tokens(_request("c", PROMPT), 0) == (3 * BS, False)
+    assert _matched(side, _request("c", PROMPT), 0) == (3 * BS, False)
+    assert _step(side, {}).idle  # a step in which nothing computes
 
 
 def test_blocks_after_what_vllm_holds_are_offered_though_kvtier_lost_the_ones_before():
@@ -143,11 +158,11 @@ def test_blocks_after_what_vllm_holds_are_offered_though_kvtier_lost_the_ones_be
     side = SchedulerSide(cfg, load=True, store=False, vllm_hash_algo=None)
     hashes = side.hasher.hash_blocks(PROMPT)
     side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[2:4])}))
-    assert side.matched_tokens(_request("a", PROMPT), 2 * BS) == (2 * BS, True)
+    assert _matched(side, _request("a", PROMPT), 2 * BS) == (2 * BS, False)  # in host memory: in the step
     side.after_alloc(_request("a", PROMPT), [5, 6, 7, 8], 2 * BS)
     assert [(lp.hashes, lp.block_ids, lp.start) for lp in _step(side, {}).loads] == [
         (tuple(hashes[2:4]), (7, 8), 2)]
-    assert side.matched_tokens(_request("b", PROMPT), 0) == (0, False)
+    assert _matched(side, _request("b", PROMPT), 0) == (0, False)
     assert side.external_sources(_request("a", PROMPT)) == {"host": 2 * BS}
 
 
@@ -162,7 +177,7 @@ def test_a_storing_instance_stores_the_prefix_vllm_held_itself_before_the_loaded
     hashes = side.hasher.hash_blocks(prompt)
     side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[2:4])}))
     req = _request("a", prompt)
-    assert side.matched_tokens(req, 2 * BS) == (2 * BS, True)
+    assert _matched(side, req, 2 * BS) == (2 * BS, False)  # in host memory: in the step
     side.after_alloc(req, [5, 6, 7, 8, 9], 2 * BS)
     plan = _step(side, {})
     assert [(lp.block_ids, lp.start) for lp in plan.loads] == [((7, 8), 2)]
@@ -172,11 +187,31 @@ def test_a_storing_instance_stores_the_prefix_vllm_held_itself_before_the_loaded
 
 
 @pytest.mark.parametrize("mode, in_background", [(LoadMode.ASYNC, True), (LoadMode.SYNC, False)])
-def test_async_and_sync_modes_ignore_what_runs(mode, in_background):
-    side = _side(mode)
-    assert side.matched_tokens(_request("a", PROMPT), 0) == (3 * BS, in_background)
+def test_async_and_sync_modes_ignore_what_runs(mode, in_background, tmp_path):
+    side = _side(mode, tmp_path)
+    assert _matched(side, _request("a", PROMPT), 0) == (3 * BS, in_background)
     _step(side, {"a": 4, "x": 1})
-    assert side.matched_tokens(_request("b", PROMPT), 0) == (3 * BS, in_background)
+    assert _matched(side, _request("b", PROMPT), 0) == (3 * BS, in_background)
+
+
+@pytest.mark.parametrize("mode", list(LoadMode))
+def test_a_hit_in_host_memory_loads_in_the_step_in_every_mode(mode, tmp_path):
+    """No backend I/O, only a copy: the request computes in the step that schedules it, also while
+    other requests run (the issue's "asynchronous when the hit is not in host memory")."""
+    side = _side(mode, tmp_path, in_host=True)
+    _step(side, {"x": 1})
+    assert _matched(side, _request("a", PROMPT), 0) == (3 * BS, False)
+
+
+def test_idle_wait_ms_from_extra_config_names_the_key_and_the_range():
+    from kvtier.integrations.vllm.worker import IDLE_WAIT_MS, idle_wait_ms
+
+    assert idle_wait_ms(None) == idle_wait_ms({"kvtier_config": "x.yaml"}) == IDLE_WAIT_MS
+    assert idle_wait_ms({"idle_wait_ms": 0}) == 0.0 and idle_wait_ms({"idle_wait_ms": 2.5}) == 2.5
+    for bad in (-1, "20", True, 10_001):
+        with pytest.raises(ValueError, match=r"kv_connector_extra_config.idle_wait_ms: .* is not a number of "
+                                             r"milliseconds from 0 to 10000"):
+            idle_wait_ms({"idle_wait_ms": bad})
 
 
 def test_load_mode_from_extra_config_names_the_key_and_the_choices():
@@ -257,6 +292,42 @@ def test_a_load_in_the_step_reports_its_missing_blocks_before_start_returns(tmp_
         ws.close()
 
 
+def test_an_idle_step_waits_for_a_background_load_to_end_within_a_bound(tmp_path):
+    """When vLLM's step computed nothing (it only waits for loads), finished() waits for a background
+    load to end and reports it in that same call instead of returning into another empty step; the wait
+    is bounded, and a step that computed something never waits."""
+    import threading
+
+    from kvtier.testing.faults import FaultyBackend
+
+    ws, kv = _worker(tmp_path)
+    fb = FaultyBackend(ws.stack.backends[0])
+    try:
+        hashes = ws.stack.namespace.hasher().hash_blocks(list(range(3 * BLOCK)))
+        ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes), (0, 1, 2))]))
+        assert ws.stack.flush(10)
+        with ws.stack._lock:  # on the disk only: the load must read it
+            for h in hashes:
+                ws.stack._drop_host_locked(h)
+        ws.stack._backends.backends[0] = fb  # the same disk, behind a gate
+        gate = fb.gate("get")
+        ws.idle_wait_s = 2.0
+        ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (10, 11, 12))]))
+        assert gate.entered.wait(10)
+        t0 = time.monotonic()
+        assert ws.finished() == set() and time.monotonic() - t0 < 1.0  # a busy step: no wait
+        t0 = time.monotonic()
+        assert ws.finished(idle=True) == set() and time.monotonic() - t0 >= 2.0  # bounded
+        ws.idle_wait_s = 60.0
+        threading.Timer(0.2, gate.release).start()
+        t0 = time.monotonic()
+        assert ws.finished(idle=True) == {"d"} and time.monotonic() - t0 < 30  # woken by the load's end
+        assert ws.load_errors() == set() and ws.stats["loaded_blocks"] == 3
+    finally:
+        fb.clear()
+        ws.close()
+
+
 def test_blocks_computed_over_a_failed_in_step_load_are_not_stored(tmp_path):
     """Request "d" loads blocks 0-2 in the step, block 1 was never stored: the step computes d's blocks
     3-4 over block 1's stale contents, so save() stores none of d's blocks from 1 on (blocks before
@@ -291,7 +362,7 @@ def test_the_scheduler_stores_again_what_a_load_did_not_deliver():
     hashes = side.hasher.hash_blocks(prompt)
     side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[:4])}))
     req = _request("a", prompt)
-    assert side.matched_tokens(req, 0) == (4 * BS, True)
+    assert side.matched_tokens(req, 0) == (4 * BS, False)  # in host memory: in the step
     side.after_alloc(req, [5, 6, 7, 8, 9], 4 * BS)
     assert _step(side, {}).stores == []
     side.apply(WorkerReport(lost={hashes[2]}, unloaded={"a": 2}))

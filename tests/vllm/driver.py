@@ -7,7 +7,8 @@ tokens, top logprobs and cached-token counts as JSON.
         [--while-decoding] [--abort-first] [--together --num-blocks N] [--salts S1,S2,...]
 
 ``--pause-after K``: after K prompts, create ``--ready`` and wait for ``--go`` (a test kills a server
-in between).  ``--load-mode``: the connector's ``kv_connector_extra_config.load_mode``.
+in between).  ``--load-mode`` / ``--idle-wait-ms``: the connector's ``kv_connector_extra_config.load_mode`` /
+``idle_wait_ms``.
 ``--while-decoding``: another request decodes the whole time each prompt is served (admitted after it
 has run a few steps), so the prompt's load meets a running request.  ``--abort-first``: before the
 prompts, the first one is sent and aborted as soon as its load has started, and the driver steps the engine until
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--ready")
     ap.add_argument("--go")
     ap.add_argument("--load-mode")
+    ap.add_argument("--idle-wait-ms", type=float)
     ap.add_argument("--while-decoding", action="store_true")
     ap.add_argument("--abort-first", action="store_true")
     ap.add_argument("--together", action="store_true")
@@ -72,6 +74,8 @@ def main() -> None:
         extra = {"kvtier_config": a.config} if a.config else {}
         if a.load_mode:
             extra["load_mode"] = a.load_mode
+        if a.idle_wait_ms is not None:
+            extra["idle_wait_ms"] = a.idle_wait_ms
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role=a.role, kv_connector_extra_config=extra)

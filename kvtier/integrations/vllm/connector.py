@@ -37,7 +37,7 @@ from ...plans import StepPlan, WorkerReport
 from .facts import kv_layers, kv_replicated_across_tp, kvtier_config, why_loads_cannot_work
 from .logs import join_vllm_logging
 from .scheduler import LoadMode, SchedulerSide
-from .worker import WorkerSide, detect_layout, kv_view, layer_order
+from .worker import WorkerSide, detect_layout, idle_wait_ms, kv_view, layer_order
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -115,6 +115,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._load = False
             cfg = kvtier_config(vllm_config, len(kv_layers(kv_cache_config)))
             mode = LoadMode.from_extra_config(ktc.kv_connector_extra_config)
+            idle_wait_ms(ktc.kv_connector_extra_config)  # a bad value fails start-up here, before the workers
             self._scheduler = SchedulerSide(cfg, load=self._load, store=self._store,
                                             vllm_hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
                                             load_mode=mode)
@@ -146,7 +147,7 @@ class KvtierConnector(KVConnectorBase_V1):
             cfg = cfg.reading_only()
             log.info("kvtier: TP rank %d reads the backends and leaves writing to rank 0 (MLA: every rank "
                      "holds the same latent)", tp_rank)
-        self._worker = WorkerSide(cfg, tensors)
+        self._worker = WorkerSide(cfg, tensors, idle_wait_ms=idle_wait_ms(self._kv_transfer_config.kv_connector_extra_config))
         log.info("kvtier: worker side up: %d layers, layout %s, %s", len(tensors), layout,
                  cfg.summary(self._worker.stack.device.num_blocks))
         log.info("kvtier: threads run on CPUs %s (transfer.cpus: %s); vLLM's worker thread is bound to %s",
@@ -175,7 +176,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        done = self._worker.finished()
+        done = self._worker.finished(idle=self._plan().idle)
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
