@@ -9,8 +9,9 @@ reference into either side's state.  Invariants (checked by ``__post_init__``): 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .index import Tier
 
@@ -102,15 +103,14 @@ def keep_earliest(positions: dict[str, int], req_id: str, pos: int) -> None:
 
 @dataclass
 class WorkerReport:
-    """What the worker learnt since its last report: blocks now in its host memory (hash, slot), blocks
+    """What one worker learnt since its last report: blocks now in its host memory (hash, slot), blocks
     that left it, blocks a load found missing or corrupt (hints the manager must forget), blocks it
     wrote to a backend and blocks a backend evicted to stay within its capacity (hash, backend index),
     and where each request's failed load left off.
 
-    Reports of several workers (TP ranks) merge with :meth:`merge`: a block counts as in host memory or
-    written to a backend only if every rank says so (each rank holds its own shard), and anything lost or
-    evicted on one rank is gone.  Only ranks that write the backends (``writes``) have a say on what is
-    written: where every rank holds the same bytes (MLA), rank 0 alone writes the one shared copy."""
+    Within a report, ``in_host`` and ``left_host`` are disjoint (the latest word on a block wins), as are
+    ``in_backend`` and ``left_backend``.  Reports of several workers (TP / PP ranks) are folded by a
+    :class:`RankTally`, never merged pairwise: ranks report the same block in different steps."""
 
     in_host: dict[bytes, int] = field(default_factory=dict)
     left_host: set[bytes] = field(default_factory=set)
@@ -121,26 +121,102 @@ class WorkerReport:
     # from there, so those blocks are not stored yet (the scheduler plans them again once recomputed).
     unloaded: dict[str, int] = field(default_factory=dict)
     # Whether this worker writes the backends; one that does not (its in_backend is always empty) does
-    # not veto the blocks a writing rank reports written.
+    # not count towards the writers a block waits for.
     writes: bool = True
-
-    def merge(self, other: WorkerReport) -> WorkerReport:
-        both = {h: s for h, s in self.in_host.items() if h in other.in_host}
-        gone = self.left_host | other.left_host | (self.in_host.keys() ^ other.in_host.keys())
-        unloaded = dict(self.unloaded)
-        for req_id, pos in other.unloaded.items():
-            keep_earliest(unloaded, req_id, pos)
-        if self.writes and other.writes:
-            written = self.in_backend & other.in_backend
-        else:
-            written = set(self.in_backend if self.writes else other.in_backend)
-        return WorkerReport(in_host=both, left_host=set(gone), lost=self.lost | other.lost, in_backend=written,
-                            left_backend=self.left_backend | other.left_backend, unloaded=unloaded,
-                            writes=self.writes or other.writes)
+    # This worker's rank among the engine's workers, in [0, ranks) of the RankTally that folds it.
+    rank: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.in_host or self.left_host or self.lost or self.in_backend or self.left_backend
                     or self.unloaded)
 
 
-__all__ = ["LoadPlan", "Lookup", "LookupState", "StepPlan", "StorePlan", "WorkerReport", "keep_earliest"]
+class RankTally:
+    """Folds the reports of an engine's ``ranks`` workers into what the manager may believe, across steps.
+
+    Each rank holds its own shard of every block (TP: its KV heads; PP: its layers), so a block is in
+    host memory, or written to a backend, only once *every* rank has said so; ``writers`` of them write
+    the backends (all of them, or one per pipeline stage where every TP rank holds the same bytes: MLA).
+    Ranks need not say it in the same step: a load into host memory or a backend write ends on each
+    rank's own threads.  Hence a count per block, kept between folds, and not a per-step intersection:
+    vLLM merges one step's worker metadata skipping the ranks that said nothing, so an intersection took
+    one rank's word alone (a load offered early, failing on the lagging rank), and never saw a block that
+    two ranks reported in different steps.
+
+    Anything one rank lost, evicted or dropped from host memory is gone at once (and its count restarts).
+    A block some rank never reports (a write that failed there) waits in the count until it leaves; the
+    count keeps at most ``max_pending`` blocks per kind, oldest dropped first (a hint never learnt, no
+    more: lookups still find the block by probing)."""
+
+    def __init__(self, ranks: int = 1, writers: int | None = None, *, max_pending: int = 1 << 20):
+        writers = ranks if writers is None else writers
+        if ranks < 1 or not 0 <= writers <= ranks:
+            raise ValueError(f"rank tally: {ranks} ranks and {writers} writers (want 1 <= ranks, "
+                             "0 <= writers <= ranks)")
+        self.ranks, self.writers, self.max_pending = ranks, writers, max_pending
+        self._host: dict[bytes, tuple[int, set[int]]] = {}  # block -> (slot, ranks holding it)
+        self._written: dict[tuple[bytes, int], set[int]] = {}  # (block, backend) -> writing ranks
+
+    @property
+    def pending(self) -> int:
+        """Blocks some but not all ranks reported (in host memory or written)."""
+        return len(self._host) + len(self._written)
+
+    def fold(self, reports: Iterable[WorkerReport]) -> WorkerReport:
+        """One report for the manager from the reports that arrived in one step, in any order."""
+        out = WorkerReport()
+        for rep in reports:
+            if not 0 <= rep.rank < self.ranks:
+                raise ValueError(f"rank tally: a report from rank {rep.rank}, expected ranks 0..{self.ranks - 1}")
+            out.lost |= rep.lost
+            for req_id, pos in rep.unloaded.items():
+                keep_earliest(out.unloaded, req_id, pos)
+            for h in rep.left_host:
+                self._host.pop(h, None)
+                out.in_host.pop(h, None)
+                out.left_host.add(h)
+            for h, slot in rep.in_host.items():
+                if self._tally_host(h, slot, rep.rank):
+                    out.in_host[h] = slot
+                    out.left_host.discard(h)
+            for pair in rep.left_backend:
+                self._written.pop(pair, None)
+                out.in_backend.discard(pair)
+                out.left_backend.add(pair)
+            if rep.writes:
+                for pair in rep.in_backend:
+                    if self._tally_write(pair, rep.rank):
+                        out.in_backend.add(pair)
+                        out.left_backend.discard(pair)
+        return out
+
+    def _tally_host(self, h: bytes, slot: int, rank: int) -> bool:
+        """Count ``rank`` holding ``h`` in host slot ``slot``; True once every rank holds it there."""
+        seen = self._host.get(h)
+        if seen is None or seen[0] != slot:  # another slot: the block was dropped and placed again
+            seen = self._host[h] = (slot, set())
+            self._bound(self._host)
+        seen[1].add(rank)
+        if len(seen[1]) < self.ranks:
+            return False
+        del self._host[h]
+        return True
+
+    def _tally_write(self, pair: tuple[bytes, int], rank: int) -> bool:
+        ranks = self._written.get(pair)
+        if ranks is None:
+            ranks = self._written[pair] = set()
+            self._bound(self._written)
+        ranks.add(rank)
+        if len(ranks) < self.writers:
+            return False
+        del self._written[pair]
+        return True
+
+    def _bound(self, table: dict[Any, Any]) -> None:
+        while len(table) > self.max_pending:
+            del table[next(iter(table))]
+
+
+__all__ = ["LoadPlan", "Lookup", "LookupState", "RankTally", "StepPlan", "StorePlan", "WorkerReport",
+           "keep_earliest"]

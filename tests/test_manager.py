@@ -16,7 +16,7 @@ from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.config import parse_config
 from kvtier.index import Tier
 from kvtier.manager import TierManager
-from kvtier.plans import LoadPlan, Lookup, LookupState, StepPlan, StorePlan, WorkerReport
+from kvtier.plans import LoadPlan, Lookup, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 from kvtier.testing.faults import FaultyBackend
 
 DISK = Tier.backend(0)  # the one backend of _manager, named "disk"
@@ -156,23 +156,57 @@ def test_plans_check_invariants_and_pickle():
         Lookup(LookupState.HIT, 0)
     step = StepPlan([LoadPlan("a", tuple(h), (1, 2, 3))], [StorePlan("b", tuple(h[:1]), (9,))])
     assert pickle.loads(pickle.dumps(step)) == step
-    a = WorkerReport(in_host={h[0]: 1, h[1]: 2}, lost={h[2]})
-    b = WorkerReport(in_host={h[0]: 1})
-    merged = a.merge(b)  # TP ranks: in host only where every rank has it; lost anywhere is lost
-    assert merged.in_host == {h[0]: 1} and merged.left_host == {h[1]} and merged.lost == {h[2]}
-    evicted = WorkerReport(left_backend={(h[0], 1)}, in_backend={(h[1], 0), (h[2], 0)}).merge(
-        WorkerReport(left_backend={(h[1], 0)}, in_backend={(h[2], 0)}))
-    assert evicted.left_backend == {(h[0], 1), (h[1], 0)} and evicted  # evicted on any rank is gone
-    assert evicted.in_backend == {(h[2], 0)}  # written: only where every rank wrote its shard
-    assert pickle.loads(pickle.dumps(evicted)) == evicted
-    # A rank that reads only (MLA: rank 0 writes the copy all ranks share) has no say on what is written,
-    # in either order; two reading ranks report nothing written; anything lost on it is still lost.
-    writer = WorkerReport(in_backend={(h[0], 0), (h[1], 0)})
-    reader = WorkerReport(in_host={h[0]: 3}, lost={h[2]}, writes=False)
-    for merged in (writer.merge(reader), reader.merge(writer)):
-        assert merged.in_backend == {(h[0], 0), (h[1], 0)} and merged.writes and merged.lost == {h[2]}
-    assert not reader.merge(WorkerReport(writes=False)).writes
-    assert writer.merge(reader).merge(WorkerReport(in_backend={(h[1], 0)})).in_backend == {(h[1], 0)}
+    rep = WorkerReport(in_host={h[0]: 1}, left_backend={(h[1], 0)}, lost={h[2]}, rank=1)
+    assert pickle.loads(pickle.dumps(rep)) == rep
+
+
+def test_rank_tally_believes_a_block_once_every_rank_said_it_in_any_steps():
+    """TP ranks each hold a shard: in host memory / written only once every rank reported it, whichever
+    steps their reports came in; a rank that said nothing this step (vLLM drops its empty report) never
+    lets the others' word count alone; lost or evicted on any rank is gone at once."""
+    h = [bytes([i]) * 32 for i in range(4)]
+    tally = RankTally(ranks=2)
+    step1 = tally.fold([WorkerReport(in_host={h[0]: 1, h[1]: 2}, in_backend={(h[0], 0)}, lost={h[3]}, rank=0)])
+    assert step1.in_host == {} and step1.in_backend == set() and step1.lost == {h[3]}  # rank 1 said nothing yet
+    assert tally.pending == 3
+    step2 = tally.fold([WorkerReport(in_host={h[0]: 1}, in_backend={(h[0], 0)}, rank=1)])
+    assert step2.in_host == {h[0]: 1} and step2.in_backend == {(h[0], 0)} and not step2.left_host
+    assert tally.pending == 1  # h[1] waits for rank 1
+    step3 = tally.fold([WorkerReport(left_host={h[1]}, rank=0), WorkerReport(in_host={h[1]: 2}, rank=1)])
+    assert step3.left_host == {h[1]} and step3.in_host == {}  # dropped on rank 0: gone, in either order
+    assert tally.fold([WorkerReport(in_host={h[1]: 2}, rank=1), WorkerReport(left_host={h[1]}, rank=0)]).left_host == {h[1]}
+    # A block placed again elsewhere on one rank restarts its count: both ranks must hold it in one slot.
+    assert tally.fold([WorkerReport(in_host={h[2]: 5}, rank=0)]).in_host == {}
+    assert tally.fold([WorkerReport(in_host={h[2]: 6}, rank=1)]).in_host == {}
+    assert tally.fold([WorkerReport(in_host={h[2]: 6}, rank=0)]).in_host == {h[2]: 6}
+    # Evicted from a backend on one rank: gone, and the count of writers restarts.
+    tally.fold([WorkerReport(in_backend={(h[1], 1)}, rank=0)])
+    gone = tally.fold([WorkerReport(left_backend={(h[1], 1)}, rank=1)])
+    assert gone.left_backend == {(h[1], 1)} and gone.in_backend == set()
+    assert tally.fold([WorkerReport(in_backend={(h[1], 1)}, rank=1)]).in_backend == set()
+    assert tally.fold([WorkerReport(unloaded={"x": 3}, rank=0), WorkerReport(unloaded={"x": 1, "y": 5}, rank=1)]
+                      ).unloaded == {"x": 1, "y": 5}
+    with pytest.raises(ValueError, match="a report from rank 2, expected ranks 0..1"):
+        tally.fold([WorkerReport(rank=2)])
+    with pytest.raises(ValueError, match="3 ranks and 4 writers"):
+        RankTally(3, 4)
+
+
+def test_rank_tally_counts_only_the_ranks_that_write():
+    """MLA: every TP rank holds the same bytes and rank 0 alone writes them; the readers never hold a
+    write back, and what a reader lost is still lost."""
+    h = [bytes([i]) * 32 for i in range(3)]
+    tally = RankTally(ranks=2, writers=1)
+    reader = WorkerReport(in_host={h[0]: 3}, in_backend={(h[2], 0)}, lost={h[2]}, writes=False, rank=1)
+    writer = WorkerReport(in_backend={(h[0], 0), (h[1], 0)}, rank=0)
+    out = tally.fold([reader, writer])
+    assert out.in_backend == {(h[0], 0), (h[1], 0)} and out.lost == {h[2]} and out.in_host == {}
+    assert tally.fold([WorkerReport(in_host={h[0]: 3}, rank=0)]).in_host == {h[0]: 3}
+    bounded = RankTally(ranks=2, max_pending=2)
+    for i in range(3):
+        bounded.fold([WorkerReport(in_host={h[i]: i}, rank=0)])
+    assert bounded.pending == 2  # the oldest half-reported block was dropped (a hint never learnt)
+    assert bounded.fold([WorkerReport(in_host={h[0]: 0}, rank=1)]).in_host == {}
 
 
 def test_grouped_values_the_backend_evicts_are_never_offered(tmp_path):

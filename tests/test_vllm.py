@@ -71,7 +71,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
              abort_first: bool = False,
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
              max_model_len: int | None = None, max_batched_tokens: int | None = None,
-             salts: list[str | None] | None = None, reset_between: bool = False, block_size: int = BS) -> dict:
+             salts: list[str | None] | None = None, reset_between: bool = False, block_size: int = BS,
+             attention_backend: str | None = None) -> dict:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -96,7 +97,7 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
     if salts is not None:
         cmd += ["--salts", ",".join(x or "-" for x in salts)]
     for flag, value in (("--num-blocks", num_blocks), ("--max-tokens", max_tokens), ("--max-model-len", max_model_len),
-                        ("--max-batched-tokens", max_batched_tokens)):
+                        ("--max-batched-tokens", max_batched_tokens), ("--attention-backend", attention_backend)):
         if value is not None:
             cmd += [flag, str(value)]
     ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
@@ -454,7 +455,8 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
 @pytest.fixture(scope="module")
 def mla_model_dir(tmp_path_factory) -> str:
     """A random-weight DeepSeek-V2-shaped model (MLA: one 512 + 64 latent per token and layer; vLLM CPU's
-    MLA kernels want exactly that and blocks of 16 tokens), all layers dense (no experts run)."""
+    MLA kernels want exactly that: its reference backend blocks of 16 tokens, its AMX one multiples of 32),
+    all layers dense (no experts run)."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -471,7 +473,8 @@ def mla_model_dir(tmp_path_factory) -> str:
 
 def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_use_them(mla_model_dir, redis_server,
                                                                                          tmp_path):
-    """An MLA model on vLLM's CPU build, whose KV tensor per layer is ``[N, 1, 16, 576]`` (kvtier once
+    """An MLA model on vLLM's CPU build with its reference MLA backend (``CPU_MLA``, pinned: on a CPU with
+    AMX vLLM picks ``AMX_MLA``, the next test), whose KV tensor per layer is ``[N, 1, 16, 576]`` (kvtier once
     refused it, so vLLM did not start).  The prefill instance stores every full block of A and C under
     vLLM's own block hashes, each value one 576-wide bf16 latent per token and layer.  vLLM's CPU MLA
     attention computes a prompt as if nothing before it were cached (vLLM turns its own prefix caching
@@ -481,7 +484,7 @@ def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_
     rank 0 writes it: Redis sees one SET per block (each rank wrote every block before)."""
     bs, root = 16, tmp_path / "blocks"
     cfg = kv_config(disk(root))
-    prefill = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], cfg, block_size=bs)
+    prefill = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], cfg, block_size=bs, attention_backend="CPU_MLA")
     assert "kvtier: worker side up: 2 layers, layout mla" in prefill["log"]
     files = block_files(root)
     assert set(files) == {h.hex() for h in vllm_block_hashes(A, bs) + vllm_block_hashes(C, bs)}
@@ -491,18 +494,42 @@ def test_an_mla_model_stores_its_latent_blocks_and_loads_none_where_vllm_cannot_
     redis = {"name": "redis", "type": "redis", "options": {"url": redis_server.url}}
     redis_server.cli("CONFIG", "RESETSTAT")
     run = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], {**cfg, "backends": [disk(tp2), redis]},
-                   block_size=bs, tp=2)
+                   block_size=bs, tp=2, attention_backend="CPU_MLA")
     copies = sorted(p.relative_to(tp2) for p in tp2.rglob("*") if p.name in files)  # any namespace
     assert copies == sorted(p.relative_to(root) for p in files.values())
     # every key (the 30 blocks and the namespace's manifest) was SET once
     sets = re.search(r"cmdstat_set:calls=(\d+)", redis_server.cli("INFO", "commandstats"))
     assert sets and int(sets.group(1)) == int(redis_server.cli("DBSIZE")) == len(files) + 1
     assert "kvtier: TP rank 1 reads the backends and leaves writing to rank 0" in run["log"]
-    got = run_vllm(mla_model_dir, tmp_path, "kv_consumer", [B, A], cfg, block_size=bs)
+    got = run_vllm(mla_model_dir, tmp_path, "kv_consumer", [B, A], cfg, block_size=bs, attention_backend="CPU_MLA")
     assert "kvtier: loads are off: vLLM's CPU MLA attention cannot compute" in got["log"]
     assert [r["cached"] for r in got["results"]] == [0, 0]
     assert_same_outputs(got["results"], run_vllm(mla_model_dir, tmp_path, "kv_both", [B, A], NULL,
-                                                 block_size=bs)["results"])
+                                                 block_size=bs, attention_backend="CPU_MLA")["results"])
+
+
+def _cpu_has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.skipif(not _cpu_has_amx(), reason="vLLM's AMX MLA backend needs a CPU with AMX")
+def test_an_mla_model_on_vllms_amx_backend_loads_its_prefix_and_keeps_every_token(mla_model_dir, tmp_path):
+    """On a CPU with AMX, vLLM serves MLA models with ``AMX_MLA``, whose prefill computes over a cached
+    prefix (vLLM keeps its own prefix caching on): there kvtier loads.  A prefill instance stores A and C,
+    a separate decode instance loads exactly the full blocks it shares with them (B: 5 of A's blocks, A:
+    all 9) and its greedy tokens and logprobs equal vLLM's own prefix cache holding the same prefixes."""
+    root = tmp_path / "blocks"
+    prefill = run_vllm(mla_model_dir, tmp_path, "kv_producer", [A, C], kv_config(disk(root)))
+    assert "Using AMX_MLA backend" in prefill["log"] and "kvtier: worker side up: 2 layers, layout mla" in prefill["log"]
+    assert set(block_files(root)) == {h.hex() for h in vllm_block_hashes(A) + vllm_block_hashes(C)}
+    got = run_vllm(mla_model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(root)))
+    assert "loads are off" not in got["log"]
+    assert [r["cached"] for r in got["results"]] == [160, 288]
+    warm = run_vllm(mla_model_dir, tmp_path, "kv_both", [A, C, B, A], NULL)["results"][2:]
+    assert [r["cached"] for r in warm] == [160, 288]
+    assert_same_outputs(got["results"], warm)
 
 
 SOAK = Path(__file__).parent / "vllm" / "soak.py"

@@ -11,10 +11,10 @@ import torch
 from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config
 
 from kvtier.config import parse_config
-from kvtier.integrations.vllm.facts import kv_layers, kv_replicated_across_tp, model_facts
+from kvtier.integrations.vllm.facts import kv_layers, kv_replicated_across_tp, model_facts, rank_tally, worker_rank
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, kv_view, layer_order
-from kvtier.plans import LoadPlan, StepPlan, StorePlan, WorkerReport
+from kvtier.plans import LoadPlan, RankTally, StepPlan, StorePlan, WorkerReport
 
 
 def test_detect_layout_of_each_supported_tensor_and_refuse_others():
@@ -40,11 +40,11 @@ def test_vllm_cpu_mla_tensor_is_seen_as_kvtier_mla_layout_over_the_same_memory()
     assert kv_view(mha, mla=False) is mha and kv_view(t, mla=False) is t
 
 
-def _vllm_config(mla: bool, tp: int, dcp: int = 1) -> types.SimpleNamespace:
+def _vllm_config(mla: bool, tp: int, dcp: int = 1, pp: int = 1) -> types.SimpleNamespace:
     mc = types.SimpleNamespace(dtype=torch.bfloat16, served_model_name=None, model="m", use_mla=mla,
                                get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 576 if mla else 64)
-    pc = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, decode_context_parallel_size=dcp,
-                               prefill_context_parallel_size=1)
+    pc = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp,
+                               prefill_context_parallel_size=1, world_size=tp * pp)
     return types.SimpleNamespace(model_config=mc, cache_config=types.SimpleNamespace(cache_dtype="auto", block_size=16),
                                  parallel_config=pc)
 
@@ -63,6 +63,20 @@ def test_an_mla_namespace_is_the_same_on_every_tp_rank_and_size():
     assert kv_replicated_across_tp(_vllm_config(mla=True, tp=4))
     assert not kv_replicated_across_tp(_vllm_config(mla=False, tp=4))
     assert not kv_replicated_across_tp(_vllm_config(mla=True, tp=4, dcp=2))
+
+
+def test_the_scheduler_waits_for_every_rank_and_for_the_ranks_that_write():
+    """Every worker of the TP x PP grid reports its own shard; MLA's TP ranks share one copy that TP rank
+    0 of each stage writes; a kv_consumer writes nothing.  Worker ranks number the grid without gaps."""
+    def counts(t: RankTally) -> tuple[int, int]:
+        return t.ranks, t.writers
+    assert counts(rank_tally(_vllm_config(mla=False, tp=2, pp=2), writes=True)) == (4, 4)
+    assert counts(rank_tally(_vllm_config(mla=True, tp=4, pp=2), writes=True)) == (8, 2)
+    assert counts(rank_tally(_vllm_config(mla=True, tp=4, dcp=2), writes=True)) == (4, 4)
+    assert counts(rank_tally(_vllm_config(mla=False, tp=2), writes=False)) == (2, 0)
+    grid = [worker_rank(tp_rank, 2, pcp_rank, 3, pp_rank) for pp_rank in range(2) for pcp_rank in range(3)
+            for tp_rank in range(2)]
+    assert sorted(grid) == list(range(12))
 
 
 def test_a_reading_only_config_writes_no_backend_and_keeps_everything_else():
@@ -368,12 +382,6 @@ def test_the_scheduler_stores_again_what_a_load_did_not_deliver():
     side.apply(WorkerReport(lost={hashes[2]}, unloaded={"a": 2}))
     req.num_computed_tokens = 2 * BS  # vLLM rewound the request to what was delivered
     assert [(sp.block_ids, sp.start) for sp in _step(side, {"a": 3 * BS + 1}).stores] == [((7, 8, 9), 2)]
-
-
-def test_reports_of_two_ranks_keep_the_earliest_undelivered_block():
-    a = WorkerReport(unloaded={"x": 3, "y": 5})
-    b = WorkerReport(unloaded={"x": 1})
-    assert a.merge(b).unloaded == {"x": 1, "y": 5} and b.merge(a).unloaded == {"x": 1, "y": 5}
 
 
 

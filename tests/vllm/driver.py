@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int)
     ap.add_argument("--salts")
     ap.add_argument("--reset-between", action="store_true")
+    ap.add_argument("--attention-backend", help="vLLM's attention backend by name (default: vLLM picks)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.abort_first:  # the engine core in this process: one LLMEngine.step() is exactly one engine step
@@ -82,6 +83,8 @@ def main() -> None:
     t0 = time.perf_counter()
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
+    if a.attention_backend:
+        kw["attention_config"] = {"backend": a.attention_backend}
     if a.max_batched_tokens:  # a prompt longer than this is prefilled in chunks, one per step
         kw["max_num_batched_tokens"] = a.max_batched_tokens
     llm = LLM(model=a.model, skip_tokenizer_init=True, enforce_eager=True, block_size=a.block_size,

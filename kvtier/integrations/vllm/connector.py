@@ -34,7 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ...plans import StepPlan, WorkerReport
-from .facts import kv_layers, kv_replicated_across_tp, kvtier_config, why_loads_cannot_work
+from .facts import (kv_layers, kv_replicated_across_tp, kvtier_config, rank_tally, why_loads_cannot_work,
+                    worker_rank)
 from .logs import join_vllm_logging
 from .scheduler import LoadMode, SchedulerSide
 from .worker import WorkerSide, detect_layout, idle_wait_ms, kv_view, layer_order
@@ -55,13 +56,14 @@ class KvtierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step (merged across TP ranks)."""
+    """Workers -> scheduler, once per step: each rank's report, kept apart (vLLM aggregates the ranks
+    that had something to say; the scheduler's :class:`~kvtier.plans.RankTally` counts them per block)."""
 
-    report: WorkerReport = field(default_factory=WorkerReport)
+    reports: list[WorkerReport] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
-        return KvtierWorkerMetadata(self.report.merge(other.report))
+        return KvtierWorkerMetadata(self.reports + other.reports)
 
 
 @dataclass
@@ -118,7 +120,7 @@ class KvtierConnector(KVConnectorBase_V1):
             idle_wait_ms(ktc.kv_connector_extra_config)  # a bad value fails start-up here, before the workers
             self._scheduler = SchedulerSide(cfg, load=self._load, store=self._store,
                                             vllm_hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
-                                            load_mode=mode)
+                                            load_mode=mode, ranks=rank_tally(vllm_config, writes=self._store))
             log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s",
                      cfg.summary(getattr(kv_cache_config, "num_blocks", None), engine="vLLM"), cfg.namespace().id,
                      mode.value)
@@ -130,7 +132,7 @@ class KvtierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.distributed.parallel_state import get_pcp_group, get_pp_group, get_tp_group
 
         names = layer_order(list(kv_caches))
         mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
@@ -147,7 +149,10 @@ class KvtierConnector(KVConnectorBase_V1):
             cfg = cfg.reading_only()
             log.info("kvtier: TP rank %d reads the backends and leaves writing to rank 0 (MLA: every rank "
                      "holds the same latent)", tp_rank)
-        self._worker = WorkerSide(cfg, tensors, idle_wait_ms=idle_wait_ms(self._kv_transfer_config.kv_connector_extra_config))
+        tp, pcp = get_tp_group(), get_pcp_group()
+        rank = worker_rank(tp_rank, tp.world_size, pcp.rank_in_group, pcp.world_size, get_pp_group().rank_in_group)
+        self._worker = WorkerSide(cfg, tensors, rank=rank,
+                                  idle_wait_ms=idle_wait_ms(self._kv_transfer_config.kv_connector_extra_config))
         log.info("kvtier: worker side up: %d layers, layout %s, %s", len(tensors), layout,
                  cfg.summary(self._worker.stack.device.num_blocks))
         log.info("kvtier: threads run on CPUs %s (transfer.cpus: %s); vLLM's worker thread is bound to %s",
@@ -186,7 +191,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         rep = self._worker.report()
-        return KvtierWorkerMetadata(rep) if rep else None
+        return KvtierWorkerMetadata([rep]) if rep else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
@@ -235,7 +240,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._scheduler is not None and isinstance(meta, KvtierWorkerMetadata):
-            self._scheduler.apply(meta.report)
+            self._scheduler.apply(*meta.reports)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ...config import KvtierConfig, load_engine_config
 from ...layout import dtype_name, parse_dtype
+from ...plans import RankTally
 
 
 def model_facts(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank: int = 0) -> dict[str, Any]:
@@ -46,6 +47,21 @@ def kv_replicated_across_tp(vllm_config: Any) -> bool:
     pc = vllm_config.parallel_config
     return bool(getattr(vllm_config.model_config, "use_mla", False)) and all(
         int(getattr(pc, f, 1)) == 1 for f in ("decode_context_parallel_size", "prefill_context_parallel_size"))
+
+
+def rank_tally(vllm_config: Any, *, writes: bool) -> RankTally:
+    """The scheduler's count of its workers' reports: every rank of vLLM's TP x PCP x PP grid holds its own
+    shard, and writes it when the instance stores (``writes``); where the KV is replicated across TP, the
+    TP rank 0 of each pipeline stage alone writes (the others only read)."""
+    pc = vllm_config.parallel_config
+    ranks = int(pc.world_size)
+    writers = (int(pc.pipeline_parallel_size) if kv_replicated_across_tp(vllm_config) else ranks) if writes else 0
+    return RankTally(ranks, writers)
+
+
+def worker_rank(tp_rank: int, tp_size: int, pcp_rank: int, pcp_size: int, pp_rank: int) -> int:
+    """A worker's rank in [0, TP x PCP x PP), as :func:`rank_tally` counts them."""
+    return (pp_rank * pcp_size + pcp_rank) * tp_size + tp_rank
 
 
 def why_loads_cannot_work(vllm_config: Any) -> str | None:

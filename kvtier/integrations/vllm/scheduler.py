@@ -29,7 +29,7 @@ from typing import Any
 
 from ...config import KvtierConfig
 from ...manager import TierManager
-from ...plans import LoadPlan, LookupState, StepPlan, StorePlan, WorkerReport
+from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -81,8 +81,9 @@ class SchedulerSide:
     """``load``/``store``: what this instance's role allows (kv_consumer loads, kv_producer stores)."""
 
     def __init__(self, config: KvtierConfig, *, load: bool, store: bool, vllm_hash_algo: str | None,
-                 load_mode: LoadMode = LoadMode.ASYNC):
+                 load_mode: LoadMode = LoadMode.ASYNC, ranks: RankTally | None = None):
         self.config = config
+        self.ranks = ranks or RankTally()  # what the workers (vLLM's TP x PP ranks) reported, per block
         self.load_mode = load_mode
         self.manager = TierManager(config)
         self.hasher = self.manager.namespace.hasher()
@@ -211,7 +212,9 @@ class SchedulerSide:
         ids = block_ids()
         return StorePlan(st.request.request_id, tuple(st.hashes[first:upto]), tuple(ids[first:upto]), first)
 
-    def apply(self, report: WorkerReport) -> None:
+    def apply(self, *reports: WorkerReport) -> None:
+        """Fold the reports the workers sent with one step (one per rank that had something to say)."""
+        report = self.ranks.fold(reports)
         self.manager.apply(report)
         # vLLM recomputes what a load did not deliver: store it once computed (the plan counted it stored).
         for req_id, pos in report.unloaded.items():

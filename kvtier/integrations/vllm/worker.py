@@ -78,10 +78,12 @@ def layer_order(names: list[str]) -> list[str]:
 
 
 class WorkerSide:
-    def __init__(self, config: KvtierConfig, kv_caches: list[torch.Tensor], *, idle_wait_ms: float = IDLE_WAIT_MS):
+    def __init__(self, config: KvtierConfig, kv_caches: list[torch.Tensor], *, idle_wait_ms: float = IDLE_WAIT_MS,
+                 rank: int = 0):
         self.stack = TierStack(config, kv_caches=kv_caches)
         self.idle_wait_s = idle_wait_ms / 1e3  # see finished()
         self.writes = config.writes_backends  # WorkerReport.writes
+        self.rank = rank  # WorkerReport.rank: this worker among vLLM's TP x PP ranks (facts.worker_rank)
         self.stack.drain_report()  # start recording host-memory changes for the scheduler
         self._loads: dict[str, tuple[LoadPlan, LoadHandle]] = {}
         self._errors: set[int] = set()
@@ -210,7 +212,7 @@ class WorkerSide:
         rep = self.stack.drain_report()
         rep.lost |= self._lost
         rep.unloaded, self._unloaded = self._unloaded, {}
-        rep.writes = self.writes
+        rep.writes, rep.rank = self.writes, self.rank
         self._lost = set()
         return rep
 
