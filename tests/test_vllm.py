@@ -172,11 +172,15 @@ def assert_same_outputs(got: list[dict], want: list[dict]) -> None:
 
 def assert_close_outputs(got: list[dict], want: list[dict]) -> None:
     """Greedy tokens exact, logprobs equal to within vLLM's own noise (batching, a prefix computed another
-    way: vLLM is not bitwise invariant to either)."""
+    way: vLLM is not bitwise invariant to either).  That noise depends on the CPU's kernels: under 2e-3
+    with vLLM's AVX-512 attention, up to 0.0077 with its AMX bf16 kernels (a request decoding beside a
+    loaded one here), a quarter of one bf16 step at these logprobs (|lp| in [4, 8): steps of 1/32)."""
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["tokens"] == w["tokens"], f"prompt {i}: tokens differ"
-        for glp, wlp in zip(g["logprobs"], w["logprobs"]):
-            assert glp.keys() == wlp.keys() and all(abs(glp[k] - wlp[k]) < 2e-3 for k in glp), f"prompt {i}"
+        for j, (glp, wlp) in enumerate(zip(g["logprobs"], w["logprobs"])):
+            assert glp.keys() == wlp.keys(), f"prompt {i}, token {j}: top tokens {list(glp)} vs {list(wlp)}"
+            worst = max(abs(glp[k] - wlp[k]) for k in glp)
+            assert worst < 1.5e-2, f"prompt {i}, token {j}: logprobs {glp} vs {wlp} ({worst:.2g} apart)"
 
 
 def load_modes(log: str) -> list[str]:
@@ -370,9 +374,10 @@ def test_chunked_prefill_stores_each_chunks_blocks_and_loads_into_a_chunked_pref
 
 
 def test_identical_prompts_arriving_together_load_the_same_blocks_at_once(model_dir, stored_on_disk, warm, tmp_path):
-    """[B, B, A, A] in one batch: none is in vLLM's own cache yet, so the loads run at the same time,
-    over the same keys (the second of each pair finds them in host memory or on their way
-    there).  Every request gets its whole stored prefix and decodes as B and A do alone (batched: tokens
+    """[B, B, A, A] in one batch: none is in vLLM's own cache yet, so loads run at the same time over the
+    same keys (the second of each pair finds them in host memory or on their way there), or, where one
+    of a pair is computed first, the other finds its blocks in vLLM's own cache.  Every request gets at
+    least its whole stored prefix, no load fails, and each decodes as B and A do alone (batched: tokens
     exact, logprobs within vLLM's own noise)."""
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
@@ -380,15 +385,19 @@ def test_identical_prompts_arriving_together_load_the_same_blocks_at_once(model_
     # in the step that starts it, and the second B then finds B in vLLM's own cache: no loads at once.
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, B, A, A], kv_config(disk(d)), together=True,
                    idle_wait_ms=0)
-    loads = dict(re.findall(r"request (\d+)-\S+: (\d+) blocks loaded", got["log"]))
-    # The second B loads its 5 blocks alongside the first, unless the first one's load ended before the
-    # second's backend probe answered: then B is in vLLM's own cache by then (cached 160 either way).
-    assert loads["0"] == "5" and loads.get("1", "5") == "5"
-    # A's 9 from kvtier, or 4 after the 5 vLLM holds if a B was computed before A's probe answered (the
-    # second A, as the second B, may find all of A in vLLM's own cache).
-    assert loads["2"] in ("9", "4") and loads.get("3", "9") in ("9", "4")
+    loads: dict[str, list[int]] = {}
+    for req, n in re.findall(r"request (\d+)-\S+: (\d+) blocks loaded", got["log"]):
+        loads.setdefault(req, []).append(int(n))
+    # Each B loads B's 5 stored blocks, unless one B's load and compute ended before the other B's probe
+    # answered: that one then finds all of B's 8 full blocks in vLLM's own cache (seen on a fast CPU).
+    # Each A loads A's 9 from kvtier, or 4 after the 5 vLLM holds once a B was computed; the second A, as
+    # the second B, may find all of A in vLLM's own cache.  At least one of each pair loads.
+    b_loads, a_loads = loads.get("0", []) + loads.get("1", []), loads.get("2", []) + loads.get("3", [])
+    assert b_loads and set(b_loads) == {5}, loads
+    assert a_loads and set(a_loads) <= {9, 4}, loads
     assert "blocks not loaded" not in got["log"]
-    assert [r["cached"] for r in got["results"]] == [160, 160, 288, 288]
+    cached = [r["cached"] for r in got["results"]]
+    assert cached[2:] == [288, 288] and sorted(cached[:2]) in ([160, 160], [160, 256]), cached
     assert_close_outputs(got["results"], [warm[0], warm[0], warm[1], warm[1]])
 
 
