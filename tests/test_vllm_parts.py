@@ -11,7 +11,13 @@ import torch
 from _stack_helpers import BLOCK, HEAD_DIM, HEADS, LAYERS, config
 
 from kvtier.config import parse_config
-from kvtier.integrations.vllm.facts import kv_layers, kv_replicated_across_tp, model_facts, rank_tally, worker_rank
+from kvtier.integrations.vllm.facts import (
+    kv_layers,
+    kv_replicated_across_tp,
+    model_facts,
+    rank_tally,
+    worker_rank,
+)
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, kv_view, layer_order
 from kvtier.plans import LoadPlan, RankTally, StepPlan, StorePlan, WorkerReport

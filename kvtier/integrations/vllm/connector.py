@@ -34,8 +34,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ...plans import StepPlan, WorkerReport
-from .facts import (kv_layers, kv_replicated_across_tp, kvtier_config, rank_tally, why_loads_cannot_work,
-                    worker_rank)
+from .facts import (
+    kv_layers,
+    kv_replicated_across_tp,
+    kvtier_config,
+    rank_tally,
+    why_loads_cannot_work,
+    worker_rank,
+)
 from .logs import join_vllm_logging
 from .scheduler import LoadMode, SchedulerSide
 from .worker import WorkerSide, detect_layout, idle_wait_ms, kv_view, layer_order
