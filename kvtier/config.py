@@ -157,8 +157,9 @@ class DeviceSection(_Section):
 
     kind: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
     num_blocks: int = Field(1024, ge=1, description="Blocks in the standalone block pool (no engine).")
-    layout: Literal["flash_attn", "flashinfer", "mla", "cpu_attn", "stacked"] = Field(
-        "flash_attn", description="How the engine lays out its KV tensors.")
+    layout: Literal["flash_attn", "flashinfer", "mla", "cpu_attn", "cpu_attn_amx", "stacked"] = Field(
+        "flash_attn", description="How the engine lays out its KV tensors (cpu_attn / cpu_attn_amx: vLLM "
+                                  "CPU's cache as its vec and amx kernels write it).")
 
 
 class HostSection(_Section):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import threads as kvthreads
-from .layout import KVLayout, LayoutError, _as_list, _layers
+from .layout import HeadView, KVLayout, LayoutError, _as_list, _layers
 
 
 @dataclass
@@ -238,12 +238,10 @@ class _Codec:
             if self.device.type != "cpu":
                 raise LayoutError("cpu_attn is vLLM's CPU layout: its tensors must be on the CPU, found "
                                   f"{self.device}")
-            self.views = layout.head_major_views(tensors, self.copy_dtype)
-            self.np_views = [[v.detach().numpy() for v in comps] for comps in self.views]
-            # Each layer's blocks as [N, H, 2, B, D] (K and V of a head side by side): write_one's view.
-            shape = (layout.num_blocks, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
-            self.np_blocks = [(t if t.dtype == self.copy_dtype else t.view(self.copy_dtype)).view(shape).detach().numpy()
-                              for t in _as_list(tensors)]
+            self.views, self.np_views = [], None  # no flat rows: head_views below
+            self.heads = layout.head_views(tensors, self.copy_dtype)
+            # numpy aliases of each component in memory ([N, H, ...]), with its rearrangement
+            self.np_heads = [[(v.mem.detach().numpy(), v) for v in comps] for comps in self.heads]
             return
         self.views = layout.component_views(tensors, self.copy_dtype)
         # numpy aliases of the same rows (CPU only): the scatter's fast path.
@@ -324,14 +322,15 @@ class _Codec:
 
         self._run(run, layers, ids.numel())
 
-    # A head-major (cpu_attn) component of a block is [H, B, D] where the payload wants [B, H, D]: each
-    # copy transposes (one strided torch / numpy copy per layer-component and run of rows, no loop per
-    # block).  Payload rows are viewed as [n, L, C, B, H, D].
+    # A head-major (cpu_attn*) component of a block is kept in the engine's own arrangement
+    # (layout.HeadView: [H, ...] in memory) where the payload wants [B, H, D]: each copy rearranges
+    # (one strided numpy copy per layer-component and run of rows, no loop per block).  Payload rows are
+    # viewed as [n, L, C, *split].
 
-    def _cpu_views(self) -> list[list[np.ndarray]]:
-        if self.np_views is None:
-            raise LayoutError("numpy views of the KV tensors exist only on the CPU")
-        return self.np_views
+    def _np_heads(self) -> list[list[tuple[np.ndarray, HeadView]]]:
+        if not self.layout.head_major:
+            raise LayoutError("head views exist only for head-major layouts")
+        return self.np_heads
 
     def _row_parts(self, ids: torch.Tensor, rows: Rows) -> list[tuple[np.ndarray, Any]]:
         """(block ids, payload rows: a slice or an index array) per run of rows, ids range-checked (numpy
@@ -344,18 +343,17 @@ class _Codec:
 
     def _gather_head_major(self, ids: torch.Tensor, dst: torch.Tensor, rows: Rows,
                            layers: Sequence[int] | None) -> None:
-        lay = self.layout
-        shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        parts, np_views = self._row_parts(ids, rows), self._cpu_views()
+        parts, heads = self._row_parts(ids, rows), self._np_heads()
         dst_np = dst.numpy()
 
         def run(chunk: list[tuple[int, int]]) -> None:
             for li, c in chunk:
-                src = np_views[li][c]  # [N, H, B, D]
+                mem, hv = heads[li][c]
+                back = (0, *(1 + a for a in hv.to_canonical))
                 for part, sel in parts:
-                    block = src[part].transpose(0, 2, 1, 3)  # [k, B, H, D]
+                    block = mem[part].transpose(back)  # [k, *split]
                     if isinstance(sel, slice):
-                        dst_np[sel, li, c].reshape(-1, *shape)[...] = block
+                        dst_np[sel, li, c].reshape(-1, *hv.split)[...] = block
                     else:
                         dst_np[sel, li, c] = block.reshape(len(part), -1)
 
@@ -367,8 +365,8 @@ class _Codec:
         parts = self._row_parts(ids, rows)
         src_np = src.numpy()
         if layers is None:
-            # Whole blocks: one transposing copy per block and layer (write_one's), blocks split across
-            # the copy threads.
+            # Whole blocks: one rearranging copy per block, layer and component (write_one's), blocks
+            # split across the copy threads.
             pairs = [(int(b), r) for part, sel in parts
                      for b, r in zip(part.tolist(), range(sel.start, sel.stop) if isinstance(sel, slice) else sel.tolist())]
 
@@ -378,14 +376,14 @@ class _Codec:
 
             _parallel(run_blocks, pairs, len(pairs) * lay.block_nbytes)
             return
-        shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        np_views = self._cpu_views()
+        heads = self._np_heads()
 
         def run(chunk: list[tuple[int, int]]) -> None:
             for li, c in chunk:
-                dst = np_views[li][c]  # [N, H, B, D]
+                mem, hv = heads[li][c]
+                fwd = (0, *(1 + a for a in hv.order))
                 for part, sel in parts:
-                    dst[part] = src_np[sel, li, c].reshape(-1, *shape).transpose(0, 2, 1, 3)
+                    mem[part] = src_np[sel, li, c].reshape(-1, *hv.split).transpose(fwd)
 
         self._run(run, layers, ids.numel())
 
@@ -394,23 +392,25 @@ class _Codec:
         src = np.frombuffer(payload, dtype=np.uint8)
         if src.size != self.layout.block_nbytes:
             raise LayoutError(f"payload of {src.size} B for a block of {self.layout.block_nbytes} B")
-        self._put_block(src.view(self._cpu_views()[0][0].dtype).reshape(self.layout.num_layers,
-                                                                          self.layout.num_components, -1), block_id)
+        dt = self._np_heads()[0][0][0].dtype if self.layout.head_major else self._cpu_views()[0][0].dtype
+        self._put_block(src.view(dt).reshape(self.layout.num_layers, self.layout.num_components, -1), block_id)
 
     def _put_block(self, rows: np.ndarray, block_id: int) -> None:
         """Payload ``rows`` (``[L, C, row]`` in the copy dtype) into block ``block_id``: basic indexing by
-        the block id, and for a head-major layout one transposing copy per layer, K and V together
-        (measured here for 512 MiB in vLLM CPU's layout, one thread: 106 ms, against 152 ms per component
-        with fancy indexing)."""
-        lay = self.layout
-        if lay.head_major:
-            b, h, d = lay.block_size, lay.num_kv_heads, lay.head_dim
-            for li, blocks in enumerate(self.np_blocks):
-                blocks[block_id] = rows[li].reshape(2, b, h, d).transpose(2, 0, 1, 3)
+        the block id, and for a head-major layout one rearranging copy per layer-component."""
+        if self.layout.head_major:
+            for li, comps in enumerate(self._np_heads()):
+                for c, (mem, hv) in enumerate(comps):
+                    mem[block_id] = rows[li, c].reshape(hv.split).transpose(hv.order)
             return
-        for li, comps in enumerate(self._cpu_views()):
-            for c, view in enumerate(comps):
+        for li, views in enumerate(self._cpu_views()):
+            for c, view in enumerate(views):
                 view[block_id] = rows[li, c]
+
+    def _cpu_views(self) -> list[list[np.ndarray]]:
+        if self.np_views is None:
+            raise LayoutError("numpy views of the KV tensors exist only on the CPU")
+        return self.np_views
 
     def _run(self, run: Any, layers: Sequence[int] | None, n: int) -> None:
         work = [(li, c) for li in _layers(layers, self.layout.num_layers)

@@ -538,7 +538,11 @@ class SequenceHasher:
 
 # --------------------------------------------------------------------------- namespaces
 
-BLOCK_FORMAT_VERSION = 1
+# 2: the payload of vLLM's CPU build became the canonical one.  Version 1 values written by vLLM CPU held
+# its kernel's own arrangement of K (dim-major, or VNNI-packed with V on AMX) where the payload is
+# token-major; nothing in them says so, so every version 1 namespace is left behind (a miss, never
+# permuted KV), GPU and SGLang deployments' included.
+BLOCK_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)

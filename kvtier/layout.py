@@ -10,13 +10,17 @@ kind            tensors                                      one layer
 ``flashinfer``  one per layer                                ``[N, 2, B, H, D]``
 ``mla``         one per layer                                ``[N, B, D]``
 ``cpu_attn``    one per layer (vLLM's CPU backend, LBHNC)    ``[N, H, B, 2*D]``
+``cpu_attn_amx`` the same, written by vLLM CPU's AMX kernel  ``[N, H, B, 2*D]``
 ``stacked``     one tensor, layer first                      ``[L, <inner layer shape>]``
 ==============  ===========================================  ==========================
 
-``cpu_attn`` is head-major: within a block, each head holds its ``B`` K rows then its ``B`` V rows
-(vLLM CPU views a layer as ``[N, H, 2*B, D]`` and splits it in two along dim 2).  Its components are not
-flat rows in payload order, so its copies transpose (token, head) per layer-component instead of moving
-whole rows; the payload is the same canonical one.
+``cpu_attn`` / ``cpu_attn_amx`` are head-major: within a block, each head holds ``B*D`` elements of K
+then ``B*D`` of V (vLLM CPU views a layer as ``[N, H, 2*B, D]`` and splits it in two along dim 2), and
+inside those, vLLM CPU's ``cpu_attn_reshape_and_cache`` kernel keeps its own arrangement
+(:data:`HEAD_ARRANGEMENTS`; read back from the kernel in ``tests/test_vllm_cpu_kv_arrangement.py``): its
+``vec`` / ``vec16`` kernels K dim-major ``[D, B]`` and V token-major ``[B, D]``, its ``amx`` kernel K
+``[B/16, D/2, 16, 2]`` and V ``[D/16, B/2, 16, 2]`` (VNNI pairs in tiles of 16).  Copies undo that
+arrangement (one strided copy per layer-component), so the payload is the same canonical one.
 
 ``stacked`` takes an ``inner`` kind (default ``flash_attn``, so ``[L, 2, N, B, H, D]``; ``inner="mla"``
 gives ``[L, N, B, D]``).
@@ -50,13 +54,37 @@ from typing import Any
 
 import torch
 
-KINDS = ("flash_attn", "flashinfer", "mla", "cpu_attn", "stacked")
+KINDS = ("flash_attn", "flashinfer", "mla", "cpu_attn", "cpu_attn_amx", "stacked")
+HEAD_MAJOR_KINDS = ("cpu_attn", "cpu_attn_amx")
 
 _SHAPE_DOC = {
     "flash_attn": "[2, num_blocks, block_size, kv_heads, head_dim]",
     "flashinfer": "[num_blocks, 2, block_size, kv_heads, head_dim]",
     "mla": "[num_blocks, block_size, latent_dim]",
     "cpu_attn": "[num_blocks, kv_heads, block_size, 2 * head_dim]",
+    "cpu_attn_amx": "[num_blocks, kv_heads, block_size, 2 * head_dim]",
+}
+
+
+def _arrangement(name: str, b: int, d: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(split, order)`` of one head-major component: a block's canonical component ``[B, H, D]``
+    reshaped to ``split`` (token axes, the head axis, dim axes) and transposed by ``order`` is the
+    component as the engine keeps it in memory (head axis first)."""
+    if name == "token_major":  # [H, B, D]
+        return (b, -1, d), (1, 0, 2)
+    if name == "dim_major":  # [H, D, B]
+        return (b, -1, d), (1, 2, 0)
+    if name == "amx_k":  # [H, B/16, D/2, 16, 2]: axes of split (t/16, t%16, h, d/2, d%2)
+        return (b // 16, 16, -1, d // 2, 2), (2, 0, 3, 1, 4)
+    if name == "amx_v":  # [H, D/16, B/2, 16, 2]: axes of split (t/2, t%2, h, d/16, d%16)
+        return (b // 2, 2, -1, d // 16, 16), (2, 3, 0, 4, 1)
+    raise LayoutError(f"unknown head arrangement {name!r}")
+
+
+#: Per head-major kind, the in-head arrangement of K and of V (see the module docstring).
+HEAD_ARRANGEMENTS: dict[str, tuple[str, str]] = {
+    "cpu_attn": ("dim_major", "token_major"),  # vLLM CPU's vec / vec16 kernels
+    "cpu_attn_amx": ("amx_k", "amx_v"),  # vLLM CPU's amx kernel (bf16, blocks a multiple of 32)
 }
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
@@ -136,6 +164,9 @@ class KVLayout:
         if self.attention == "mla" and self.num_kv_heads != 1:
             raise LayoutError(f"num_kv_heads: an MLA layout has one latent vector per token, so "
                               f"num_kv_heads must be 1, got {self.num_kv_heads}")
+        if self.kind == "cpu_attn_amx" and (self.block_size % 16 or self.head_dim % 16):
+            raise LayoutError(f"cpu_attn_amx packs tiles of 16 tokens and 16 dims: block_size and head_dim "
+                              f"must be multiples of 16, got {self.block_size} and {self.head_dim}")
         object.__setattr__(self, "_rows", self.block_size * self.num_kv_heads * self.head_dim)
 
     # ------------------------------------------------------------------ constructors
@@ -167,7 +198,7 @@ class KVLayout:
             raise LayoutError("infer: expected a tensor or a non-empty list of tensors")
         t = ts[0]
         per_layer_kind = (inner or "flash_attn") if kind == "stacked" else kind
-        want = {"mla": 3, "cpu_attn": 4}.get(per_layer_kind, 5) + (kind == "stacked")
+        want = (3 if per_layer_kind == "mla" else 4 if per_layer_kind in HEAD_MAJOR_KINDS else 5) + (kind == "stacked")
         if t.dim() != want:
             raise LayoutError(f"infer: a {kind} tensor has {want} dims, got shape {tuple(t.shape)}")
         shape = tuple(t.shape[1:]) if kind == "stacked" else tuple(t.shape)
@@ -176,7 +207,7 @@ class KVLayout:
             _, n, b, h, d = shape
         elif per_layer_kind == "flashinfer":
             n, _, b, h, d = shape
-        elif per_layer_kind == "cpu_attn":
+        elif per_layer_kind in HEAD_MAJOR_KINDS:
             n, h, b, d = shape[0], shape[1], shape[2], shape[3] // 2
         else:
             (n, b, d), h = shape[:3], 1
@@ -193,8 +224,9 @@ class KVLayout:
 
     @property
     def head_major(self) -> bool:
-        """Whether a block's components are stored head-major (``cpu_attn``): copies transpose."""
-        return self.kind == "cpu_attn"
+        """Whether a block's components are stored head-major (``cpu_attn``, ``cpu_attn_amx``): copies
+        rearrange elements (:meth:`head_views`)."""
+        return self.kind in HEAD_MAJOR_KINDS
 
     @property
     def num_components(self) -> int:
@@ -234,8 +266,9 @@ class KVLayout:
         """Expected shape of one layer's tensor (for ``stacked``: of ``tensor[layer]``)."""
         k = self.layer_kind
         n, b, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
-        return {"flash_attn": (2, n, b, h, d), "flashinfer": (n, 2, b, h, d), "mla": (n, b, d),
-                "cpu_attn": (n, h, b, 2 * d)}[k]
+        if k in HEAD_MAJOR_KINDS:
+            return (n, h, b, 2 * d)
+        return {"flash_attn": (2, n, b, h, d), "flashinfer": (n, 2, b, h, d), "mla": (n, b, d)}[k]
 
     @property
     def layer_kind(self) -> str:
@@ -284,7 +317,7 @@ class KVLayout:
                                   "all KV tensors must be on one device")
             inner = t.stride()[-3:] if self.attention == "mha" else t.stride()[-2:]
             want = (self.num_kv_heads * self.head_dim, self.head_dim, 1)[-len(inner):]
-            if self.kind == "cpu_attn":
+            if self.head_major:
                 want = (self.block_size * 2 * self.head_dim, 2 * self.head_dim, 1)
             if tuple(inner) != want:
                 raise LayoutError(f"{where}: not contiguous within a block: the last {len(want)} dims must "
@@ -335,23 +368,30 @@ class KVLayout:
         ts = _as_list(tensors)
         per_layer = list(ts[0].unbind(0)) if self.kind == "stacked" else ts
         k = self.layer_kind
-        if k == "cpu_attn":
-            raise LayoutError("cpu_attn components are head-major, not rows: use head_major_views()")
+        if k in HEAD_MAJOR_KINDS:
+            raise LayoutError(f"{k} components are head-major, not rows: use head_views()")
         out = []
         for t in per_layer:
             comps = [t[0], t[1]] if k == "flash_attn" else [t[:, 0], t[:, 1]] if k == "flashinfer" else [t]
             out.append([c.reshape(c.shape[0], -1) for c in comps])
         return out
 
-    def head_major_views(self, tensors: torch.Tensor | Sequence[torch.Tensor],
-                         copy_dtype: torch.dtype) -> list[list[torch.Tensor]]:
-        """``cpu_attn``: for each layer, for K and V, a ``[num_blocks, H, B, D]`` view in ``copy_dtype``
-        (no copy; strided: a head's K and V rows alternate)."""
+    def head_views(self, tensors: torch.Tensor | Sequence[torch.Tensor],
+                   copy_dtype: torch.dtype) -> list[list[HeadView]]:
+        """Head-major kinds: for each layer, for K and V, the component in memory (a ``[num_blocks, H,
+        ...]`` view in ``copy_dtype``, no copy; strided: a head's K and V alternate) with how to turn a
+        block of it into the canonical ``[B, H, D]`` and back."""
         n, h, b, d = self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim
+        arr = [_arrangement(name, b, d) for name in HEAD_ARRANGEMENTS[self.kind]]
         out = []
         for t in _as_list(tensors):
-            v = (t if t.dtype == copy_dtype else t.view(copy_dtype)).view(n, h, 2, b, d)
-            out.append([v[:, :, 0], v[:, :, 1]])
+            v = (t if t.dtype == copy_dtype else t.view(copy_dtype)).view(n, h, 2, b * d)
+            comps = []
+            for c, (split, order) in enumerate(arr):
+                split = tuple(h if s == -1 else s for s in split)
+                mem = tuple(split[i] for i in order)  # head axis first
+                comps.append(HeadView(v[:, :, c].reshape(n, *mem), split, order))
+            out.append(comps)
         return out
 
     def payload_view(self, buf: torch.Tensor, copy_dtype: torch.dtype) -> torch.Tensor:
@@ -399,6 +439,21 @@ class KVLayout:
         return self.gather(tensors, ids, out)
 
 
+@dataclass(frozen=True)
+class HeadView:
+    """One layer-component of a head-major cache: ``mem`` (``[num_blocks, *memory shape]``), and for
+    one block, canonical ``[B, H, D]`` ``.reshape(split).transpose(order)`` == ``mem[block]``."""
+
+    mem: torch.Tensor
+    split: tuple[int, ...]
+    order: tuple[int, ...]
+
+    @property
+    def to_canonical(self) -> tuple[int, ...]:
+        """The transpose taking ``mem[block]`` (axes in memory order) back to ``split``'s axes."""
+        return tuple(self.order.index(i) for i in range(len(self.order)))
+
+
 # ---------------------------------------------------------------------- helpers
 
 
@@ -425,4 +480,5 @@ def _layers(layers: Sequence[int] | None, num_layers: int) -> Sequence[int]:
     return layers
 
 
-__all__ = ["KINDS", "KVLayout", "LayoutError", "dtype_name", "parse_dtype"]
+__all__ = ["HEAD_ARRANGEMENTS", "HEAD_MAJOR_KINDS", "KINDS", "HeadView", "KVLayout", "LayoutError", "dtype_name",
+           "parse_dtype"]

@@ -178,7 +178,7 @@ class TierStack:
         first = kv_caches if isinstance(kv_caches, torch.Tensor) else next(iter(kv_caches), None)
         if not isinstance(first, torch.Tensor):
             raise LayoutError("kv_caches: expected a tensor or a non-empty list of tensors")
-        blocks_dim = {"flash_attn": 1, "flashinfer": 0, "mla": 0, "cpu_attn": 0,
+        blocks_dim = {"flash_attn": 1, "flashinfer": 0, "mla": 0, "cpu_attn": 0, "cpu_attn_amx": 0,
                       "stacked": 1 + (ns.attention != "mla")}[d.layout]
         if first.dim() <= blocks_dim:
             raise LayoutError(f"kv_caches: a {d.layout} tensor has more than {blocks_dim} dims, got shape "

@@ -61,7 +61,10 @@ def test_golden_vectors_never_change():
     assert BlockHasher(16, "xxh3_128").hash_blocks(t)[1].hex() == "6e6b80f8d73142c99a70285906f6531e"
     assert BlockHasher(16).hash_blocks(t, mm=[("img", 10, 20)], lora=("l", "/p"), cache_salt="s")[-1].hex() \
         == "32a1193a6906c1fb241aad92aaa44acf8595afda74b46086b9de7a32c5885e65"
-    assert Namespace("m", "bfloat16", 2, 2, 64, 16).id == "5f1e3845f8aa74b2327f8339e59630a8"
+    # Block format 2 (vLLM CPU's payload made canonical): the namespace of format 1 was
+    # 5f1e3845f8aa74b2327f8339e59630a8, and stays that for a manifest that says format_version 1.
+    assert Namespace("m", "bfloat16", 2, 2, 64, 16).id == "ae3d5c79b0ec0cd85d967b0f706a8aa7"
+    assert Namespace("m", "bfloat16", 2, 2, 64, 16, format_version=1).id == "5f1e3845f8aa74b2327f8339e59630a8"
 
 
 def test_seed_from_pythonhashseed(monkeypatch):
@@ -212,7 +215,7 @@ def test_namespace_digest_covers_every_field():
         dict(model="llama2"), dict(kv_dtype="float8_e4m3fn"), dict(num_layers=31), dict(num_kv_heads=4),
         dict(head_dim=64), dict(block_size=32), dict(attention="mla"), dict(tp_rank=1, tp_size=2),
         dict(tp_size=2), dict(pp_rank=1, pp_size=2), dict(hash_algo="xxh3_128"), dict(hash_seed="x"),
-        dict(format_version=2),
+        dict(format_version=1), dict(format_version=3),
     ]
     ids = {base.id}
     for v in variants:

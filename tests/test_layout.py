@@ -11,12 +11,15 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout, LayoutError, parse_dtype
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
-KINDS = [("flash_attn", None), ("flashinfer", None), ("mla", None), ("cpu_attn", None), ("stacked", None),
+KINDS = [("flash_attn", None), ("flashinfer", None), ("mla", None), ("cpu_attn", None), ("cpu_attn_amx", None),
+         ("stacked", None),
          ("stacked", "flashinfer"), ("stacked", "mla")]
 
 
 def make_layout(kind, inner=None, dtype=torch.bfloat16, L=3, N=12, B=4, H=2, D=8) -> KVLayout:
     mla = "mla" in (kind, inner)
+    if kind == "cpu_attn_amx":  # tiles of 16 tokens and 16 dims
+        B, D = 32, 32
     return KVLayout(kind, L, N, B, 1 if mla else H, D, dtype, inner)
 
 
@@ -43,18 +46,35 @@ def expected_payload(layout: KVLayout, tensors, block_ids) -> torch.Tensor:
             comps = {"flash_attn": lambda t, b: [t[0, b], t[1, b]],
                      "flashinfer": lambda t, b: [t[b, 0], t[b, 1]],
                      "mla": lambda t, b: [t[b]],
-                     # vLLM CPU: per head, B K rows then B V rows; the payload wants (token, head, dim).
-                     "cpu_attn": lambda t, b: [_kv_rows(t, b)[:, :t.shape[2]].transpose(0, 1),
-                                               _kv_rows(t, b)[:, t.shape[2]:].transpose(0, 1)]}[kind](t, b)
+                     "cpu_attn": _vllm_cpu_vec, "cpu_attn_amx": _vllm_cpu_amx}[kind](t, b)
             parts += [c.contiguous().view(torch.uint8).reshape(-1) for c in comps]
         rows.append(torch.cat(parts))
     return torch.stack(rows)
 
 
-def _kv_rows(t, b):
-    """vLLM CPU's own view of one block: ``[H, 2*B, D]``, K rows then V rows per head."""
+def _head_regions(t, b):
+    """One block of vLLM CPU's cache: per head, B*D elements of K then B*D of V (``[H, 2, B*D]``)."""
     n, h, bs, d2 = t.shape
-    return t.view(n, h, 2 * bs, d2 // 2)[b]
+    return t.view(n, h, 2, bs * d2 // 2)[b]
+
+
+def _vllm_cpu_vec(t, b):
+    """[K, V] as [B, H, D] by explicit indexing: vLLM CPU's vec kernels keep K [D, B] and V [B, D] per
+    head (tests/test_vllm_cpu_kv_arrangement.py)."""
+    h, bs, d = t.shape[1], t.shape[2], t.shape[3] // 2
+    k, v = _head_regions(t, b).unbind(1)
+    tt, dd = torch.meshgrid(torch.arange(bs), torch.arange(d), indexing="ij")
+    return [k[:, dd * bs + tt].permute(1, 0, 2), v[:, tt * d + dd].permute(1, 0, 2)]
+
+
+def _vllm_cpu_amx(t, b):
+    """[K, V] as [B, H, D]: vLLM CPU's amx kernel keeps K [B/16, D/2, 16, 2] and V [D/16, B/2, 16, 2]."""
+    h, bs, d = t.shape[1], t.shape[2], t.shape[3] // 2
+    k, v = _head_regions(t, b).unbind(1)
+    tt, dd = torch.meshgrid(torch.arange(bs), torch.arange(d), indexing="ij")
+    k_at = ((tt // 16) * (d // 2) + dd // 2) * 32 + (tt % 16) * 2 + dd % 2
+    v_at = ((dd // 16) * (bs // 2) + tt // 2) * 32 + (dd % 16) * 2 + tt % 2
+    return [k[:, k_at].permute(1, 0, 2), v[:, v_at].permute(1, 0, 2)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -198,7 +218,7 @@ def test_dtype_names():
 
 
 def test_bad_layout_fields():
-    with pytest.raises(LayoutError, match="kind: expected one of flash_attn, flashinfer, mla, cpu_attn, stacked"):
+    with pytest.raises(LayoutError, match="kind: expected one of flash_attn, flashinfer, mla, cpu_attn, cpu_attn_amx, stacked"):
         KVLayout("paged", 1, 1, 1, 1, 1)
     with pytest.raises(LayoutError, match="num_blocks: expected an integer >= 1, got 0"):
         KVLayout("flash_attn", 1, 0, 1, 1, 1)

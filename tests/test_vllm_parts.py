@@ -19,13 +19,21 @@ from kvtier.integrations.vllm.facts import (
     worker_rank,
 )
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
-from kvtier.integrations.vllm.worker import WorkerSide, detect_layout, kv_view, layer_order
+from kvtier.integrations.vllm.worker import (
+    WorkerSide,
+    check_cpu_arrangement,
+    detect_layout,
+    kv_view,
+    layer_order,
+)
 from kvtier.plans import LoadPlan, RankTally, StepPlan, StorePlan, WorkerReport
 
 
 def test_detect_layout_of_each_supported_tensor_and_refuse_others():
     h, d, b = 8, 128, 32
     assert detect_layout(torch.empty(4, h, b, 2 * d), h, d, b, mla=False) == "cpu_attn"
+    assert detect_layout(torch.empty(4, h, b, 2 * d), h, d, b, mla=False, cpu_isa="vec") == "cpu_attn"
+    assert detect_layout(torch.empty(4, h, b, 2 * d), h, d, b, mla=False, cpu_isa="amx") == "cpu_attn_amx"
     assert detect_layout(torch.empty(2, 4, b, h, d), h, d, b, mla=False) == "flash_attn"
     assert detect_layout(torch.empty(4, 2, b, h, d), h, d, b, mla=False) == "flashinfer"
     assert detect_layout(torch.empty(4, b, 576), 1, 576, b, mla=True) == "mla"
@@ -44,6 +52,26 @@ def test_vllm_cpu_mla_tensor_is_seen_as_kvtier_mla_layout_over_the_same_memory()
     assert t[2, 0, 3].eq(7.0).all() and t.sum() == 7.0 * 576
     mha = torch.empty(4, 2, 16, 128)
     assert kv_view(mha, mla=False) is mha and kv_view(t, mla=False) is t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("isa, b", [("vec", 32), ("vec16", 16)])
+def test_the_start_up_check_accepts_the_arrangement_vllms_kernel_writes(isa, b, dtype):
+    """Known K and V through vLLM CPU's own kernel come back out of kvtier's layout bit for bit; the other
+    kernel's arrangement is refused (kvtier would store permuted KV)."""
+    check_cpu_arrangement("cpu_attn", isa, torch.empty(0, dtype=dtype), 2, 64, b, "auto")
+    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16 and b == 32:
+        check_cpu_arrangement("cpu_attn_amx", "amx", torch.empty(0, dtype=dtype), 2, 64, b, "auto")
+        with pytest.raises(ValueError, match="amx kernel arranges K and V inside a block otherwise than "
+                                             "kvtier's cpu_attn layout"):
+            check_cpu_arrangement("cpu_attn", "amx", torch.empty(0, dtype=dtype), 2, 64, b, "auto")
+    with pytest.raises(ValueError, match=f"{isa} kernel arranges K and V .* kvtier's cpu_attn_amx layout"):
+        check_cpu_arrangement("cpu_attn_amx", isa, torch.empty(0, dtype=dtype), 2, 64, 32, "auto")
+
+
+def test_the_start_up_check_reports_a_kernel_that_fails():
+    with pytest.raises(ValueError, match="cannot check vLLM CPU's KV arrangement \\(nope kernel\\)"):
+        check_cpu_arrangement("cpu_attn", "nope", torch.empty(0, dtype=torch.bfloat16), 2, 64, 32, "auto")
 
 
 def _vllm_config(mla: bool, tp: int, dcp: int = 1, pp: int = 1) -> types.SimpleNamespace:

@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--layout", choices=("flash_attn", "cpu_attn"), default="flash_attn",
-                        help="KV layout of the cache: cpu_attn (vLLM CPU's head-major) copies transpose")
+    parser.add_argument("--layout", choices=("flash_attn", "cpu_attn", "cpu_attn_amx"), default="flash_attn",
+                        help="KV layout of the cache: cpu_attn / cpu_attn_amx (vLLM CPU's head-major cache as "
+                             "its vec / amx kernels write it) copies rearrange elements")
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats, median reported")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's); 1 gives steadier figures on a busy host")
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     dev_name = "cuda" if cuda else "cpu"
     nblocks = args.num_blocks or (1024 if cuda else 256)
     n = min(args.batch, nblocks)
-    if cuda and args.layout == "cpu_attn":
-        raise SystemExit("kvtier bench tiers: --layout cpu_attn is vLLM's CPU layout; use --device cpu")
+    if cuda and args.layout.startswith("cpu_attn"):
+        raise SystemExit(f"kvtier bench tiers: --layout {args.layout} is vLLM's CPU layout; use --device cpu")
     layout = KVLayout(args.layout, args.layers, nblocks, args.block_size, args.kv_heads, args.head_dim,
                       torch.bfloat16)
     bn = layout.block_nbytes
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     def index_select_ceiling() -> None:
         for t in dev.tensors:
-            torch.index_select(t, 0 if layout.kind == "cpu_attn" else 1, ids_dev)
+            torch.index_select(t, 0 if layout.head_major else 1, ids_dev)
 
     ids_dev = ids.to(dev_name)
     fns: dict[str, Callable[[], object]] = {

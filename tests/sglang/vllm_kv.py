@@ -7,8 +7,8 @@ from its own KV cache tensors.
 
 Output (``torch.save``): ``{"pages": [tensor [n_blocks, L, 2, B, H, D] per prompt], "block_ids": [...],
 "results": [{"tokens", "cached"} per prompt]}``:
-each full prompt block's K and V per layer, token-major, taken from vLLM's KV cache with vLLM's own CPU
-split of its ``[N, H, B, 2*D]`` tensor (``view(N, H, 2*B, D).chunk(2, dim=2)``, as its attention does), at the
+each full prompt block's K and V per layer, token-major, taken from vLLM's KV cache as vLLM CPU's kernel
+for that layer (its ``isa``) arranges a head of its ``[N, H, B, 2*D]`` tensor (:func:`kv_of_block`), at the
 block vLLM's prefix cache holds for the block's hash.  kvtier's code is not used to read it.
 
 ``keys.algo: sglang_sha256`` is what makes vLLM's kvtier keys equal SGLang's page keys.  Until
@@ -75,6 +75,7 @@ def main() -> None:
     names = runner.kv_cache_config.kv_cache_groups[0].layer_names
     ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
     caches = [ctx[n].kv_cache for n in names]
+    isas = [ctx[n].isa for n in names]  # the kernel vLLM's CPU attention writes each layer's cache with
     fn = get_hash_fn_by_name("sha256_cbor")
     out_pages, out_ids = [], []
     for p in prompts:
@@ -86,15 +87,30 @@ def main() -> None:
             ids.append(blocks[0].block_id)
         pages = []
         for bid in ids:
-            layers = []
-            for kv in caches:
-                n, h, b, _ = kv.shape
-                k, v = kv.view(n, h, b * 2, -1).chunk(2, dim=2)  # vLLM's own CPU split
-                layers.append(torch.stack([k[bid].transpose(0, 1), v[bid].transpose(0, 1)]))  # [2, B, H, D]
-            pages.append(torch.stack(layers))
+            pages.append(torch.stack([kv_of_block(kv, bid, isa) for kv, isa in zip(caches, isas)]))
         out_pages.append(torch.stack(pages).clone())
         out_ids.append(ids)
     torch.save({"pages": out_pages, "block_ids": out_ids, "results": results}, a.out)
+
+
+def kv_of_block(kv, bid: int, isa: str):
+    """Block ``bid`` of one layer's ``[N, H, B, 2*D]`` cache as ``[2, B, H, D]`` (K, V token-major), by
+    explicit indexing, as vLLM CPU's kernels arrange a head (tests/test_vllm_cpu_kv_arrangement.py): per
+    head B*D elements of K then B*D of V; vec / vec16: K [D, B], V [B, D]; amx: K [B/16, D/2, 16, 2],
+    V [D/16, B/2, 16, 2]."""
+    import torch
+
+    n, h, b, d2 = kv.shape
+    d = d2 // 2
+    k, v = kv.view(n, h, 2, b * d)[bid].unbind(1)
+    tt, dd = torch.meshgrid(torch.arange(b), torch.arange(d), indexing="ij")
+    if isa == "amx":
+        k_at = ((tt // 16) * (d // 2) + dd // 2) * 32 + (tt % 16) * 2 + dd % 2
+        v_at = ((dd // 16) * (b // 2) + tt // 2) * 32 + (dd % 16) * 2 + tt % 2
+    else:
+        assert isa in ("vec", "vec16"), f"vLLM CPU's {isa} kernel: arrangement not known to this test"
+        k_at, v_at = dd * b + tt, tt * d + dd
+    return torch.stack([k[:, k_at].permute(1, 0, 2), v[:, v_at].permute(1, 0, 2)])
 
 
 if __name__ == "__main__":

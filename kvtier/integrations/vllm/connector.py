@@ -44,7 +44,15 @@ from .facts import (
 )
 from .logs import join_vllm_logging
 from .scheduler import LoadMode, SchedulerSide
-from .worker import WorkerSide, detect_layout, idle_wait_ms, kv_view, layer_order
+from .worker import (
+    WorkerSide,
+    check_cpu_arrangement,
+    detect_layout,
+    idle_wait_ms,
+    kv_view,
+    layer_order,
+    vllm_cpu_isa,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -144,8 +152,12 @@ class KvtierConnector(KVConnectorBase_V1):
         mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
         mla = bool(getattr(mc, "use_mla", False))
         tensors = [kv_view(kv_caches[n], mla) for n in names]
-        layout = detect_layout(tensors[0], 1 if mla else mc.get_num_kv_heads(pc), mc.get_head_size(),
-                               self._vllm_config.cache_config.block_size, mla)
+        cc, heads, head_dim = self._vllm_config.cache_config, 1 if mla else mc.get_num_kv_heads(pc), mc.get_head_size()
+        isa = (vllm_cpu_isa(mc.dtype, cc.block_size, head_dim, cc.cache_dtype)
+               if not mla and tensors[0].device.type == "cpu" else None)
+        layout = detect_layout(tensors[0], heads, head_dim, cc.block_size, mla, cpu_isa=isa)
+        if isa is not None and layout.startswith("cpu_attn"):
+            check_cpu_arrangement(layout, isa, tensors[0], heads, head_dim, cc.block_size, cc.cache_dtype)
         tp_rank = get_tp_group().rank_in_group
         cfg = kvtier_config(self._vllm_config, len(tensors), tp_rank=tp_rank, pp_rank=get_pp_group().rank_in_group,
                             layout=layout)
@@ -159,7 +171,8 @@ class KvtierConnector(KVConnectorBase_V1):
         rank = worker_rank(tp_rank, tp.world_size, pcp.rank_in_group, pcp.world_size, get_pp_group().rank_in_group)
         self._worker = WorkerSide(cfg, tensors, rank=rank,
                                   idle_wait_ms=idle_wait_ms(self._kv_transfer_config.kv_connector_extra_config))
-        log.info("kvtier: worker side up: %d layers, layout %s, %s", len(tensors), layout,
+        log.info("kvtier: worker side up: %d layers, layout %s%s, %s", len(tensors), layout,
+                 f" (vLLM CPU's {isa} kernel, checked)" if isa is not None else "",
                  cfg.summary(self._worker.stack.device.num_blocks))
         log.info("kvtier: threads run on CPUs %s (transfer.cpus: %s); vLLM's worker thread is bound to %s",
                  _cpu_list(self._worker.thread_cpus()), cfg.transfer.cpus, _cpu_list(_own_cpus()))

@@ -45,13 +45,15 @@ def idle_wait_ms(extra: dict | None) -> float:
     return float(value)
 
 
-def detect_layout(t: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int, mla: bool) -> str:
-    """The kvtier layout kind of one of vLLM's per-layer KV tensors."""
+def detect_layout(t: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int, mla: bool,
+                  cpu_isa: str | None = None) -> str:
+    """The kvtier layout kind of one of vLLM's per-layer KV tensors (``cpu_isa``: the kernel vLLM's CPU
+    attention writes its cache with, :func:`vllm_cpu_isa`; its ``amx`` kernel packs K and V)."""
     shape = tuple(t.shape)
     if mla and t.dim() == 3 and shape[1:] == (block_size, head_dim):
         return "mla"
     if t.dim() == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_dim):
-        return "cpu_attn"
+        return "cpu_attn_amx" if cpu_isa == "amx" else "cpu_attn"
     if t.dim() == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads, head_dim):
         return "flash_attn"
     if t.dim() == 5 and shape[1] == 2 and shape[2:] == (block_size, num_kv_heads, head_dim):
@@ -67,6 +69,43 @@ def kv_view(t: torch.Tensor, mla: bool) -> torch.Tensor:
     if mla and t.dim() == 4 and t.shape[1] == 1:
         return t.select(1, 0)
     return t
+
+
+def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str) -> str:
+    """The kernel (``amx``, ``vec``, ``vec16``, ``neon``, ...) vLLM's CPU attention writes its KV cache with,
+    as vLLM itself picks it."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype))
+
+
+def check_cpu_arrangement(kind: str, isa: str, like: torch.Tensor, num_kv_heads: int, head_dim: int,
+                          block_size: int, kv_cache_dtype: str) -> None:
+    """Prove that kvtier reads vLLM CPU's cache as vLLM's own kernel writes it: known K and V (values
+    the KV dtype holds exactly) go through ``cpu_attn_reshape_and_cache`` into a scratch block, and
+    kvtier's payload of that block must be them, bit for bit.  Raises ValueError (start-up stops) where
+    they differ: kvtier would otherwise store and load permuted KV (another vLLM, another kernel)."""
+    import vllm._custom_ops as ops
+
+    from ...layout import KVLayout
+
+    h, d, b = num_kv_heads, head_dim, block_size
+    g = torch.Generator().manual_seed(0)
+    exact = (torch.rand(2, b, h, d, generator=g) * 4 - 2).to(like.dtype)  # representable in the KV dtype
+    model_dtype = torch.bfloat16 if like.dtype.itemsize == 1 else like.dtype
+    cache = torch.zeros(2, h, b, 2 * d, dtype=like.dtype)
+    k_cache, v_cache = cache.view(2, h, 2 * b, d).chunk(2, dim=2)
+    try:
+        ops.cpu_attn_reshape_and_cache(exact[0].to(model_dtype), exact[1].to(model_dtype), k_cache, v_cache,
+                                       torch.arange(b, dtype=torch.int64) + b, isa, kv_cache_dtype=kv_cache_dtype)
+    except Exception as e:  # noqa: BLE001 - whatever the kernel says, it is reported as the cause
+        raise ValueError(f"kvtier: cannot check vLLM CPU's KV arrangement ({isa} kernel): {e}") from e
+    got = KVLayout(kind, 1, 2, b, h, d, like.dtype).to_payload([cache], [1])
+    want = exact.contiguous().view(torch.uint8).reshape(1, -1)
+    if not torch.equal(got, want):
+        raise ValueError(f"kvtier: vLLM CPU's {isa} kernel arranges K and V inside a block otherwise than "
+                         f"kvtier's {kind} layout reads them ({like.dtype}, block size {b}, head dim {d}); "
+                         "kvtier would store permuted KV, so it does not start")
 
 
 def layer_order(names: list[str]) -> list[str]:
