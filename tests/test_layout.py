@@ -61,7 +61,7 @@ def _head_regions(t, b):
 def _vllm_cpu_vec(t, b):
     """[K, V] as [B, H, D] by explicit indexing: vLLM CPU's vec kernels keep K [D, B] and V [B, D] per
     head (tests/test_vllm_cpu_kv_arrangement.py)."""
-    h, bs, d = t.shape[1], t.shape[2], t.shape[3] // 2
+    bs, d = t.shape[2], t.shape[3] // 2
     k, v = _head_regions(t, b).unbind(1)
     tt, dd = torch.meshgrid(torch.arange(bs), torch.arange(d), indexing="ij")
     return [k[:, dd * bs + tt].permute(1, 0, 2), v[:, tt * d + dd].permute(1, 0, 2)]
@@ -69,7 +69,7 @@ def _vllm_cpu_vec(t, b):
 
 def _vllm_cpu_amx(t, b):
     """[K, V] as [B, H, D]: vLLM CPU's amx kernel keeps K [B/16, D/2, 16, 2] and V [D/16, B/2, 16, 2]."""
-    h, bs, d = t.shape[1], t.shape[2], t.shape[3] // 2
+    bs, d = t.shape[2], t.shape[3] // 2
     k, v = _head_regions(t, b).unbind(1)
     tt, dd = torch.meshgrid(torch.arange(bs), torch.arange(d), indexing="ij")
     k_at = ((tt // 16) * (d // 2) + dd // 2) * 32 + (tt % 16) * 2 + dd % 2

@@ -67,3 +67,17 @@ def test_vllm_cpu_amx_kernel_packs_k_and_v_in_16_wide_tiles_of_pairs():
     got = _written("amx", 32)
     assert torch.equal(got[:, 0], _codes(0x4000, 32, "amx-k"))
     assert torch.equal(got[:, 1], _codes(0x5000, 32, "amx-v"))
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM's AMX MLA kernel needs a CPU with AMX")
+def test_vllm_cpu_amx_mla_keeps_the_latent_token_major():
+    """Unlike its MHA kernel, vLLM CPU's AMX MLA cache write keeps ``[B, 512 + 64]`` per block as it is:
+    kvtier's ``mla`` layout reads it as is."""
+    import vllm._custom_ops as ops
+
+    B, L, P = 32, 512, 64
+    cache = torch.zeros(2, B, L + P, dtype=torch.bfloat16)
+    code = torch.arange(B * (L + P), dtype=torch.int16).view(B, L + P)  # element i of the block holds i
+    ops.amx_mla_concat_and_cache(code[:, :L].contiguous().view(torch.bfloat16),
+                                 code[:, L:].contiguous().view(torch.bfloat16), cache, torch.arange(B) + B)
+    assert torch.equal(cache[1].view(torch.int16), code)

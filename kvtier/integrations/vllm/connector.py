@@ -153,7 +153,8 @@ class KvtierConnector(KVConnectorBase_V1):
         mla = bool(getattr(mc, "use_mla", False))
         tensors = [kv_view(kv_caches[n], mla) for n in names]
         cc, heads, head_dim = self._vllm_config.cache_config, 1 if mla else mc.get_num_kv_heads(pc), mc.get_head_size()
-        isa = (vllm_cpu_isa(mc.dtype, cc.block_size, head_dim, cc.cache_dtype)
+        model_dtype = mc.dtype if isinstance(mc.dtype, torch.dtype) else tensors[0].dtype  # resolved by vLLM
+        isa = (vllm_cpu_isa(model_dtype, cc.block_size, head_dim, cc.cache_dtype)
                if not mla and tensors[0].device.type == "cpu" else None)
         layout = detect_layout(tensors[0], heads, head_dim, cc.block_size, mla, cpu_isa=isa)
         if isa is not None and layout.startswith("cpu_attn"):
