@@ -242,6 +242,7 @@ class _Codec:
             self.heads = layout.head_views(tensors, self.copy_dtype)
             # numpy aliases of each component in memory ([N, H, ...]), with its rearrangement
             self.np_heads = [[(v.mem.detach().numpy(), v) for v in comps] for comps in self.heads]
+            self.np_units = [torch.empty(0, dtype=v.unit).numpy().dtype for v in self.heads[0]]
             return
         self.views = layout.component_views(tensors, self.copy_dtype)
         # numpy aliases of the same rows (CPU only): the scatter's fast path.
@@ -350,12 +351,13 @@ class _Codec:
             for li, c in chunk:
                 mem, hv = heads[li][c]
                 back = (0, *(1 + a for a in hv.to_canonical))
+                unit = self.np_units[c]
                 for part, sel in parts:
                     block = mem[part].transpose(back)  # [k, *split]
                     if isinstance(sel, slice):
-                        dst_np[sel, li, c].reshape(-1, *hv.split)[...] = block
+                        dst_np[sel, li, c].view(unit).reshape(-1, *hv.split)[...] = block
                     else:
-                        dst_np[sel, li, c] = block.reshape(len(part), -1)
+                        dst_np[sel, li, c] = block.reshape(len(part), -1).view(dst_np.dtype)
 
         self._run(run, layers, ids.numel())
 
@@ -382,8 +384,9 @@ class _Codec:
             for li, c in chunk:
                 mem, hv = heads[li][c]
                 fwd = (0, *(1 + a for a in hv.order))
+                unit = self.np_units[c]
                 for part, sel in parts:
-                    mem[part] = src_np[sel, li, c].reshape(-1, *hv.split).transpose(fwd)
+                    mem[part] = src_np[sel, li, c].view(unit).reshape(-1, *hv.split).transpose(fwd)
 
         self._run(run, layers, ids.numel())
 
@@ -401,7 +404,7 @@ class _Codec:
         if self.layout.head_major:
             for li, comps in enumerate(self._np_heads()):
                 for c, (mem, hv) in enumerate(comps):
-                    mem[block_id] = rows[li, c].reshape(hv.split).transpose(hv.order)
+                    mem[block_id] = rows[li, c].view(self.np_units[c]).reshape(hv.split).transpose(hv.order)
             return
         for li, views in enumerate(self._cpu_views()):
             for c, view in enumerate(views):

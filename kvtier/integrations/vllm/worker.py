@@ -87,12 +87,14 @@ def check_cpu_arrangement(kind: str, isa: str, like: torch.Tensor, num_kv_heads:
     they differ: kvtier would otherwise store and load permuted KV (another vLLM, another kernel)."""
     import vllm._custom_ops as ops
 
-    from ...layout import KVLayout
+    from ...layout import KVLayout, dtype_name, parse_dtype
 
     h, d, b = num_kv_heads, head_dim, block_size
     g = torch.Generator().manual_seed(0)
-    exact = (torch.rand(2, b, h, d, generator=g) * 4 - 2).to(like.dtype)  # representable in the KV dtype
-    model_dtype = torch.bfloat16 if like.dtype.itemsize == 1 else like.dtype
+    # Values the KV dtype holds exactly (an fp8 cache is uint8 bytes to vLLM CPU; its kernel quantizes)
+    kv_dtype = parse_dtype(kv_cache_dtype) if kv_cache_dtype.startswith("fp8") else like.dtype
+    exact = (torch.rand(2, b, h, d, generator=g) * 4 - 2).to(kv_dtype)
+    model_dtype = torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
     cache = torch.zeros(2, h, b, 2 * d, dtype=like.dtype)
     k_cache, v_cache = cache.view(2, h, 2 * b, d).chunk(2, dim=2)
     try:
@@ -101,11 +103,12 @@ def check_cpu_arrangement(kind: str, isa: str, like: torch.Tensor, num_kv_heads:
     except Exception as e:  # noqa: BLE001 - whatever the kernel says, it is reported as the cause
         raise ValueError(f"kvtier: cannot check vLLM CPU's KV arrangement ({isa} kernel): {e}") from e
     got = KVLayout(kind, 1, 2, b, h, d, like.dtype).to_payload([cache], [1])
-    want = exact.contiguous().view(torch.uint8).reshape(1, -1)
+    want = exact.contiguous().view(torch.uint8).reshape(1, -1)  # K [B, H, D] then V: the payload
     if not torch.equal(got, want):
-        raise ValueError(f"kvtier: vLLM CPU's {isa} kernel arranges K and V inside a block otherwise than "
-                         f"kvtier's {kind} layout reads them ({like.dtype}, block size {b}, head dim {d}); "
-                         "kvtier would store permuted KV, so it does not start")
+        raise ValueError(f"kvtier: K and V written by vLLM CPU's {isa} kernel do not come back bit for bit "
+                         f"out of kvtier's {kind} layout (KV {dtype_name(kv_dtype)}, block size {b}, head dim "
+                         f"{d}): it arranges (or encodes) them otherwise, and kvtier would store KV another "
+                         "engine misreads, so it does not start")
 
 
 def layer_order(names: list[str]) -> list[str]:
