@@ -680,6 +680,8 @@ def test_fuzz_layouts(figures):
         dims = [data.draw(st.integers(1, 3)) for _ in range(5)]
         if kind == "mla" or (kind == "stacked" and inner == "mla"):
             dims[3] = 1  # one latent per token
+        if kind == "cpu_attn_amx":  # vLLM CPU's AMX kernel packs tiles of 16 tokens and 16 dims
+            dims[2], dims[4] = (16 * data.draw(st.integers(1, 2)) for _ in range(2))
         if not valid:  # break one thing
             what = data.draw(st.sampled_from(["dim", "kind", "dtype", "inner"]))
             if what == "dim":

@@ -218,8 +218,12 @@ def test_dtype_names():
 
 
 def test_bad_layout_fields():
-    with pytest.raises(LayoutError, match="kind: expected one of flash_attn, flashinfer, mla, cpu_attn, cpu_attn_amx, stacked"):
+    with pytest.raises(LayoutError,
+                       match="kind: expected one of flash_attn, flashinfer, mla, cpu_attn, cpu_attn_amx, stacked"):
         KVLayout("paged", 1, 1, 1, 1, 1)
+    with pytest.raises(LayoutError, match="cpu_attn_amx packs tiles of 16 tokens and 16 dims: block_size and "
+                                          "head_dim must be multiples of 16, got 32 and 8"):
+        KVLayout("cpu_attn_amx", 1, 1, 32, 1, 8)
     with pytest.raises(LayoutError, match="num_blocks: expected an integer >= 1, got 0"):
         KVLayout("flash_attn", 1, 0, 1, 1, 1)
     with pytest.raises(LayoutError, match="num_kv_heads must be 1"):
