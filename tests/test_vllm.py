@@ -457,7 +457,7 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     # Both halves log vLLM's own KV block count (not the standalone pool's device.num_blocks).
     # The scheduler names no layout (only the workers know it): not the config's default flash_attn.
     sched = re.findall(r"kvtier: scheduler side up.*?device \(vLLM's KV cache, (\d+) blocks\)", res["log"])
-    worker = re.findall(r"kvtier: worker side up.*?device \(auto, cpu_attn, (\d+) blocks\)", res["log"])
+    worker = re.findall(r"kvtier: worker side up.*?device \(auto, cpu_attn(?:_amx)?, (\d+) blocks\)", res["log"])
     assert len(sched) == len(worker) == 1 and sched == worker != ["1024"], (sched, worker)
 
 
