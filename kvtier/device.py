@@ -239,10 +239,8 @@ class _Codec:
                 raise LayoutError("cpu_attn is vLLM's CPU layout: its tensors must be on the CPU, found "
                                   f"{self.device}")
             self.views, self.np_views = [], None  # no flat rows: head_views below
-            self.heads = layout.head_views(tensors, self.copy_dtype)
-            # numpy aliases of each component in memory ([N, H, ...]), with its rearrangement
-            self.np_heads = [[(v.mem.detach().numpy(), v) for v in comps] for comps in self.heads]
-            self.np_units = [torch.empty(0, dtype=v.unit).numpy().dtype for v in self.heads[0]]
+            # numpy aliases of each component in memory ([N, H, ...], in its unit), with its rearrangement
+            self.np_heads = [[(v.mem.detach().numpy(), v) for v in comps] for comps in layout.head_views(tensors)]
             return
         self.views = layout.component_views(tensors, self.copy_dtype)
         # numpy aliases of the same rows (CPU only): the scatter's fast path.
@@ -351,11 +349,10 @@ class _Codec:
             for li, c in chunk:
                 mem, hv = heads[li][c]
                 back = (0, *(1 + a for a in hv.to_canonical))
-                unit = self.np_units[c]
                 for part, sel in parts:
                     block = mem[part].transpose(back)  # [k, *split]
                     if isinstance(sel, slice):
-                        dst_np[sel, li, c].view(unit).reshape(-1, *hv.split)[...] = block
+                        dst_np[sel, li, c].view(mem.dtype).reshape(-1, *hv.split)[...] = block
                     else:
                         dst_np[sel, li, c] = block.reshape(len(part), -1).view(dst_np.dtype)
 
@@ -384,9 +381,8 @@ class _Codec:
             for li, c in chunk:
                 mem, hv = heads[li][c]
                 fwd = (0, *(1 + a for a in hv.order))
-                unit = self.np_units[c]
                 for part, sel in parts:
-                    mem[part] = src_np[sel, li, c].view(unit).reshape(-1, *hv.split).transpose(fwd)
+                    mem[part] = src_np[sel, li, c].view(mem.dtype).reshape(-1, *hv.split).transpose(fwd)
 
         self._run(run, layers, ids.numel())
 
@@ -395,20 +391,20 @@ class _Codec:
         src = np.frombuffer(payload, dtype=np.uint8)
         if src.size != self.layout.block_nbytes:
             raise LayoutError(f"payload of {src.size} B for a block of {self.layout.block_nbytes} B")
-        dt = self._np_heads()[0][0][0].dtype if self.layout.head_major else self._cpu_views()[0][0].dtype
-        self._put_block(src.view(dt).reshape(self.layout.num_layers, self.layout.num_components, -1), block_id)
+        self._put_block(src.reshape(self.layout.num_layers, self.layout.num_components, -1), block_id)
 
     def _put_block(self, rows: np.ndarray, block_id: int) -> None:
-        """Payload ``rows`` (``[L, C, row]`` in the copy dtype) into block ``block_id``: basic indexing by
-        the block id, and for a head-major layout one rearranging copy per layer-component."""
+        """Payload ``rows`` (``[L, C, row]``, each row contiguous, any integer type) into block
+        ``block_id``: basic indexing by the block id, and for a head-major layout one rearranging copy per
+        layer-component; each row is viewed as its destination's type."""
         if self.layout.head_major:
             for li, comps in enumerate(self._np_heads()):
                 for c, (mem, hv) in enumerate(comps):
-                    mem[block_id] = rows[li, c].view(self.np_units[c]).reshape(hv.split).transpose(hv.order)
+                    mem[block_id] = rows[li, c].view(mem.dtype).reshape(hv.split).transpose(hv.order)
             return
         for li, views in enumerate(self._cpu_views()):
             for c, view in enumerate(views):
-                view[block_id] = rows[li, c]
+                view[block_id] = rows[li, c].view(view.dtype)
 
     def _cpu_views(self) -> list[list[np.ndarray]]:
         if self.np_views is None:

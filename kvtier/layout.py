@@ -376,13 +376,12 @@ class KVLayout:
             out.append([c.reshape(c.shape[0], -1) for c in comps])
         return out
 
-    def head_views(self, tensors: torch.Tensor | Sequence[torch.Tensor],
-                   copy_dtype: torch.dtype) -> list[list[HeadView]]:
+    def head_views(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[list[HeadView]]:
         """Head-major kinds: for each layer, for K and V, the component in memory (a ``[num_blocks, H,
         ...]`` view, no copy; strided: a head's K and V alternate) with how to turn a block of it into the
         canonical ``[B, H, D]`` and back.  Where the innermost axis is the same in memory and in the
         payload (V token-major, AMX's pairs of K dims), its elements move together as one wider integer
-        (``HeadView.unit``): a rearranging copy of 2-byte elements runs at a fraction of one of 8-byte
+        (``HeadView.mem``'s dtype): a rearranging copy of 2-byte elements runs at a fraction of one of 8-byte
         units (measured here, numpy: AMX K 0.95 GiB/s by element, 3.75 by pairs)."""
         n, h, b, d = self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim
         out = []
@@ -399,7 +398,7 @@ class KVLayout:
                 unit = next(dt for w, dt in _COPY_DTYPES if w == m * self.itemsize)
                 v = (t if t.dtype == unit else t.view(unit)).view(n, h, 2, b * d // m)
                 mem = tuple(split[i] for i in order)  # head axis first
-                comps.append(HeadView(v[:, :, c].reshape(n, *mem), split, order, unit))
+                comps.append(HeadView(v[:, :, c].reshape(n, *mem), split, order))
             out.append(comps)
         return out
 
@@ -453,10 +452,9 @@ class HeadView:
     """One layer-component of a head-major cache: ``mem`` (``[num_blocks, *memory shape]``), and for
     one block, canonical ``[B, H, D]`` ``.reshape(split).transpose(order)`` == ``mem[block]``."""
 
-    mem: torch.Tensor
+    mem: torch.Tensor  # in the integer type elements move as (``split``'s last axis counts these)
     split: tuple[int, ...]
     order: tuple[int, ...]
-    unit: torch.dtype  # the integer type elements move as (``split``'s last axis counts these)
 
     @property
     def to_canonical(self) -> tuple[int, ...]:

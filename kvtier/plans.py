@@ -154,8 +154,9 @@ class RankTally:
             raise ValueError(f"rank tally: {ranks} ranks and {writers} writers (want 1 <= ranks, "
                              "0 <= writers <= ranks)")
         self.ranks, self.writers, self.max_pending = ranks, writers, max_pending
-        self._host: dict[bytes, tuple[int, set[int]]] = {}  # block -> (slot, ranks holding it)
-        self._written: dict[tuple[bytes, int], set[int]] = {}  # (block, backend) -> writing ranks
+        self._host: dict[bytes, tuple[int | None, set[int]]] = {}  # block -> (slot, ranks holding it)
+        # (block, backend) -> (None, writing ranks that wrote it)
+        self._written: dict[tuple[bytes, int], tuple[int | None, set[int]]] = {}
 
     @property
     def pending(self) -> int:
@@ -176,7 +177,7 @@ class RankTally:
                 out.in_host.pop(h, None)
                 out.left_host.add(h)
             for h, slot in rep.in_host.items():
-                if self._tally_host(h, slot, rep.rank):
+                if self._tally(self._host, h, slot, rep.rank, self.ranks):
                     out.in_host[h] = slot
                     out.left_host.discard(h)
             for pair in rep.left_backend:
@@ -185,32 +186,23 @@ class RankTally:
                 out.left_backend.add(pair)
             if rep.writes:
                 for pair in rep.in_backend:
-                    if self._tally_write(pair, rep.rank):
+                    if self._tally(self._written, pair, None, rep.rank, self.writers):
                         out.in_backend.add(pair)
                         out.left_backend.discard(pair)
         return out
 
-    def _tally_host(self, h: bytes, slot: int, rank: int) -> bool:
-        """Count ``rank`` holding ``h`` in host slot ``slot``; True once every rank holds it there."""
-        seen = self._host.get(h)
-        if seen is None or seen[0] != slot:  # another slot: the block was dropped and placed again
-            seen = self._host[h] = (slot, set())
-            self._bound(self._host)
+    def _tally(self, table: dict[Any, tuple[int | None, set[int]]], key: Any, where: int | None, rank: int,
+               need: int) -> bool:
+        """Count ``rank`` for ``key`` (at host slot ``where``; None for a write); True once ``need`` ranks
+        said it, and the count is done.  Another slot restarts it: the block was dropped and placed again."""
+        seen = table.get(key)
+        if seen is None or seen[0] != where:
+            seen = table[key] = (where, set())
+            self._bound(table)
         seen[1].add(rank)
-        if len(seen[1]) < self.ranks:
+        if len(seen[1]) < need:
             return False
-        del self._host[h]
-        return True
-
-    def _tally_write(self, pair: tuple[bytes, int], rank: int) -> bool:
-        ranks = self._written.get(pair)
-        if ranks is None:
-            ranks = self._written[pair] = set()
-            self._bound(self._written)
-        ranks.add(rank)
-        if len(ranks) < self.writers:
-            return False
-        del self._written[pair]
+        del table[key]
         return True
 
     def _bound(self, table: dict[Any, Any]) -> None:
