@@ -50,7 +50,7 @@ from pydantic_core import PydanticCustomError
 
 from . import plugins
 from .config_errors import describe, is_model, join_path, problems_of, suggest, unwrap
-from .keys import Namespace
+from .keys import CANONICAL_PAYLOAD, HEAD_MAJOR_KINDS, Namespace
 from .units import ByteSize, format_size
 
 DEFAULT_CONFIG = "local.yaml"
@@ -233,6 +233,11 @@ class StorageSection(_Section):
                                 "block per value).  Larger values mean fewer requests per prefix (S3, Redis); "
                                 "a prompt's last, partial group is not stored, and backend hits round down "
                                 "to whole groups.")
+    payload: Literal["canonical", "engine"] = Field(
+        "canonical", description="canonical: values hold KV as (token, head, dim), which every engine and "
+                                 "host reads; engine: a cpu_attn / cpu_attn_amx cache's blocks as vLLM CPU "
+                                 "keeps them (plain copies, ~4x faster there; only instances with the same "
+                                 "layout read them).  Other layouts' blocks are canonical either way.")
 
 
 class PoliciesSection(_Section):
@@ -275,7 +280,15 @@ class KvtierConfig(_Section):
                          head_dim=m.head_dim, block_size=m.block_size, attention=m.attention,
                          tp_rank=m.tp_rank, tp_size=m.tp_size, pp_rank=m.pp_rank, pp_size=m.pp_size,
                          hash_algo=self.keys.algo, hash_seed=self.keys.seed,
-                         storage_blocks=self.storage_blocks)
+                         storage_blocks=self.storage_blocks, payload=self.payload_arrangement)
+
+    @property
+    def payload_arrangement(self) -> str:
+        """``Namespace.payload``: the device layout whose own arrangement values keep
+        (``storage.payload: engine`` with a head-major layout), else canonical."""
+        if self.storage.payload == "engine" and self.device.layout in HEAD_MAJOR_KINDS:
+            return self.device.layout
+        return CANONICAL_PAYLOAD
 
     @property
     def storage_blocks(self) -> int:
@@ -305,7 +318,9 @@ class KvtierConfig(_Section):
         tiers.append(f"host {format_size(host.capacity)}" if host.capacity else "host off")
         for b in self.backends:
             tiers.append(f"{b.name} ({b.type}{'' if b.write else ', read-only'})")
-        return " -> ".join(tiers)
+        arranged = self.payload_arrangement
+        tail = f"; values keep {arranged}'s own arrangement" if arranged != CANONICAL_PAYLOAD else ""
+        return " -> ".join(tiers) + tail
 
 
 def json_schema() -> dict[str, Any]:

@@ -164,7 +164,7 @@ class DeviceTier:
             staging = torch.empty((p.n, ln), dtype=torch.uint8, device=self.device)
             for pos, first, length in p.runs:
                 copy_2d(staging[pos:pos + length], src[first:first + length, li * ln:(li + 1) * ln])
-            rows = staging.view(cd).view(p.n, lay.num_components, -1)
+            rows = staging.view(cd).view(p.n, lay.copy_components, -1)
             for c, view in enumerate(self._codec.views[li]):
                 view.index_copy_(0, p.ids, rows[:, c])
 
@@ -234,10 +234,10 @@ class _Codec:
         self.copy_dtype = copy_dtype or layout.copy_dtype(tensors)
         self.device = _as_list(tensors)[0].device
         self.np_views: list[list[np.ndarray]] | None
-        if layout.head_major:
-            if self.device.type != "cpu":
-                raise LayoutError("cpu_attn is vLLM's CPU layout: its tensors must be on the CPU, found "
-                                  f"{self.device}")
+        if layout.head_major and self.device.type != "cpu":
+            raise LayoutError(f"{layout.kind} is vLLM's CPU layout: its tensors must be on the CPU, found "
+                              f"{self.device}")
+        if layout.rearranges:
             self.views, self.np_views = [], None  # no flat rows: head_views below
             # numpy aliases of each component in memory ([N, H, ...], in its unit), with its rearrangement
             self.np_heads = [[(v.mem.detach().numpy(), v) for v in comps] for comps in layout.head_views(tensors)]
@@ -266,7 +266,7 @@ class _Codec:
         dst = self.layout.payload_view(out, self.copy_dtype)
         if rows is None:
             rows = self.rows(ids.numel(), slots, out.shape[0])
-        if self.layout.head_major:
+        if self.layout.rearranges:
             self._gather_head_major(ids, dst, rows, layers)
             return
         if isinstance(rows, list):
@@ -297,7 +297,7 @@ class _Codec:
         src = self.layout.payload_view(payload, self.copy_dtype)
         if rows is None:
             rows = self.rows(ids.numel(), slots, payload.shape[0])
-        if self.layout.head_major:
+        if self.layout.rearranges:
             self._scatter_head_major(ids, src, rows, layers)
             return
         if self.np_views is not None:
@@ -327,8 +327,8 @@ class _Codec:
     # viewed as [n, L, C, *split].
 
     def _np_heads(self) -> list[list[tuple[np.ndarray, HeadView]]]:
-        if not self.layout.head_major:
-            raise LayoutError("head views exist only for head-major layouts")
+        if not self.layout.rearranges:
+            raise LayoutError("head views are for head-major layouts with the canonical payload")
         return self.np_heads
 
     def _row_parts(self, ids: torch.Tensor, rows: Rows) -> list[tuple[np.ndarray, Any]]:
@@ -391,13 +391,13 @@ class _Codec:
         src = np.frombuffer(payload, dtype=np.uint8)
         if src.size != self.layout.block_nbytes:
             raise LayoutError(f"payload of {src.size} B for a block of {self.layout.block_nbytes} B")
-        self._put_block(src.reshape(self.layout.num_layers, self.layout.num_components, -1), block_id)
+        self._put_block(src.reshape(self.layout.num_layers, self.layout.copy_components, -1), block_id)
 
     def _put_block(self, rows: np.ndarray, block_id: int) -> None:
         """Payload ``rows`` (``[L, C, row]``, each row contiguous, any integer type) into block
         ``block_id``: basic indexing by the block id, and for a head-major layout one rearranging copy per
         layer-component; each row is viewed as its destination's type."""
-        if self.layout.head_major:
+        if self.layout.rearranges:
             for li, comps in enumerate(self._np_heads()):
                 for c, (mem, hv) in enumerate(comps):
                     mem[block_id] = rows[li, c].view(mem.dtype).reshape(hv.split).transpose(hv.order)
@@ -413,9 +413,9 @@ class _Codec:
 
     def _run(self, run: Any, layers: Sequence[int] | None, n: int) -> None:
         work = [(li, c) for li in _layers(layers, self.layout.num_layers)
-                for c in range(self.layout.num_components)]
+                for c in range(self.layout.copy_components)]
         if self.device.type == "cpu":
-            _parallel(run, work, n * len(work) * self.layout.row_nbytes)
+            _parallel(run, work, n * len(work) * self.layout.copy_row_nbytes)
         else:
             run(work)  # CUDA: kernels on the current stream
 

@@ -544,6 +544,12 @@ class SequenceHasher:
 # permuted KV), GPU and SGLang deployments' included.
 BLOCK_FORMAT_VERSION = 2
 
+#: ``Namespace.payload`` of values laid out as the canonical block payload (see kvtier.layout).
+CANONICAL_PAYLOAD = "canonical"
+#: Engine layouts (kvtier.layout kinds) that keep a block in an arrangement of their own, not the canonical
+#: payload's: a value can hold either (``Namespace.payload``).  Every other kind's block is the payload.
+HEAD_MAJOR_KINDS = ("cpu_attn", "cpu_attn_amx")
+
 
 @dataclass(frozen=True)
 class Namespace:
@@ -573,10 +579,17 @@ class Namespace:
     # sizes must never be confused, so it is part of the digest, but only when > 1: the namespaces (and
     # so every key) of deployments that store one block per value are unchanged.
     storage_blocks: int = 1
+    # How a stored payload is arranged: "canonical" (token, head, dim: any engine reads it), or the name
+    # of an engine layout whose own arrangement the values keep as is (``storage.payload: engine`` on vLLM
+    # CPU: "cpu_attn_amx", "cpu_attn"); only instances whose KV cache is arranged the same read them.
+    # Part of the digest, but only when not canonical, for the reason ``storage_blocks`` gives.
+    payload: str = CANONICAL_PAYLOAD
 
     def __post_init__(self) -> None:
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention: expected 'mha' or 'mla', got {self.attention!r}")
+        if not isinstance(self.payload, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.payload):
+            raise ValueError(f"payload: expected 'canonical' or an engine layout name, got {self.payload!r}")
         if not known_algo(self.hash_algo):
             raise ValueError(_algo_problem("hash_algo", self.hash_algo))
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size", "pp_size", "storage_blocks"):
@@ -595,6 +608,8 @@ class Namespace:
         out = {f: getattr(self, f) for f in self.__dataclass_fields__}
         if out["storage_blocks"] == 1:
             del out["storage_blocks"]  # see the field: keys from before grouping existed stay the same
+        if out["payload"] == CANONICAL_PAYLOAD:
+            del out["payload"]  # likewise: canonical namespaces keep the keys they had
         return out
 
     @classmethod
@@ -614,8 +629,10 @@ class Namespace:
     @property
     def layout_id(self) -> int:
         """A u32 naming dtype + layout, stored in the block header (a second check beside the digest)."""
-        spec = (self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                self.attention)
+        spec: tuple = (self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                       self.attention)
+        if self.payload != CANONICAL_PAYLOAD:
+            spec += (self.payload,)
         return int.from_bytes(hashlib.sha256(cbor2.dumps(spec, canonical=True)).digest()[:4], "little")
 
     def hasher(self) -> BlockHasher:

@@ -165,6 +165,19 @@ def test_namespace(fake_plugins):
     assert other.namespace().id != c.namespace().id
 
 
+def test_storage_payload_engine_names_a_head_major_layout_in_the_namespace(fake_plugins):
+    canonical = parse_config(cfg(device={"layout": "cpu_attn_amx"}))
+    engine = parse_config(cfg(device={"layout": "cpu_attn_amx"}, storage={"payload": "engine"}))
+    assert canonical.namespace().payload == "canonical"
+    assert engine.namespace().payload == "cpu_attn_amx" and engine.namespace().id != canonical.namespace().id
+    assert engine.summary().endswith("; values keep cpu_attn_amx's own arrangement")
+    # A layout whose blocks are the canonical payload: engine changes nothing, not even a key.
+    flash = parse_config(cfg(storage={"payload": "engine"}))
+    assert flash.namespace() == parse_config(cfg()).namespace()
+    assert problems(cfg(storage={"payload": "native"})) == [
+        'storage.payload: expected one of "canonical", "engine", got "native"']
+
+
 def test_summary(fake_plugins):
     c = parse_config(cfg(host={"capacity": "256MiB"},
                          backends=[{"type": "local_disk", "options": {"path": "/x"}},

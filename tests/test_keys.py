@@ -215,7 +215,7 @@ def test_namespace_digest_covers_every_field():
         dict(model="llama2"), dict(kv_dtype="float8_e4m3fn"), dict(num_layers=31), dict(num_kv_heads=4),
         dict(head_dim=64), dict(block_size=32), dict(attention="mla"), dict(tp_rank=1, tp_size=2),
         dict(tp_size=2), dict(pp_rank=1, pp_size=2), dict(hash_algo="xxh3_128"), dict(hash_seed="x"),
-        dict(format_version=1), dict(format_version=3),
+        dict(format_version=1), dict(format_version=3), dict(payload="cpu_attn_amx"), dict(payload="cpu_attn"),
     ]
     ids = {base.id}
     for v in variants:
@@ -233,6 +233,18 @@ def test_namespace_digest_covers_every_field():
 def test_split_key_rejects_bad_keys(bad):
     with pytest.raises(ValueError, match="expected '<32 hex namespace>/<32 or 64 hex hash>'"):
         split_key(bad)
+
+
+def test_a_canonical_payload_keeps_the_digest_and_an_engine_payload_gets_its_own():
+    """storage.payload: engine namespaces name the layout whose arrangement their values keep; the field
+    is left out of a canonical namespace's manifest, so no key that existed before it changes."""
+    base = Namespace("m", "bfloat16", 2, 2, 64, 16)
+    assert "payload" not in base.manifest() and base.id == "ae3d5c79b0ec0cd85d967b0f706a8aa7"
+    amx = Namespace("m", "bfloat16", 2, 2, 64, 16, payload="cpu_attn_amx")
+    assert amx.manifest()["payload"] == "cpu_attn_amx" and Namespace.from_manifest(amx.manifest()) == amx
+    assert amx.id != base.id and amx.layout_id != base.layout_id  # the header's second check differs too
+    with pytest.raises(ValueError, match="payload: expected 'canonical' or an engine layout name, got 'a b'"):
+        Namespace("m", "bfloat16", 1, 1, 1, 16, payload="a b")
 
 
 def test_namespace_validation():

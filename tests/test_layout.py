@@ -13,14 +13,17 @@ from kvtier.layout import KVLayout, LayoutError, parse_dtype
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 KINDS = [("flash_attn", None), ("flashinfer", None), ("mla", None), ("cpu_attn", None), ("cpu_attn_amx", None),
          ("stacked", None),
-         ("stacked", "flashinfer"), ("stacked", "mla")]
+         ("stacked", "flashinfer"), ("stacked", "mla"),
+         # "+engine": storage.payload engine, values in the engine's own arrangement
+         ("cpu_attn+engine", None), ("cpu_attn_amx+engine", None)]
 
 
 def make_layout(kind, inner=None, dtype=torch.bfloat16, L=3, N=12, B=4, H=2, D=8) -> KVLayout:
+    kind, _, payload = kind.partition("+")
     mla = "mla" in (kind, inner)
     if kind == "cpu_attn_amx":  # tiles of 16 tokens and 16 dims
         B, D = 32, 32
-    return KVLayout(kind, L, N, B, 1 if mla else H, D, dtype, inner)
+    return KVLayout(kind, L, N, B, 1 if mla else H, D, dtype, inner, payload or "canonical")
 
 
 def random_tensors(layout: KVLayout, device="cpu", seed=0) -> list[torch.Tensor]:
@@ -36,9 +39,10 @@ def random_tensors(layout: KVLayout, device="cpu", seed=0) -> list[torch.Tensor]
 
 
 def expected_payload(layout: KVLayout, tensors, block_ids) -> torch.Tensor:
-    """The documented order, built the slow obvious way: layer, component (K, V), tokens, heads, dim."""
+    """The documented order, built the slow obvious way: layer, component (K, V), tokens, heads, dim; for
+    an engine payload, layer, then the block's bytes as the engine keeps them."""
     per_layer = list(tensors[0]) if layout.kind == "stacked" else list(tensors)
-    kind = layout.inner or layout.kind
+    kind = "engine" if layout.engine_payload else layout.inner or layout.kind
     rows = []
     for b in block_ids:
         parts = []
@@ -46,7 +50,8 @@ def expected_payload(layout: KVLayout, tensors, block_ids) -> torch.Tensor:
             comps = {"flash_attn": lambda t, b: [t[0, b], t[1, b]],
                      "flashinfer": lambda t, b: [t[b, 0], t[b, 1]],
                      "mla": lambda t, b: [t[b]],
-                     "cpu_attn": _vllm_cpu_vec, "cpu_attn_amx": _vllm_cpu_amx}[kind](t, b)
+                     "cpu_attn": _vllm_cpu_vec, "cpu_attn_amx": _vllm_cpu_amx,
+                     "engine": lambda t, b: [t[b]]}[kind](t, b)
             parts += [c.contiguous().view(torch.uint8).reshape(-1) for c in comps]
         rows.append(torch.cat(parts))
     return torch.stack(rows)
@@ -205,8 +210,34 @@ def test_from_namespace_and_infer():
     with pytest.raises(LayoutError, match="MHA KV but the namespace's attention is 'mla'"):
         KVLayout.from_namespace(mla_ns, 8, "flash_attn")
     for kind, inner in KINDS:
+        if "+" in kind:
+            continue  # infer() reads a kind off tensors; the payload is the deployment's choice
         want = make_layout(kind, inner)
         assert KVLayout.infer(kind, random_tensors(want), inner=inner) == want
+
+
+def test_an_engine_payload_is_the_engines_block_and_its_namespace_names_the_layout():
+    """storage.payload: engine.  A head-major block's value is its bytes as the engine keeps them (K and V
+    of each head in the kernel's arrangement: an AMX and a vec cache's values differ for the same KV),
+    copied as one row per layer; the namespace names the layout, so only that layout loads it."""
+    amx = make_layout("cpu_attn_amx+engine")
+    canonical = make_layout("cpu_attn_amx")
+    assert amx.engine_payload and not amx.rearranges and amx.copy_components == 1
+    assert amx.block_nbytes == canonical.block_nbytes and not amx.compatible(canonical)
+    src = random_tensors(amx)
+    raw = torch.stack([torch.cat([t[b].reshape(-1) for t in src]) for b in (3, 5)]).view(torch.uint8)
+    assert torch.equal(amx.to_payload(src, [3, 5]), raw.reshape(2, -1))
+    assert not torch.equal(canonical.to_payload(src, [3, 5]), raw.reshape(2, -1))
+    # Layouts whose block is the canonical payload: "engine" is the same bytes, the same signature.
+    assert make_layout("flash_attn").compatible(KVLayout("flash_attn", 3, 12, 4, 2, 8, payload="engine"))
+    ns = Namespace(model="m", kv_dtype="bfloat16", num_layers=3, num_kv_heads=2, head_dim=32, block_size=32,
+                   payload="cpu_attn_amx")
+    assert KVLayout.from_namespace(ns, 12, "cpu_attn_amx") == amx
+    with pytest.raises(LayoutError, match="the namespace's values hold cpu_attn_amx's own arrangement of a "
+                                          "block .storage.payload: engine., but this engine's layout is cpu_attn"):
+        KVLayout.from_namespace(ns, 12, "cpu_attn")
+    with pytest.raises(LayoutError, match="payload: expected 'canonical' or 'engine', got 'native'"):
+        KVLayout("cpu_attn", 3, 12, 4, 2, 8, payload="native")
 
 
 def test_dtype_names():

@@ -355,6 +355,25 @@ def test_grouped_values_of_two_vllm_blocks(model_dir, warm, tmp_path):
     assert_close_outputs(got["results"], warm)
 
 
+def test_engine_payload_values_load_exactly_and_only_into_the_same_layout(model_dir, warm, tmp_path):
+    """storage.payload: engine.  The prefill stores vLLM CPU's blocks as its kernel keeps them (no
+    rearranging copy), the decode loads them: tokens and logprobs exact, exactly the stored prefix.  The
+    namespace names the layout, so a deployment with the canonical payload over the same directory finds
+    none of those values (a miss, never KV it would misread)."""
+    d = tmp_path / "blocks"
+    cfg = {**kv_config(disk(d)), "storage": {"payload": "engine"}}
+    pre = run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg)
+    layout = re.search(r"worker side up: \d+ layers, layout (\S+) .*; values keep (\S+)'s own arrangement",
+                       pre["log"])
+    assert layout and layout.group(1) == layout.group(2), pre["log"][-3000:]
+    assert len(block_files(d)) == 9 + 6
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], cfg)
+    assert_same_outputs(got["results"], warm)
+    assert [r["cached"] for r in got["results"]] == [160, 288]
+    canonical = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
+    assert [r["cached"] for r in canonical["results"]] == [0, 160]  # A's 160 from vLLM's own cache, after B
+
+
 def test_chunked_prefill_stores_each_chunks_blocks_and_loads_into_a_chunked_prefill(model_dir, tmp_path):
     """vLLM computes at most 64 tokens a step, so A (300 tokens) is prefilled in 5 chunks: the producer
     copies out each chunk's full blocks at the end of its step (0-1, 2-3, 4-5, 6-7, 8) and stores all

@@ -35,10 +35,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from ...plans import StepPlan, WorkerReport
 from .facts import (
+    cpu_kv_layout,
     kv_layers,
     kv_replicated_across_tp,
     kvtier_config,
     rank_tally,
+    vllm_cpu_isa,
     why_loads_cannot_work,
     worker_rank,
 )
@@ -51,7 +53,6 @@ from .worker import (
     idle_wait_ms,
     kv_view,
     layer_order,
-    vllm_cpu_isa,
 )
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.warning("kvtier: loads are off: %s; %s", why,
                             "this instance only stores" if self._store else "this kv_consumer does nothing")
                 self._load = False
-            cfg = kvtier_config(vllm_config, len(kv_layers(kv_cache_config)))
+            cfg = kvtier_config(vllm_config, len(kv_layers(kv_cache_config)), layout=cpu_kv_layout(vllm_config))
             mode = LoadMode.from_extra_config(ktc.kv_connector_extra_config)
             idle_wait_ms(ktc.kv_connector_extra_config)  # a bad value fails start-up here, before the workers
             self._scheduler = SchedulerSide(cfg, load=self._load, store=self._store,
@@ -157,6 +158,11 @@ class KvtierConnector(KVConnectorBase_V1):
         isa = (vllm_cpu_isa(model_dtype, cc.block_size, head_dim, cc.cache_dtype)
                if not mla and tensors[0].device.type == "cpu" else None)
         layout = detect_layout(tensors[0], heads, head_dim, cc.block_size, mla, cpu_isa=isa)
+        expected = cpu_kv_layout(self._vllm_config)
+        if expected is not None and layout != expected:
+            # The scheduler named ``expected`` in its namespace (storage.payload: engine): keys would differ.
+            raise ValueError(f"kvtier: vLLM's KV tensors have layout {layout}, but its configuration implies "
+                             f"{expected} (the scheduler's namespace)")
         if isa is not None and layout.startswith("cpu_attn"):
             check_cpu_arrangement(layout, isa, tensors[0], heads, head_dim, cc.block_size, cc.cache_dtype)
         tp_rank = get_tp_group().rank_in_group

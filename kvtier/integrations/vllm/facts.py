@@ -80,6 +80,28 @@ def why_loads_cannot_work(vllm_config: Any) -> str | None:
     return None
 
 
+def vllm_cpu_isa(dtype: Any, block_size: int, head_dim: int, kv_cache_dtype: str) -> str:
+    """The kernel (``amx``, ``vec``, ``vec16``, ``neon``, ...) vLLM's CPU attention writes its KV cache with,
+    as vLLM itself picks it (``dtype``: the model's torch dtype)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype))
+
+
+def cpu_kv_layout(vllm_config: Any) -> str | None:
+    """The kvtier layout of vLLM CPU's per-layer KV cache, as the workers detect it from their tensors
+    (``cpu_attn_amx`` where vLLM picks its amx kernel, else ``cpu_attn``); None off the CPU and for MLA,
+    whose caches keep the canonical payload.  The scheduler needs it for ``storage.payload: engine``,
+    whose namespace names the layout, before any worker has registered its tensors."""
+    from vllm.platforms import current_platform
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if not current_platform.is_cpu() or getattr(mc, "use_mla", False):
+        return None
+    isa = vllm_cpu_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+    return "cpu_attn_amx" if isa == "amx" else "cpu_attn"
+
+
 def kvtier_config(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank: int = 0,
                   layout: str | None = None) -> KvtierConfig:
     """The deployment's kvtier config: the YAML named by ``kv_connector_extra_config.kvtier_config``

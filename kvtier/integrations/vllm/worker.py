@@ -48,7 +48,7 @@ def idle_wait_ms(extra: dict | None) -> float:
 def detect_layout(t: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int, mla: bool,
                   cpu_isa: str | None = None) -> str:
     """The kvtier layout kind of one of vLLM's per-layer KV tensors (``cpu_isa``: the kernel vLLM's CPU
-    attention writes its cache with, :func:`vllm_cpu_isa`; its ``amx`` kernel packs K and V)."""
+    attention writes its cache with, :func:`.facts.vllm_cpu_isa`; its ``amx`` kernel packs K and V)."""
     shape = tuple(t.shape)
     if mla and t.dim() == 3 and shape[1:] == (block_size, head_dim):
         return "mla"
@@ -69,14 +69,6 @@ def kv_view(t: torch.Tensor, mla: bool) -> torch.Tensor:
     if mla and t.dim() == 4 and t.shape[1] == 1:
         return t.select(1, 0)
     return t
-
-
-def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str) -> str:
-    """The kernel (``amx``, ``vec``, ``vec16``, ``neon``, ...) vLLM's CPU attention writes its KV cache with,
-    as vLLM itself picks it."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return str(_get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype))
 
 
 def check_cpu_arrangement(kind: str, isa: str, like: torch.Tensor, num_kv_heads: int, head_dim: int,
