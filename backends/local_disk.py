@@ -77,6 +77,7 @@ class LocalDiskBackend(StorageBackend):
     """Blocks as files in a (possibly shared) directory, bounded by ``capacity`` bytes with LRU eviction."""
 
     streams_verified = True  # _get_blocks reports each block as it verifies it (StorageBackend.get_into)
+    reads_segments = True  # a payload may be Segments: preadv takes the parts as they are
 
     class Options(BackendOptions):
         path: str = Field("~/.cache/kvtier/blocks", description="root directory; ~ and $VARS are expanded")
@@ -419,9 +420,10 @@ class LocalDiskBackend(StorageBackend):
         return tmp
 
     @staticmethod
-    def _read_file(path: str, header: memoryview, payload: memoryview) -> int | str | None:
+    def _read_file(path: str, header: memoryview, payload: memoryview | blockformat.Segments) -> int | str | None:
         """Read a value into (header, payload) with one ``preadv``; its full size, None if absent, or why
-        the entry under the name is no value at all (a FIFO, socket, device or directory: never read)."""
+        the entry under the name is no value at all (a FIFO, socket, device or directory: never read).
+        ``payload`` may be segments (``reads_segments``): preadv fills the parts in order."""
         try:
             fd = os.open(path, _RFLAGS)
         except FileNotFoundError:
@@ -437,12 +439,15 @@ class LocalDiskBackend(StorageBackend):
             if not stat.S_ISREG(mode):
                 return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}"
             want = header.nbytes + payload.nbytes
-            n = os.preadv(fd, [header, payload, _PROBE], 0)
+            parts = payload.parts if isinstance(payload, blockformat.Segments) else [payload]
+            n = os.preadv(fd, [header, *parts, _PROBE], 0)
             if n == want:
                 return n
             size = os.fstat(fd).st_size
             while 0 < n < min(want, size):  # a short read (network filesystems): go on from there
-                got = os.preadv(fd, [header[min(n, header.nbytes):], payload[max(0, n - header.nbytes):]], n)
+                rest = (payload.tail(max(0, n - header.nbytes)) if isinstance(payload, blockformat.Segments)
+                        else [payload[max(0, n - header.nbytes):]])
+                got = os.preadv(fd, [header[min(n, header.nbytes):], *rest], n)
                 n = n + got if got else 0
             return size
         finally:

@@ -21,6 +21,7 @@ class Source(enum.Enum):
     SAME = "same"  # already in the destination device block: nothing to copy
     FETCH = "fetch"  # only in backends: still to read
     TMP = "tmp"  # read into a temporary row (``Step.at``) because host memory had no room
+    DIRECT = "direct"  # read straight into the destination device block (a CPU engine's KV): nothing to copy
     LOST = "lost"  # not available (unreadable, corrupt, or after a break in the chain)
 
 
@@ -38,7 +39,7 @@ class Step:
     @property
     def on_device(self) -> bool:
         """Whether the device block holds this block's bytes once the step is settled (nothing to copy)."""
-        return self.landed or self.source in (Source.SAME, Source.TMP)
+        return self.landed or self.source in (Source.SAME, Source.TMP, Source.DIRECT)
 
     @property
     def tier(self) -> Tier | None:

@@ -26,6 +26,8 @@ class BackendSet:
                  layout_id: int, block_nbytes: int):
         self.backends = list(backends)
         self.names = [b.name for b in self.backends]
+        # Per backend: whether get_into takes segments (a payload read straight into a CPU engine's KV)
+        self.reads_segments = [bool(getattr(b, "reads_segments", False)) for b in self.backends]
         self.writable = [i for i, w in enumerate(writable) if w]
         self.metrics = metrics
         self.layout_id = layout_id

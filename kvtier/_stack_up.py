@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ._load_plan import Source, Step, lost
+from .blockformat import Segments
 from ._stack_results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
 from .groups import load_chunks
 from .index import Tier
@@ -41,12 +42,19 @@ class Upward:
         return self.s._backends.locate(self.s.namespace.keys(keys))
 
     def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool,
-              on_verified: Callable[[int, Any], None] | None = None) -> list[Step | None]:
+              on_verified: Callable[[int, Any], None] | None = None,
+              direct: Callable[[int], Segments | None] | None = None) -> list[Step | None]:
         """Bring the first ``len(where)`` keys (``where[j]``: the backend to try first) up from the
         backends.  Per key: a HOST step (verified, now in host memory, or already there), a TMP step (no
-        host room: a temporary row, only with ``allow_tmp``), or None.  The keys must be pinned by the
-        caller.  ``on_verified(j, buffer)``: see ``StorageBackend.get_into`` (``buffer`` holds key ``j``'s
-        verified bytes; it is not yet visible in the host tier)."""
+        host room: a temporary row, only with ``allow_tmp``), a DIRECT step (read into ``direct(j)``), or
+        None.  The keys must be pinned by the caller.  ``on_verified(j, buffer)``: see
+        ``StorageBackend.get_into`` (``buffer`` holds key ``j``'s verified bytes; it is not yet visible in
+        the host tier).
+
+        ``direct(j)``: where key ``j``'s device block lies in CPU memory (None: nowhere).  A key whose
+        backend reads segments is read straight into it and never lands in host memory: the backend
+        keeps it (a local disk's page cache already holds what host memory would, at the cost of a copy
+        more in every load).  Should that backend fail it, only backends that read segments are tried."""
         s = self.s
         m = len(where)
         out: list[Step | None] = [None] * len(keys)
@@ -60,11 +68,21 @@ class Upward:
                     todo.append(j)
         if not todo:
             return out
+        segs = s._backends.reads_segments
+        bufs: dict[int, Any] = {}  # key position -> where its payload is read to
+        if direct is not None:
+            for j in todo:
+                seg = direct(j) if segs[where[j]] else None
+                if seg is not None:
+                    bufs[j] = seg
+        straight = set(bufs)
+        todo = [j for j in todo if j not in straight]
         host = s.host
         slots = s.room.reserve(len(todo)) if host is not None else []
         n_tmp = len(todo) - len(slots) if allow_tmp else 0
         tmp = torch.empty((n_tmp, s.layout.block_nbytes), dtype=torch.uint8)
-        bufs: dict[int, Any] = {j: host.slot_view(sl) for j, sl in zip(todo, slots)} if host is not None else {}
+        if host is not None:
+            bufs.update({j: host.slot_view(sl) for j, sl in zip(todo, slots)})
         bufs.update({j: tmp[r].numpy() for r, j in enumerate(todo[len(slots):len(slots) + n_tmp])})
         strs = s.namespace.keys(keys)
         src = {j: -1 for j in bufs}
@@ -72,8 +90,17 @@ class Upward:
         for b in sorted({where[j] for j in bufs}):
             self._get(b, [j for j in bufs if where[j] == b], strs, bufs, src, on_verified)
         for b in range(len(s._backends)):
-            self._get(b, [j for j in bufs if src[j] < 0 and where[j] != b], strs, bufs, src, on_verified)
+            self._get(b, [j for j in bufs if src[j] < 0 and where[j] != b and (segs[b] or j not in straight)],
+                      strs, bufs, src, on_verified)
         with s._lock:
+            for j in straight:
+                key, b = keys[j], src[j]
+                if b >= 0:
+                    out[j] = Step(Source.DIRECT, None, b)
+                    if key in s.index:
+                        s.index.add_backend(key, b)
+                elif key in s.index and where[j] in s.index.entry(key).backends:
+                    s.index.remove_backend(key, where[j])  # read and not there: the hint was stale
             for r, j in enumerate(todo):
                 key, b = keys[j], src.get(j, -1)
                 if b >= 0 and key in s.index:
@@ -166,8 +193,11 @@ class Upward:
                 where = self.locate(keys)
                 landed: set[int] = set()  # plan positions whose reading thread copied them to the device
                 for a, b in load_chunks(len(where), s.layout.block_nbytes, s.load_chunk_bytes):
-                    land = None if s.device.is_cuda else self._lander(ids, pos[a:b], landed)
-                    got = self.fetch(keys[a:b], where[a:b], allow_tmp=True, on_verified=land)
+                    land = direct = None
+                    if not s.device.is_cuda:
+                        land = self._lander(ids, pos[a:b], landed)
+                        direct = self._segments(ids, pos[a:b])
+                    got = self.fetch(keys[a:b], where[a:b], allow_tmp=True, on_verified=land, direct=direct)
                     for i, g in zip(pos[a:b], got):
                         plan[i] = g or lost()
                         if g is not None and i in landed:
@@ -202,6 +232,8 @@ class Upward:
         device = self.s.device
 
         def land(j: int, buf: Any) -> None:
+            if isinstance(buf, Segments):
+                return  # read straight into the device block (a DIRECT step): nothing to copy
             try:
                 device.write_payload(buf, int(ids[pos[j]]))
                 landed.add(pos[j])
@@ -210,6 +242,11 @@ class Upward:
                             "from host memory", int(ids[pos[j]]), e)
 
         return land
+
+    def _segments(self, ids: np.ndarray, pos: list[int]) -> Callable[[int], Segments | None]:
+        """``fetch``'s ``direct`` for a load into CPU memory: key ``j``'s device block, as segments."""
+        device = self.s.device
+        return lambda j: device.block_segments(int(ids[pos[j]]))
 
     def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[Step],
                       advance: Any) -> None:
@@ -314,7 +351,7 @@ class Upward:
     def _count(self, served: list[Step], n: int, r: TransferResult | None) -> None:
         m = self.s.metrics
         same = sum(1 for p in served if p.source is Source.SAME)
-        landed = sum(1 for p in served if p.landed)
+        landed = sum(1 for p in served if p.landed or p.source is Source.DIRECT)
         m.add("device", bytes_in=landed * self.s.layout.block_nbytes)
         from_host = sum(1 for p in served if p.source is Source.HOST and p.backend is None)
         m.hit("device", same)

@@ -149,6 +149,11 @@ class StorageBackend(ABC):
     #: that key's buffer holds verified bytes (in its own reading thread).  Otherwise ``get_into``
     #: reports the verified keys once the whole batch has been read.
     streams_verified: ClassVar[bool] = False
+    #: Whether ``_get_blocks`` takes a :class:`kvtier.blockformat.Segments` in place of a payload buffer
+    #: (one payload in several buffers: read it into them in order, verify it with ``check_block``, which
+    #: takes segments too).  Then ``get_into`` may be handed segments, and a CPU engine's blocks are read
+    #: straight into its KV tensors, with no copy through host memory.
+    reads_segments: ClassVar[bool] = False
 
     def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
         if options is None or isinstance(options, dict):
@@ -349,7 +354,7 @@ class StorageBackend(ABC):
         if not keys:
             return []
         self._refuse_invalid(keys)
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [b if isinstance(b, blockformat.Segments) else memoryview(b).cast("B") for b in buffers]
         told = bytearray(len(keys))  # keys the hook already reported verified
         stream: tuple[Callable[[int], None], ...] = ()
         if on_verified is not None and self.streams_verified:

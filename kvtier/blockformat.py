@@ -79,20 +79,55 @@ def stored_checksum(header: Buffer) -> int:
     return _HEADER.unpack_from(bytes(header))[8]
 
 
-def check_block(header: Buffer, payload: Buffer, namespace_digest: bytes, block_hash: bytes, layout_id: int) -> str | None:
+class Segments:
+    """One payload that lies in several buffers, in order (``parts``: writable byte memoryviews): a
+    block read straight into an engine's KV tensors, whose layers are apart in memory.  Only a backend
+    that says it reads them (``StorageBackend.reads_segments``) is ever handed one in place of a buffer.
+    The stored value is the same: the header, then the parts' bytes back to back."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: list[memoryview]):
+        self.parts = [p if p.format == "B" and p.ndim == 1 else p.cast("B") for p in parts]
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+    def tail(self, offset: int) -> list[memoryview]:
+        """The parts from byte ``offset`` of the payload on (what a short read still has to fill)."""
+        out = []
+        for p in self.parts:
+            if offset >= p.nbytes:
+                offset -= p.nbytes
+                continue
+            out.append(p[offset:])
+            offset = 0
+        return out
+
+    def checksum(self) -> int:
+        """xxh3-64 of the parts' bytes back to back: the payload's checksum."""
+        h = xxhash.xxh3_64()
+        for p in self.parts:
+            h.update(p)
+        return h.intdigest()
+
+
+def check_block(header: Buffer, payload: Buffer | Segments, namespace_digest: bytes, block_hash: bytes,
+                layout_id: int) -> str | None:
     """Why (header, payload) is not the expected block, or None if every field and the checksum hold.
 
     One pass over the payload (its xxh3-64, computed once, also on the failure path); the header is
     compared as one 88-byte string against the exact header this block must have."""
-    mv = payload if isinstance(payload, memoryview) and payload.format == "B" else memoryview(payload).cast("B")
-    checksum = xxhash.xxh3_64_intdigest(mv)
+    if isinstance(payload, Segments):
+        nbytes, checksum = payload.nbytes, payload.checksum()
+    else:
+        mv = payload if isinstance(payload, memoryview) and payload.format == "B" else memoryview(payload).cast("B")
+        nbytes, checksum = mv.nbytes, xxhash.xxh3_64_intdigest(mv)
     # Fast path (the common, intact case): the exact header this block must have, compared as bytes.
     # Only a mismatch pays for check_header's field-by-field walk, which names the reason.
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, mv.nbytes, namespace_digest, len(block_hash),
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, nbytes, namespace_digest, len(block_hash),
                         block_hash, layout_id, checksum)
     if bytes(header) == head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head)):
         return None
-    why = check_header(header, namespace_digest, block_hash, layout_id, mv.nbytes)
+    why = check_header(header, namespace_digest, block_hash, layout_id, nbytes)
     if why is None and stored_checksum(header) != checksum:
         why = "payload checksum mismatch"
     return why

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import threads as kvthreads
+from .blockformat import Segments
 from .layout import HeadView, KVLayout, LayoutError, _as_list, _layers
 
 
@@ -200,6 +201,18 @@ class DeviceTier:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
         self._codec.write_one(payload, block_id)
+
+    def block_segments(self, block_id: int) -> Segments | None:
+        """Where block ``block_id``'s payload lies in the KV tensors, in payload order (one part per
+        layer-component row): a backend that ``reads_segments`` reads a block straight into them, with no
+        copy.  None where the tensors do not hold a block as its payload's bytes (a rearranging layout)
+        or are not in CPU memory."""
+        views = self._codec.np_views
+        if views is None or sum(map(len, views)) + 2 > _IOV_MAX:  # + the header and a backend's probe
+            return None
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        return Segments([memoryview(v[block_id]) for comps in views for v in comps])
 
     def read_blocks(self, block_ids: Any) -> torch.Tensor:
         """The payloads of ``block_ids`` as a new CPU ``[n, block_nbytes]`` tensor (synchronous)."""
@@ -419,6 +432,9 @@ class _Codec:
         else:
             run(work)  # CUDA: kernels on the current stream
 
+
+# The most buffers one vectored read fills (Linux: 1024); a block in more parts is not read as segments.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 # ---------------------------------------------------------------------- CPU copy threads
 

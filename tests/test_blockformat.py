@@ -55,6 +55,20 @@ def test_accepts_any_buffer_type():
     assert check(bytearray(hdr), bytes(PAYLOAD)) is None
 
 
+def test_a_payload_in_segments_checks_as_the_same_bytes_back_to_back():
+    """A block read straight into an engine's KV tensors lies in several buffers (Segments): its checksum
+    is the one of the bytes back to back, and a flipped byte in any part fails it."""
+    cuts = [0, 1, 300, 301, 999, len(PAYLOAD)]
+    parts = [bytearray(PAYLOAD[a:b]) for a, b in zip(cuts, cuts[1:])]
+    seg = bf.Segments([memoryview(p) for p in parts])
+    assert seg.nbytes == len(PAYLOAD) and seg.checksum() == xxhash.xxh3_64_intdigest(PAYLOAD)
+    assert bf.check_block(header(), seg, NS.digest, HASH, NS.layout_id) is None
+    assert b"".join(bytes(p) for p in seg.tail(300)) == PAYLOAD[300:]
+    assert b"".join(bytes(p) for p in seg.tail(999)) == PAYLOAD[999:] and seg.tail(len(PAYLOAD)) == []
+    parts[3][5] ^= 1
+    assert bf.check_block(header(), seg, NS.digest, HASH, NS.layout_id) == "payload checksum mismatch"
+
+
 # Each field changed (with a valid header checksum, so the field check itself fires) -> its reason.
 FORGED = [
     ("magic", 0, b"XXXX", "bad magic"),

@@ -280,6 +280,39 @@ def test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(stack_fb8)
     assert [st.index.get(h) is not None and st.index.get(h).host is not None for h in hs[3:]] == [False] * 3
 
 
+def test_a_cpu_load_from_local_disk_reads_each_block_straight_into_the_kv_tensors(tmp_path):
+    """local_disk reads segments: a load into CPU KV tensors reads each block's value into the tensor rows
+    that hold it (no host-memory copy; the page cache keeps it), verifies it there, and reports it loaded
+    from the disk.  A corrupt block in the middle: it and every block after it are recomputed, never
+    reported loaded, and the blocks before it hold their exact bytes."""
+    prefill = TierStack(config(tmp_path, host_slots=8))
+    hs = chain(prefill, 5)
+    rows = fill(prefill, list(range(5)), seed=21)
+    prefill.store(hs, list(range(5))).wait(TIMEOUT)
+    assert prefill.flush(TIMEOUT)
+    prefill.close()
+    decode = TierStack(config(tmp_path, host_slots=8))
+    try:
+        assert decode._backends.reads_segments == [True]
+        lr = decode.load(hs, [9, 8, 7, 6, 5]).wait(TIMEOUT)
+        assert lr.num_loaded == 5 and set(lr.tiers) == {Tier.backend(0)}
+        assert torch.equal(read(decode, [9, 8, 7, 6, 5]), rows)
+        assert where(decode, hs) == ["D"] * 5  # not copied into host memory
+        assert decode.stats()["tiers"]["device"]["bytes_in"] == 5 * BLOCK_NBYTES
+        decode.on_device_freed([9, 8, 7, 6, 5])
+        key = decode.namespace.key(hs[2])
+        path = tmp_path / "disk" / key[:32] / key[33:35] / key[33:]
+        data = bytearray(path.read_bytes())
+        data[HEADER_SIZE + 7] ^= 0xFF  # one payload byte
+        path.write_bytes(bytes(data))
+        lr = decode.load(hs, [20, 21, 22, 23, 24]).wait(TIMEOUT)
+        assert lr.num_loaded == 2 and lr.recompute == [22, 23, 24]
+        assert torch.equal(read(decode, [20, 21]), rows[:2])
+        assert decode.backends[0].stats().corrupt == 1 and not path.exists()
+    finally:
+        decode.close()
+
+
 def test_corrupt_file_on_disk_is_a_miss(tmp_path):
     st, _ = make_stack(tmp_path, faulty=False)
     try:

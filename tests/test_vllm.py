@@ -372,6 +372,14 @@ def test_engine_payload_values_load_exactly_and_only_into_the_same_layout(model_
     assert [r["cached"] for r in got["results"]] == [160, 288]
     canonical = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
     assert [r["cached"] for r in canonical["results"]] == [0, 160]  # A's 160 from vLLM's own cache, after B
+    # local_disk reads these values straight into vLLM's KV tensors (one row per layer), so a damaged one
+    # lands there before its checksum fails: it and the block after it are recomputed, never served.
+    victim = damage_block(d, vllm_block_hashes(A)[3])
+    damaged = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], cfg)
+    assert re.search(r"request \S+: 2 of 5 blocks not loaded \(recomputed\)", damaged["log"]), damaged["log"][-3000:]
+    assert not victim.exists()
+    assert_close_outputs(damaged["results"], warm)
+    assert damaged["results"][1]["cached"] == 288
 
 
 def test_chunked_prefill_stores_each_chunks_blocks_and_loads_into_a_chunked_prefill(model_dir, tmp_path):

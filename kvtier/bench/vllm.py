@@ -10,8 +10,13 @@ random weights built locally) is served by vLLM.  Rows, all on the same prompts 
   nothing (the floor without background work: ``x_quiet_floor``);
 * ``kvtier:<backend>``: a separate decode process (``kv_consumer``) whose memory is empty loads the prefix
   from that backend; ``kvtier:host``: the same process after ``reset_prefix_cache()``, so the hit comes
-  from kvtier's host tier in the worker;
+  from kvtier's host tier in the worker (Redis and S3 decodes only: a block loaded from local_disk into a
+  CPU engine's KV is read straight into it and does not land in host memory);
 * ``example-connector``: vLLM's own ExampleConnector (safetensors on local disk) in the same roles.
+
+kvtier's rows run once per ``--payloads`` value (YAML ``storage.payload``), each on prompts of its own:
+``canonical`` rows as named above, ``engine`` rows marked ``[engine payload]`` (vLLM CPU's blocks stored as
+its kernel keeps them: plain copies, readable only by the same layout).
 
 Ratios are TTFT / floor (lower is better).  Medians over ``--repeats`` prompts.
 
@@ -57,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-mode", choices=["async", "sync", "auto"], default="async",
                    help="the connector's kv_connector_extra_config.load_mode (default async, as vLLM runs "
                         "it when the flag does not say)")
+    p.add_argument("--payloads", default="canonical,engine",
+                   help="storage.payload values to run kvtier's rows with (comma-separated): canonical "
+                        "(token-major, any engine reads it) and engine (vLLM CPU's own arrangement)")
     p.add_argument("--json", metavar="PATH")
 
 
@@ -126,13 +134,19 @@ def run(args: argparse.Namespace) -> int:
 
     rng = random.Random(0)
     n = args.repeats
-    # 0..n-1: every backend's rows; n..2n-1: local_disk's page-cache rows; 2n, 2n+1: the ITL arrivals
+    payloads = [x.strip() for x in args.payloads.split(",") if x.strip()]
+    if not payloads or not set(payloads) <= {"canonical", "engine"}:
+        print(f"kvtier bench vllm: --payloads: expected canonical and / or engine, got {args.payloads!r}",
+              file=sys.stderr)
+        return 2
+    # Per payload, a set of 2n + 2 prompts (its stored values are then its own, whatever the namespace):
+    # 0..n-1: every backend's rows; n..2n-1: local_disk's page-cache rows; 2n, 2n+1: the ITL arrivals.
     # tokens + 2: every connector can load the first ``tokens`` (vLLM computes at least the last one).  Not
     # tokens + 1: vLLM's ExampleConnector saves a prompt of L tokens under its first (L - 1) // B * B and
     # looks it up under its first (L - 2) // B * B, so where B divides L - 1 it never finds what it saved
     # (this bench's ExampleConnector rows were recomputes until it changed).
-    prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 2)] for _ in range(2 * n + 2)]
-    arrivals = [2 * n, 2 * n + 1]  # stored by the prefill, first seen by the decoder in the ITL step
+    per = 2 * n + 2
+    prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 2)] for _ in range(per * len(payloads))]
     rows: dict[str, list[float]] = {}
     reads: dict[str, list[float]] = {}  # disk row -> raw read of its prompts' files in the same state
     itl: list[dict] = []
@@ -141,15 +155,21 @@ def run(args: argparse.Namespace) -> int:
         model = _model(tmp / "model", args.layers)
         backends = [backend_section(b.strip(), stack, str(tmp), capacity="64GiB", bucket_prefix="vllm")
                     for b in args.backends.split(",") if b.strip()]
-        for be in backends:
-            cfg = tmp / f"{be['name']}.yaml"
+        for be, (k, payload) in [(be, kp) for be in backends for kp in enumerate(payloads)]:
+            o = k * per  # this payload's prompts
+            label = be["name"] + ("" if payload == "canonical" else " [engine payload]")
+            host_row = "kvtier:host" + ("" if payload == "canonical" else " [engine payload]")
+            arrivals = [o + 2 * n, o + 2 * n + 1]  # stored by the prefill, first seen by the decoder in the ITL step
+            cfg = tmp / f"{be['name']}-{payload}.yaml"
             cfg.write_text(yaml.safe_dump({"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "2GiB"},
-                                           "backends": [be], "storage": {"block_tokens": args.block_tokens}}))
+                                           "backends": [be], "storage": {"block_tokens": args.block_tokens,
+                                                                         "payload": payload}}))
             disk = be["type"] == "local_disk"
-            extra = list(range(n, 2 * n)) if disk else []
+            mine = list(range(o, o + n))
+            extra = list(range(o + n, o + 2 * n)) if disk else []
             # prefill: recompute, then vLLM's own cache (the floor); stores into the backend
-            pre = _run(tmp, f"prefill-{be['name']}", model, prompts,
-                       [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)]
+            pre = _run(tmp, f"prefill-{be['name']}-{payload}", model, prompts,
+                       [["ttft", i] for i in mine] + [["ttft", i] for i in mine]
                        + [["ttft", i] for i in extra] + [["itl", arrivals]],
                        _kvtier("kv_producer", cfg, args.load_mode))
             rows.setdefault("recompute", []).extend(r["ttft_s"] for r in pre[:n])
@@ -165,35 +185,36 @@ def run(args: argparse.Namespace) -> int:
             # files out within ~30 s the state is otherwise whatever the timing left): out of it (cold), and
             # in it; each load after the raw file ceiling over the same files in the same state.
             if disk:
-                files = _files_of(Path(be["options"]["path"]), prompts[:2 * n])
-                first = [s for i in range(n) for s in (["files", "cold", files[i]], ["ttft", i])]
-                first += [s for i in extra for s in (["files", "page cache", files[i]], ["ttft", i])]
+                files = _files_of(Path(be["options"]["path"]), prompts[o:o + 2 * n])
+                first = [s for i in mine for s in (["files", "cold", files[i - o]], ["ttft", i])]
+                first += [s for i in extra for s in (["files", "page cache", files[i - o]], ["ttft", i])]
             elif be["type"] == "redis":
-                port, values, size = _redis_values_of(be["options"]["url"], prompts[:n])
-                first = [s for i in range(n) for s in (["redis", port, values[i], size], ["ttft", i])]
+                port, values, size = _redis_values_of(be["options"]["url"], prompts[o:o + n])
+                first = [s for i in mine for s in (["redis", port, values[i - o], size], ["ttft", i])]
             else:
-                first = [["ttft", i] for i in range(n)]
-            dec = _run(tmp, f"decode-{be['name']}", model, prompts,
-                       first + [["reset"]] + [["ttft", i] for i in range(n)] + [["ttft", i] for i in range(n)]
+                first = [["ttft", i] for i in mine]
+            dec = _run(tmp, f"decode-{be['name']}-{payload}", model, prompts,
+                       first + [["reset"]] + [["ttft", i] for i in mine] + [["ttft", i] for i in mine]
                        + [["itl", arrivals]], _kvtier("kv_consumer", cfg, args.load_mode))
             ttft = [r for r in dec if "ttft_s" in r]
             loads, host, again = ttft[:n + len(extra)], ttft[n + len(extra):2 * n + len(extra)], ttft[-n:]
             if disk:
-                rows.setdefault(f"kvtier:{be['name']} (cold)", []).extend(r["ttft_s"] for r in loads[:n])
-                rows.setdefault(f"kvtier:{be['name']} (page cache)", []).extend(r["ttft_s"] for r in loads[n:])
+                rows.setdefault(f"kvtier:{label} (cold)", []).extend(r["ttft_s"] for r in loads[:n])
+                rows.setdefault(f"kvtier:{label} (page cache)", []).extend(r["ttft_s"] for r in loads[n:])
                 for r in dec:
                     if "files" in r:
-                        reads.setdefault(f"kvtier:{be['name']} ({r['files']})", []).append(r["read_s"])
+                        reads.setdefault(f"kvtier:{label} ({r['files']})", []).append(r["read_s"])
             else:
-                rows.setdefault(f"kvtier:{be['name']}", []).extend(r["ttft_s"] for r in loads)
+                rows.setdefault(f"kvtier:{label}", []).extend(r["ttft_s"] for r in loads)
                 for r in dec:
                     if r.get("raw") == "redis":
-                        reads.setdefault(f"kvtier:{be['name']}", []).append(r["read_s"])
-            rows.setdefault("kvtier:host", []).extend(r["ttft_s"] for r in host)
+                        reads.setdefault(f"kvtier:{label}", []).append(r["read_s"])
+            if not disk:  # a local_disk load into vLLM CPU's KV skips host memory (the page cache holds it)
+                rows.setdefault(host_row, []).extend(r["ttft_s"] for r in host)
             rows.setdefault("vllm-device-cache-quiet", []).extend(r["ttft_s"] for r in again)
-            itl.append({"arrivals": f"kvtier:{be['name']}", **dec[-1]})
+            itl.append({"arrivals": f"kvtier:{label}", **dec[-1]})
             if any(r["cached"] < args.tokens // 32 * 32 for r in loads + host):
-                print(f"WARNING {be['name']}: some loads were partial: {[r['cached'] for r in loads + host]}")
+                print(f"WARNING {label}: some loads were partial: {[r['cached'] for r in loads + host]}")
         if not args.no_example:
             # vLLM's ExampleConnector reads its own files (safetensors): in the page cache, as the
             # page-cache local_disk row.
