@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ._load_plan import Source, Step, lost
-from .blockformat import Segments
 from ._stack_results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
+from .blockformat import Segments
 from .groups import load_chunks
 from .index import Tier
 from .transfer import TransferGroup
