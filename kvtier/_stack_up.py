@@ -52,9 +52,10 @@ class Upward:
         the host tier).
 
         ``direct(j)``: where key ``j``'s device block lies in CPU memory (None: nowhere).  A key whose
-        backend reads segments is read straight into it and never lands in host memory: the backend
-        keeps it (a local disk's page cache already holds what host memory would, at the cost of a copy
-        more in every load).  Should that backend fail it, only backends that read segments are tried."""
+        backend loads straight into it (``TierStack.direct_loads``: ``host.promote_loads: false``) is read
+        there and never lands in host memory: the backend keeps it (a local disk's page cache already
+        holds what host memory would, at the cost of a copy more in every load).  Should that backend
+        fail it, only backends that load straight into it are tried."""
         s = self.s
         m = len(where)
         out: list[Step | None] = [None] * len(keys)
@@ -68,7 +69,7 @@ class Upward:
                     todo.append(j)
         if not todo:
             return out
-        segs = s._backends.reads_segments
+        segs = s.direct_loads
         bufs: dict[int, Any] = {}  # key position -> where its payload is read to
         if direct is not None:
             for j in todo:
@@ -196,7 +197,7 @@ class Upward:
                     land = direct = None
                     if not s.device.is_cuda:
                         land = self._lander(ids, pos[a:b], landed)
-                        direct = self._segments(ids, pos[a:b])
+                        direct = self._segments(ids, pos[a:b]) if any(s.direct_loads) else None
                     got = self.fetch(keys[a:b], where[a:b], allow_tmp=True, on_verified=land, direct=direct)
                     for i, g in zip(pos[a:b], got):
                         plan[i] = g or lost()

@@ -170,6 +170,11 @@ class HostSection(_Section):
         "auto", description="Page-locked memory: auto = when CUDA is available.")
     prefault: bool = Field(True, description="Touch the whole slab at start-up (~0.2 s a GiB) so loads never "
                                              "pay first-touch page faults.")
+    promote_loads: bool = Field(
+        True, description="Blocks a load reads from a backend land in host memory too (true).  false: where "
+                          "a backend reads a block straight into a CPU engine's KV tensors (local_disk, with a "
+                          "layout whose blocks are their stored bytes), it does, and the block stays out of "
+                          "host memory: a copy less per block, and the page cache holds it anyway.")
 
 
 class BackendConfig(_Section):
@@ -321,6 +326,14 @@ class KvtierConfig(_Section):
         arranged = self.payload_arrangement
         tail = f"; values keep {arranged}'s own arrangement" if arranged != CANONICAL_PAYLOAD else ""
         return " -> ".join(tiers) + tail
+
+
+def direct_loads(config: KvtierConfig, reads_segments: list[bool], payload_rows: bool) -> list[bool]:
+    """Per backend, whether a load reads its blocks straight into the engine's KV tensors and leaves them
+    out of host memory: ``host.promote_loads`` is false, the KV tensors hold each block as its payload's
+    rows in CPU memory (``payload_rows``), and the backend reads segments (``reads_segments``).  The
+    stack and ``kvtier simulate`` both decide with this."""
+    return [r and payload_rows and not config.host.promote_loads for r in reads_segments]
 
 
 def json_schema() -> dict[str, Any]:

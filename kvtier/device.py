@@ -202,6 +202,12 @@ class DeviceTier:
             raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
         self._codec.write_one(payload, block_id)
 
+    @property
+    def holds_payload_rows(self) -> bool:
+        """Whether the KV tensors are in CPU memory and hold each block as its payload's rows (one per
+        layer-component): a backend can then read a block straight into them (:meth:`block_segments`)."""
+        return self._codec.np_views is not None
+
     def block_segments(self, block_id: int) -> Segments | None:
         """Where block ``block_id``'s payload lies in the KV tensors, in payload order (one part per
         layer-component row): a backend that ``reads_segments`` reads a block straight into them, with no

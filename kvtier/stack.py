@@ -59,7 +59,7 @@ from ._stack_results import (
 )
 from ._stack_up import Upward
 from .backend_api import StorageBackend
-from .config import KvtierConfig, load_config
+from .config import KvtierConfig, direct_loads, load_config
 from .device import int_array
 from .host import WRITING, HostTier
 from .index import BlockIndex, Tier
@@ -126,6 +126,10 @@ class TierStack:
         # A load reads its backend blocks in chunks of about this many bytes, copying each chunk to the
         # device while the next is read (too small: more backend calls; too large: less overlap).
         self.load_chunk_bytes = 32 * 2**20
+        # Per backend: whether a load reads its blocks straight into the engine's KV tensors, skipping host
+        # memory (kvtier.config.direct_loads: host.promote_loads false, CPU KV rows, a backend that reads
+        # segments).
+        self.direct_loads = direct_loads(config, self._backends.reads_segments, self.device.holds_payload_rows)
 
         slots = self.host.num_slots if self.host else 0
         self.index = BlockIndex(capacity=max(1024, self.device.num_blocks + slots))

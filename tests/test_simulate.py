@@ -17,10 +17,12 @@ from kvtier.simulate.grid import grid_points, parse_axes
 from kvtier.workload import ChatWorkload, iter_trace
 
 
-def _config(tmp_path, *, host: str, disk: str, write: str, block_tokens: int | None = None) -> str:
+def _config(tmp_path, *, host: str, disk: str, write: str, block_tokens: int | None = None,
+            promote: bool = True) -> str:
     d = yaml.safe_load(resources.files("kvtier.configs").joinpath("local.yaml").read_text())
     d["device"]["kind"] = "cpu"
     d["host"]["capacity"] = host
+    d["host"]["promote_loads"] = promote
     d["backends"][0]["options"] = {"path": str(tmp_path / "disk"), "capacity": disk}
     d["policies"]["write"]["name"] = write
     d["storage"] = {"block_tokens": block_tokens}
@@ -53,14 +55,16 @@ def _assert_close(real: dict[str, float], sim: dict[str, float]) -> None:
 CHAT = dict(users=12, turns=4)
 
 
-@pytest.mark.parametrize("host,write,block_tokens", [("6MiB", "write_through", None),
-                                                     ("0", "write_through_selective", None),
-                                                     ("6MiB", "write_through", 64),
-                                                     ("6MiB", "write_back", 64)])
-def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write, block_tokens):
+@pytest.mark.parametrize("host,write,block_tokens,promote", [("6MiB", "write_through", None, True),
+                                                             ("0", "write_through_selective", None, True),
+                                                             ("6MiB", "write_through", 64, True),
+                                                             ("6MiB", "write_back", 64, True),
+                                                             ("6MiB", "write_through", None, False)])
+def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write, block_tokens, promote):
     # Small tiers, so that every tier serves hits and both the host and the disk evict; no host tier at
-    # all (stores go straight to the disk); and stored values of 4 blocks (storage.block_tokens).
-    cfg = _config(tmp_path, host=host, disk="12MiB", write=write, block_tokens=block_tokens)
+    # all (stores go straight to the disk); stored values of 4 blocks (storage.block_tokens); and loads
+    # from the disk read straight into the CPU KV tensors, out of host memory (host.promote_loads false).
+    cfg = _config(tmp_path, host=host, disk="12MiB", write=write, block_tokens=block_tokens, promote=promote)
     out = tmp_path / "run"
     assert main(["run", "--config", cfg, "--no-progress", "--wait-writes", "--device-blocks", "96", "--users", "12",
                  "--turns", "4", "--out", str(out), "--record-trace", str(out / "trace.jsonl")]) == 0

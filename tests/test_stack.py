@@ -281,8 +281,9 @@ def test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(stack_fb8)
 
 
 def test_a_cpu_load_from_local_disk_reads_each_block_straight_into_the_kv_tensors(tmp_path):
-    """local_disk reads segments: a load into CPU KV tensors reads each block's value into the tensor rows
-    that hold it (no host-memory copy; the page cache keeps it), verifies it there, and reports it loaded
+    """host.promote_loads false, and local_disk reads segments: a load into CPU KV tensors reads each
+    block's value into the tensor rows that hold it (no host-memory copy; the page cache keeps it),
+    verifies it there, and reports it loaded
     from the disk.  A corrupt block in the middle: it and every block after it are recomputed, never
     reported loaded, and the blocks before it hold their exact bytes."""
     prefill = TierStack(config(tmp_path, host_slots=8))
@@ -291,9 +292,12 @@ def test_a_cpu_load_from_local_disk_reads_each_block_straight_into_the_kv_tensor
     prefill.store(hs, list(range(5))).wait(TIMEOUT)
     assert prefill.flush(TIMEOUT)
     prefill.close()
-    decode = TierStack(config(tmp_path, host_slots=8))
+    default = TierStack(config(tmp_path, host_slots=8))
+    assert default.direct_loads == [False]  # the default: loaded blocks land in host memory too
+    default.close()
+    decode = TierStack(config(tmp_path, host_slots=8, host={"capacity": 8 * BLOCK_NBYTES, "promote_loads": False}))
     try:
-        assert decode._backends.reads_segments == [True]
+        assert decode.direct_loads == [True]
         lr = decode.load(hs, [9, 8, 7, 6, 5]).wait(TIMEOUT)
         assert lr.num_loaded == 5 and set(lr.tiers) == {Tier.backend(0)}
         assert torch.equal(read(decode, [9, 8, 7, 6, 5]), rows)

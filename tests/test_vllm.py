@@ -357,11 +357,13 @@ def test_grouped_values_of_two_vllm_blocks(model_dir, warm, tmp_path):
 
 def test_engine_payload_values_load_exactly_and_only_into_the_same_layout(model_dir, warm, tmp_path):
     """storage.payload: engine.  The prefill stores vLLM CPU's blocks as its kernel keeps them (no
-    rearranging copy), the decode loads them: tokens and logprobs exact, exactly the stored prefix.  The
+    rearranging copy), the decode loads them (read straight into vLLM's KV: host.promote_loads false):
+    tokens and logprobs exact, exactly the stored prefix.  The
     namespace names the layout, so a deployment with the canonical payload over the same directory finds
     none of those values (a miss, never KV it would misread)."""
     d = tmp_path / "blocks"
-    cfg = {**kv_config(disk(d)), "storage": {"payload": "engine"}}
+    # host.promote_loads false: local_disk reads the values straight into vLLM's KV tensors
+    cfg = {**kv_config(disk(d)), "storage": {"payload": "engine"}, "host": {"capacity": "32MiB", "promote_loads": False}}
     pre = run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg)
     layout = re.search(r"worker side up: \d+ layers, layout (\S+) .*; values keep (\S+)'s own arrangement",
                        pre["log"])

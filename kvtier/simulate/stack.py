@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from .._load_plan import Source
 from .._stack_backends import BackendSet
 from .._stack_results import PRESENT, SKIPPED, STORED, LoadResult, LookupResult, StoreResult
-from ..config import KvtierConfig
+from ..config import KvtierConfig, direct_loads
 from ..groups import group_of, load_chunks, whole_groups
 from ..index import BlockIndex, Tier
 from ..manager import TierManager
@@ -79,6 +79,7 @@ class SimulatedStack:
         self._backends = BackendSet(self.ledgers, [b.write for b in config.backends], self.metrics,
                                     self.namespace.layout_id, block_nbytes)
         self.writable = list(self._backends.writable)
+        self.direct = self._direct_loads(config)  # per backend: loads skip host memory (TierStack.direct_loads)
         pol = config.policies
         self.write_policy = pol.write.plugin()(pol.write.options)
         self.eviction_policy = pol.eviction.plugin()(pol.eviction.options)
@@ -96,6 +97,21 @@ class SimulatedStack:
         self._on_insert = None if ev.on_insert is EvictionPolicy.on_insert else self.eviction_policy.on_insert
         self._on_access = None if ev.on_access is EvictionPolicy.on_access else self.eviction_policy.on_access
         self._on_remove = None if ev.on_remove is EvictionPolicy.on_remove else self.eviction_policy.on_remove
+
+    @staticmethod
+    def _direct_loads(config: KvtierConfig) -> list[bool]:
+        """``TierStack.direct_loads`` for the device ``kvtier run`` would build from this config."""
+        if config.host.promote_loads:
+            return [False] * len(config.backends)  # decided without torch: the common case
+        import torch
+
+        from ..layout import KVLayout
+
+        kind = config.device.kind if config.device.kind != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        layout = KVLayout.from_namespace(config.namespace(), 1, config.device.layout)
+        reads = [bool(getattr(b.plugin(), "reads_segments", False)) for b in config.backends]
+        return direct_loads(config, reads, kind == "cpu" and not layout.rearranges)
 
     # ------------------------------------------------------------------ what the engine calls
 
@@ -225,14 +241,17 @@ class SimulatedStack:
                 todo.append(j)
         if not todo:
             return out
-        slots = self._take(len(todo)) if self.host_slots else []
-        for r, j in enumerate(todo):
+        straight = {j for j in todo if self.direct[where[j]]}  # read into the device block: no host slot
+        slots = self._take(len(todo) - len(straight)) if self.host_slots else []
+        r = -1
+        for j in todo:
             key = keys[j]
             b = where[j]
+            r += j not in straight
             got = self.ledgers[b].record_get([strs[j]])[0]
             if not got:  # evicted meanwhile (a write-back's put made room): the others, in order
                 b = next((i for i in range(len(self.ledgers)) if i != where[j] and
-                          self.ledgers[i].record_get([strs[j]])[0]), -1)
+                          (self.direct[i] or j not in straight) and self.ledgers[i].record_get([strs[j]])[0]), -1)
                 got = b >= 0
                 if key in idx:
                     idx.remove_backend(key, where[j])
@@ -240,7 +259,7 @@ class SimulatedStack:
                 self.counters[self.ledgers[b].name].read += 1
                 if key in idx:
                     idx.add_backend(key, b)
-            if r < len(slots):
+            if j not in straight and r < len(slots):
                 if got:
                     self._commit_host(key, slots[r])
                     self.counters["host"].written += 1

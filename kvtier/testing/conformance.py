@@ -190,6 +190,23 @@ class BackendConformance:
         assert ok == [True, True, False, True, True, False]
         assert sorted(told) == [(0, True), (1, True), (3, True), (4, True)]
 
+    def test_segments_when_the_backend_reads_them(self, kv: StorageBackend) -> None:
+        """A backend that says ``reads_segments`` fills a payload given as :class:`~kvtier.blockformat.
+        Segments` in order and verifies it there: the parts hold the value's bytes back to back; a corrupt
+        value is a miss.  A backend that does not say so is never handed segments (nothing to test)."""
+        if not type(kv).reads_segments:
+            return
+        ks = keys(NS_A, 2)
+        data = [rand(SIZE) for _ in ks]
+        assert kv.put(ks, data, NS_A.layout_id) == [True, True]
+        self.corrupt(kv, ks[1], FIELDS["payload_checksum"])
+        cuts = [0, 7, SIZE // 3, SIZE // 3 + 1, SIZE]
+        parts = [[bytearray(b - a) for a, b in zip(cuts, cuts[1:])] for _ in ks]
+        segs = [blockformat.Segments([memoryview(p) for p in ps]) for ps in parts]
+        assert kv.get_into(ks, segs, NS_A.layout_id) == [True, False]
+        assert b"".join(parts[0]) == data[0]
+        assert kv.stats().corrupt == 1
+
     def test_contains_prefix_and_exists(self, kv: StorageBackend) -> None:
         chain = keys(NS_A, 6)
         assert kv.put(chain[:3] + chain[4:], [rand(64) for _ in range(5)], NS_A.layout_id) == [True] * 5
