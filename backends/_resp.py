@@ -30,8 +30,22 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias, TypeVar
 
+from kvtier.blockformat import Segments
+
 CRLF = b"\r\n"
 _SEND_CHUNK_BYTES = 64 << 20  # bytes handed to one sendmsg call
+_IOV_BATCH = 1024  # buffers handed to one recvmsg_into call (Linux's IOV_MAX)
+
+
+def _first_bytes(seg: Segments, n: int) -> list[memoryview]:
+    """The parts of ``seg`` that hold its first ``n`` bytes, the last one cut to fit."""
+    out = []
+    for p in seg.parts:
+        if n <= 0:
+            break
+        out.append(p[:n])
+        n -= len(out[-1])
+    return out
 _SEND_CHUNK_BUFS = 512        # below IOV_MAX (1024) on Linux
 _BUF_SIZE = 256 << 10
 
@@ -258,11 +272,38 @@ class Connection:
             self._into(scratch[:k])
             n -= k
 
-    def read_bulk_into(self, header: memoryview, payload: memoryview, hint: int = 64) -> int | ReplyError | None:
-        """Read one GET reply into ``header`` then ``payload``.  Returns the value's length (bytes past
-        the two buffers are read and dropped), None for nil, or a ReplyError.  ``hint`` is how many bytes
-        to ask the socket for when looking for the reply line: the expected line length, so a reply is
-        normally not pre-read into the internal buffer and then copied."""
+    def _into_parts(self, views: list[memoryview]) -> None:
+        """Fill ``views`` in order (a payload in segments): one scatter read per syscall where the read
+        buffer is empty and the socket takes them (not TLS), else one view at a time."""
+        views = [v for v in views if len(v)]
+        while views and self._r < self._w:  # first what the read buffer already holds
+            got = min(self._w - self._r, len(views[0]))
+            views[0][:got] = self._mv[self._r:self._r + got]
+            self._r += got
+            views[0] = views[0][got:]
+            if not len(views[0]):
+                views.pop(0)
+        if self.tls:  # an SSL socket has no recvmsg_into
+            for v in views:
+                self._into(v)
+            return
+        while views:
+            k = self.sock.recvmsg_into(views[:_IOV_BATCH])[0]
+            if not k:
+                raise ConnectionError(f"redis {self.addr[0]}:{self.addr[1]}: connection closed by server")
+            while views and k >= len(views[0]):
+                k -= len(views[0])
+                views.pop(0)
+            if k:
+                views[0] = views[0][k:]
+
+    def read_bulk_into(self, header: memoryview, payload: memoryview | Segments,
+                       hint: int = 64) -> int | ReplyError | None:
+        """Read one GET reply into ``header`` then ``payload`` (a buffer, or segments: its parts in
+        order).  Returns the value's length (bytes past the buffers are read and dropped), None for nil,
+        or a ReplyError.  ``hint`` is how many bytes to ask the socket for when looking for the reply
+        line: the expected line length, so a reply is normally not pre-read into the internal buffer and
+        then copied."""
         line = self._line(hint)
         t = line[:1]
         if t != b"$":
@@ -273,6 +314,13 @@ class Connection:
         if size < 0:
             return None
         h = min(size, len(header))
+        if isinstance(payload, Segments):
+            p = min(size - h, payload.nbytes)
+            self._into_parts([header[:h], *_first_bytes(payload, p)])
+            if size - h - p:
+                self._skip(size - h - p)
+            self._crlf = True
+            return size
         p = min(size - h, len(payload))
         if p and not self.tls and self._r == self._w:  # the usual case: one syscall fills both
             self._into2(header[:h], payload[:p])

@@ -34,7 +34,7 @@ from urllib.parse import quote, unquote, urlsplit
 from pydantic import Field, SecretStr, model_validator
 
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
-from kvtier.blockformat import HEADER_SIZE
+from kvtier.blockformat import HEADER_SIZE, Segments
 
 from ._redis_events import EvictionEvents, EvictionListener
 from ._resp import NODE_ERRORS, Buf, Connection, RedisNodeError, Reply, ReplyError, command, pipeline
@@ -120,6 +120,7 @@ class RedisBackend(StorageBackend):
     """Redis / Redis Cluster backend.  Thread-safe: each call takes its own pooled connection per node."""
 
     streams_verified = True  # _get_blocks reports each block as it verifies it (StorageBackend.get_into)
+    reads_segments = True  # a payload may be Segments: its GET reply is received into the parts in order
 
     Options = RedisOptions
 
@@ -202,17 +203,17 @@ class RedisBackend(StorageBackend):
             return ([head, payload, tail] if n > len(header) else [head, tail]), 5
         return [r == b"OK" for r in self._pipelined(rkeys, build, lambda c, i: c.read_reply(), False, self._stripes)]
 
-    def _get(self, keys: Sequence[str], headers: Sequence[memoryview], payloads: Sequence[memoryview],
+    def _get(self, keys: Sequence[str], headers: Sequence[memoryview], payloads: Sequence[memoryview | Segments],
              on_value: Callable[[int, int], None] | None = None) -> list[int | None]:
         rkeys = self._rkeys(keys)
 
         def build(i: int) -> tuple[list[Buf], int]:
             k = rkeys[i]
-            return [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)], len(headers[i]) + len(payloads[i]) + 16
+            return [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)], len(headers[i]) + payloads[i].nbytes + 16
 
         def read(c: Connection, i: int) -> int | ReplyError | None:
             h, p = headers[i], payloads[i]
-            size = c.read_bulk_into(h, p, len(b"$%d\r\n" % (len(h) + len(p))))
+            size = c.read_bulk_into(h, p, len(b"$%d\r\n" % (len(h) + p.nbytes)))
             if on_value is not None and isinstance(size, int):
                 on_value(i, size)
             return size

@@ -121,7 +121,7 @@ def frame(key: str, payload: memoryview, layout_id: int) -> bytes:
     return blockformat.encode_header(ns, h, layout_id, payload)
 
 
-def verify(key: str, size: int, header: bytes | bytearray | memoryview, payload: memoryview,
+def verify(key: str, size: int, header: bytes | bytearray | memoryview, payload: memoryview | blockformat.Segments,
            layout_id: int) -> str | None:
     """Why a stored value of ``size`` bytes, read as (header, payload), is not ``key``'s block; None if it is."""
     expected = blockformat.HEADER_SIZE + payload.nbytes

@@ -172,7 +172,7 @@ class HostSection(_Section):
                                              "pay first-touch page faults.")
     promote_loads: bool = Field(
         True, description="Blocks a load reads from a backend land in host memory too (true).  false: where "
-                          "a backend reads a block straight into a CPU engine's KV tensors (local_disk, with a "
+                          "a backend reads a block straight into a CPU engine's KV tensors (local_disk, Redis; with a "
                           "layout whose blocks are their stored bytes), it does, and the block stays out of "
                           "host memory: a copy less per block, and the page cache holds it anyway.")
 

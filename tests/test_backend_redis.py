@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.backend_api import BackendError, BackendTimeout, BackendUnavailable
 from kvtier.backends.redis import RedisBackend
+from kvtier.blockformat import Segments
 from kvtier.keys import Namespace
 from kvtier.testing.redis_server import redis_available, start_redis
 
@@ -241,6 +242,10 @@ def test_tls():
         ks, data = keys(6), payloads(6, 300_000)
         assert b.put(ks, data, NS.layout_id) == [True] * 6
         assert get(b, ks, 300_000)[1] == [bytes(d) for d in data]
+        # A payload in segments (a block read straight into an engine's KV) over TLS: one part at a time.
+        parts = [bytearray(100_000), bytearray(1), bytearray(199_999)]
+        seg = Segments([memoryview(p) for p in parts])
+        assert b.get_into(ks[:1], [seg], NS.layout_id) == [True] and b"".join(parts) == bytes(data[0])
         untrusted = RedisBackend({"url": srv.url})  # the test CA is not trusted by default
         with pytest.raises(BackendUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
             untrusted.exists(ks)

@@ -10,14 +10,14 @@ random weights built locally) is served by vLLM.  Rows, all on the same prompts 
   nothing (the floor without background work: ``x_quiet_floor``);
 * ``kvtier:<backend>``: a separate decode process (``kv_consumer``) whose memory is empty loads the prefix
   from that backend; ``kvtier:host``: the same process after ``reset_prefix_cache()``, so the hit comes
-  from kvtier's host tier in the worker (not for local_disk's engine rows, whose loads read straight into
-  vLLM's KV and leave host memory out);
+  from kvtier's host tier in the worker (not for the engine rows, whose loads read straight into vLLM's
+  KV and leave host memory out);
 * ``example-connector``: vLLM's own ExampleConnector (safetensors on local disk) in the same roles.
 
 kvtier's rows run once per ``--payloads`` value (YAML ``storage.payload``), each on prompts of its own:
 ``canonical`` rows as named above, ``engine`` rows marked ``[engine payload]`` (vLLM CPU's blocks stored as
 its kernel keeps them: plain copies, readable only by the same layout; and ``host.promote_loads: false``,
-so local_disk reads them straight into vLLM's KV tensors).
+so local_disk and Redis read them straight into vLLM's KV tensors).
 
 Ratios are TTFT / floor (lower is better).  Medians over ``--repeats`` prompts.
 
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             arrivals = [o + 2 * n, o + 2 * n + 1]  # stored by the prefill, first seen by the decoder in the ITL step
             cfg = tmp / f"{be['name']}-{payload}.yaml"
             # engine rows: the fast configuration on vLLM CPU (values as its kernel keeps them, read from
-            # local_disk straight into its KV tensors)
+            # local_disk or Redis straight into its KV tensors)
             host_cfg = {"capacity": "2GiB", **({"promote_loads": False} if payload == "engine" else {})}
             cfg.write_text(yaml.safe_dump({"keys": {"algo": "sha256_cbor"}, "host": host_cfg,
                                            "backends": [be], "storage": {"block_tokens": args.block_tokens,
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                 for r in dec:
                     if r.get("raw") == "redis":
                         reads.setdefault(f"kvtier:{label}", []).append(r["read_s"])
-            if not (disk and payload == "engine"):  # those local_disk loads skip host memory: no host hit
+            if payload != "engine":  # those loads read straight into vLLM's KV, out of host memory: no host hit
                 rows.setdefault(host_row, []).extend(r["ttft_s"] for r in host)
             rows.setdefault("vllm-device-cache-quiet", []).extend(r["ttft_s"] for r in again)
             itl.append({"arrivals": f"kvtier:{label}", **dec[-1]})
