@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=("flash_attn", "cpu_attn", "cpu_attn_amx"), default="flash_attn",
                         help="KV layout of the cache: cpu_attn / cpu_attn_amx (vLLM CPU's head-major cache as "
                              "its vec / amx kernels write it) copies rearrange elements")
+    parser.add_argument("--payload", choices=("canonical", "engine"), default="canonical",
+                        help="storage.payload: engine moves a cpu_attn / cpu_attn_amx block as the engine keeps it")
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats, median reported")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's); 1 gives steadier figures on a busy host")
@@ -79,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
     if cuda and args.layout.startswith("cpu_attn"):
         raise SystemExit(f"kvtier bench tiers: --layout {args.layout} is vLLM's CPU layout; use --device cpu")
     layout = KVLayout(args.layout, args.layers, nblocks, args.block_size, args.kv_heads, args.head_dim,
-                      torch.bfloat16)
+                      torch.bfloat16, payload=args.payload)
     bn = layout.block_nbytes
     nbytes = n * bn
-    print(f"kvtier bench tiers: {dev_name}, {bn / 2**20:.2f} MiB blocks, cache {nblocks} blocks "
+    print(f"kvtier bench tiers: {dev_name}, {args.layout} ({args.payload} payload), {bn / 2**20:.2f} MiB blocks, cache {nblocks} blocks "
           f"({nblocks * bn / GiB:.2f} GiB), batches of {n} ({nbytes / 2**20:.0f} MiB), "
           f"torch threads {torch.get_num_threads()}")
 
