@@ -113,14 +113,20 @@ def test_load_promotes_backend_blocks_into_host(stack_fb):
     assert st.lookup(hs).counts == {"host": 3}
 
 
-def test_decode_instance_loads_what_a_prefill_instance_stored(tmp_path):
-    """P/D: two stacks share a disk; the second knows nothing but the keys."""
+def prefilled(tmp_path, n: int, seed: int) -> tuple[list[bytes], torch.Tensor]:
+    """A prefill stack stored ``n`` random blocks on the disk in tmp_path and closed: their keys, payloads."""
     prefill = TierStack(config(tmp_path, host_slots=8))
-    hs = chain(prefill, 5)
-    rows = fill(prefill, list(range(5)), seed=5)
-    prefill.store(hs, list(range(5))).wait(TIMEOUT)
+    hs = chain(prefill, n)
+    rows = fill(prefill, list(range(n)), seed=seed)
+    prefill.store(hs, list(range(n))).wait(TIMEOUT)
     assert prefill.flush(TIMEOUT)
     prefill.close()
+    return hs, rows
+
+
+def test_decode_instance_loads_what_a_prefill_instance_stored(tmp_path):
+    """P/D: two stacks share a disk; the second knows nothing but the keys."""
+    hs, rows = prefilled(tmp_path, 5, seed=5)
     decode = TierStack(config(tmp_path, backends=[
         {"name": "disk", "type": "local_disk", "write": False, "options": {"path": str(tmp_path / "disk")}}]))
     try:
@@ -283,15 +289,9 @@ def test_a_failed_chunk_ends_the_prefix_and_later_chunks_are_not_read(stack_fb8)
 def test_a_cpu_load_from_local_disk_reads_each_block_straight_into_the_kv_tensors(tmp_path):
     """host.promote_loads false, and local_disk reads segments: a load into CPU KV tensors reads each
     block's value into the tensor rows that hold it (no host-memory copy; the page cache keeps it),
-    verifies it there, and reports it loaded
-    from the disk.  A corrupt block in the middle: it and every block after it are recomputed, never
+    verifies it there, and reports it loaded from the disk.  A corrupt block in the middle: it and every block after it are recomputed, never
     reported loaded, and the blocks before it hold their exact bytes."""
-    prefill = TierStack(config(tmp_path, host_slots=8))
-    hs = chain(prefill, 5)
-    rows = fill(prefill, list(range(5)), seed=21)
-    prefill.store(hs, list(range(5))).wait(TIMEOUT)
-    assert prefill.flush(TIMEOUT)
-    prefill.close()
+    hs, rows = prefilled(tmp_path, 5, seed=21)
     default = TierStack(config(tmp_path, host_slots=8))
     assert default.direct_loads == [False]  # the default: loaded blocks land in host memory too
     default.close()
