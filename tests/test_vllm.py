@@ -417,16 +417,18 @@ def test_identical_prompts_arriving_together_load_the_same_blocks_at_once(model_
     loads: dict[str, list[int]] = {}
     for req, n in re.findall(r"request (\d+)-\S+: (\d+) blocks loaded", got["log"]):
         loads.setdefault(req, []).append(int(n))
-    # Each B loads B's 5 stored blocks, unless one B's load and compute ended before the other B's probe
-    # answered: that one then finds all of B's 8 full blocks in vLLM's own cache (seen on a fast CPU).
-    # Each A loads A's 9 from kvtier, or 4 after the 5 vLLM holds once a B was computed; the second A, as
-    # the second B, may find all of A in vLLM's own cache.  At least one of each pair loads.
+    # Each B loads B's 5 stored blocks, unless vLLM holds them by the time its probe answers: one B's load
+    # and compute ended first (that B then finds all of B's 8 full blocks in vLLM's own cache, seen on a
+    # fast CPU), or the A's loads, whose first 5 blocks are B's, ended first (both B find their 5 there,
+    # seen with loads read straight into vLLM's KV).  Each A loads A's 9 from kvtier, or 4 after the 5
+    # vLLM holds once a B was computed; the second A, as the second B, may find all of A in vLLM's own
+    # cache.  Whatever the order, the A pair loads, the same keys at once where both do.
     b_loads, a_loads = loads.get("0", []) + loads.get("1", []), loads.get("2", []) + loads.get("3", [])
-    assert b_loads and set(b_loads) == {5}, loads
+    assert set(b_loads) <= {5}, loads
     assert a_loads and set(a_loads) <= {9, 4}, loads
     assert "blocks not loaded" not in got["log"]
     cached = [r["cached"] for r in got["results"]]
-    assert cached[2:] == [288, 288] and sorted(cached[:2]) in ([160, 160], [160, 256]), cached
+    assert cached[2:] == [288, 288] and sorted(cached[:2]) in ([160, 160], [160, 256], [256, 256]), cached
     assert_close_outputs(got["results"], [warm[0], warm[0], warm[1], warm[1]])
 
 
