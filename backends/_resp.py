@@ -34,19 +34,8 @@ from kvtier.blockformat import Segments
 
 CRLF = b"\r\n"
 _SEND_CHUNK_BYTES = 64 << 20  # bytes handed to one sendmsg call
-_IOV_BATCH = 1024  # buffers handed to one recvmsg_into call (Linux's IOV_MAX)
-
-
-def _first_bytes(seg: Segments, n: int) -> list[memoryview]:
-    """The parts of ``seg`` that hold its first ``n`` bytes, the last one cut to fit."""
-    out = []
-    for p in seg.parts:
-        if n <= 0:
-            break
-        out.append(p[:n])
-        n -= len(out[-1])
-    return out
 _SEND_CHUNK_BUFS = 512        # below IOV_MAX (1024) on Linux
+_IOV_BATCH = 1024  # buffers handed to one recvmsg_into call (Linux's IOV_MAX)
 _BUF_SIZE = 256 << 10
 
 # Replies that mean "this node cannot serve now" rather than "this key failed".
@@ -316,7 +305,7 @@ class Connection:
         h = min(size, len(header))
         if isinstance(payload, Segments):
             p = min(size - h, payload.nbytes)
-            self._into_parts([header[:h], *_first_bytes(payload, p)])
+            self._into_parts([header[:h], *payload.head(p)])
             if size - h - p:
                 self._skip(size - h - p)
             self._crlf = True

@@ -91,6 +91,16 @@ class Segments:
         self.parts = [p if p.format == "B" and p.ndim == 1 else p.cast("B") for p in parts]
         self.nbytes = sum(p.nbytes for p in self.parts)
 
+    def head(self, n: int) -> list[memoryview]:
+        """The parts that hold the payload's first ``n`` bytes, the last one cut to fit."""
+        out = []
+        for p in self.parts:
+            if n <= 0:
+                break
+            out.append(p[:n])
+            n -= out[-1].nbytes
+        return out
+
     def tail(self, offset: int) -> list[memoryview]:
         """The parts from byte ``offset`` of the payload on (what a short read still has to fill)."""
         out = []

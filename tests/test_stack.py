@@ -317,6 +317,30 @@ def test_a_cpu_load_from_local_disk_reads_each_block_straight_into_the_kv_tensor
         decode.close()
 
 
+def test_backend_faults_on_a_straight_load_are_misses_never_served(tmp_path):
+    """host.promote_loads false: a load reading straight into CPU KV tensors meets a failing backend (a
+    miss: the blocks are recomputed, the engine goes on) and a value gone bad after its read checked it
+    (never reported loaded); then, the faults cleared, the same load delivers every block exactly."""
+    hs, rows = prefilled(tmp_path, 4, seed=31)
+    st, fb = make_stack(tmp_path, host={"capacity": 8 * BLOCK_NBYTES, "promote_loads": False})
+    assert fb is not None
+    try:
+        assert st.direct_loads == [True]
+        fb.fail("get", BackendUnavailable, times=1)
+        lr = st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT)
+        assert lr.num_loaded == 0 and lr.recompute == [10, 11, 12, 13]
+        st.on_device_freed([10, 11, 12, 13])
+        fb.corrupt(keys=st.namespace.keys(hs[1:2]), times=1)
+        lr = st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT)
+        assert lr.num_loaded == 1 and lr.recompute == [11, 12, 13]
+        st.on_device_freed([10, 11, 12, 13])
+        fb.clear()
+        lr = st.load(hs, [10, 11, 12, 13]).wait(TIMEOUT)
+        assert lr.num_loaded == 4 and torch.equal(read(st, [10, 11, 12, 13]), rows)
+    finally:
+        st.close()
+
+
 def test_corrupt_file_on_disk_is_a_miss(tmp_path):
     st, _ = make_stack(tmp_path, faulty=False)
     try:

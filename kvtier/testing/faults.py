@@ -36,6 +36,7 @@ from ..backend_api import (
     StorageBackend,
     StoredBlock,
 )
+from ..blockformat import Segments
 
 OPS = ("contains", "exists", "put", "get", "delete", "scan", "manifest", "health")
 
@@ -94,6 +95,9 @@ class FaultyBackend(StorageBackend):
         super().__init__(BackendOptions(timeout_s=getattr(inner.options, "timeout_s", 5.0)),
                          name=name or inner.name)
         self.inner = inner
+        # What the inner backend reads, this one passes on: per instance, as the inner one is (setattr, since
+        # the base class declares it a class-level fact of a backend type).
+        setattr(self, "reads_segments", inner.reads_segments)  # noqa: B010
         inner.on_evicted = self._evicted  # what the inner backend evicts, this one's owner hears
         self.faults: list[Fault] = []
         self.calls: Counter[str] = Counter()
@@ -219,8 +223,9 @@ class FaultyBackend(StorageBackend):
         for i, k in enumerate(keys):
             if k in bad:
                 if bad[k] == "corrupt" and ok[i]:
-                    view = memoryview(buffers[i]).cast("B")
-                    view[:] = os.urandom(view.nbytes)  # what a torn or rotten value leaves behind
+                    buf = buffers[i]  # what a torn or rotten value leaves behind:
+                    for view in buf.parts if isinstance(buf, Segments) else [memoryview(buf).cast("B")]:
+                        view[:] = os.urandom(view.nbytes)
                     with self._lock:
                         self._stats.corrupt += 1
                 ok[i] = False
