@@ -64,7 +64,7 @@ def test_cuda_round_trip_bit_exact_through_pinned_host(kind, inner, dtype):
     assert torch.equal(dev.read_blocks([5, 6, 7, 11]), want)
     # Same-device buffers take the direct path.
     buf = torch.zeros((6, layout.block_nbytes), dtype=torch.uint8, device="cuda")
-    dev.gather(ids, buf, [5, 1, 3, 0])
+    dev.gather([5, 6, 7, 11], buf, [5, 1, 3, 0])  # the blocks the layer-wise loads just filled
     assert torch.equal(buf[[5, 1, 3, 0]].cpu(), want)
     host.close()
 
@@ -114,8 +114,8 @@ def test_engine_store_and_layerwise_load_on_streams():
         assert r.all_ok, r.errors
         torch.cuda.synchronize()
         assert torch.equal(dev.read_blocks(dst), want)
-        for layer, c in enumerate(copies):
-            assert torch.equal(c, dev.tensors[layer][dst])
+        for layer, c in enumerate(copies):  # bytes, not floats: random bits hold NaNs
+            assert torch.equal(c.view(torch.uint8), dev.tensors[layer][dst].view(torch.uint8))
         assert all(host.state(s) == READY for s in slots)
 
 
@@ -166,3 +166,27 @@ def test_cuda_per_block_failures():
         r = h.wait(30)
         assert r.ok == (True, False, False) and r.failed_block_ids == [5, -1]
         assert torch.equal(dev.read_blocks([4]), dev.read_blocks([1]))
+
+
+def test_whole_block_copies_in_layer_groups_stay_ordered_on_the_current_stream():
+    """Whole-block copies between the KV and pinned host rows run a group of layers at a time on two
+    streams (kernels on the current one, DMA on the tier's copy stream).  They still start after the work
+    queued on the caller's stream, and the caller's stream is ordered after all of their bytes."""
+    layout = make_layout("flash_attn", L=20, N=64)
+    dev = DeviceTier(layout, random_tensors(layout))
+    assert len(dev._layer_groups(None, 1)) == 7  # 20 layers in groups of 3: the pipelined path
+    host = pinned_host(layout, 40)
+    ids, slots = list(range(40, 8, -1)), list(range(4, 36))  # 32 blocks, one run of host rows
+    fresh = random_tensors(layout, seed=7)
+    torch.cuda._sleep(50_000_000)  # a busy current stream: a copy that did not wait for it would win
+    for t, f in zip(dev.tensors, fresh):
+        t.copy_(f)
+    dev.gather(ids, host.slab, slots)
+    torch.cuda.current_stream().synchronize()  # only the caller's stream: it must cover the DMA
+    want = layout.to_payload([f.cpu() for f in fresh], ids)
+    assert torch.equal(host.slab[slots], want)
+    dst = list(range(32))
+    torch.cuda._sleep(50_000_000)
+    dev.scatter(torch.zeros((len(dst), layout.block_nbytes), dtype=torch.uint8, device="cuda"), dst)
+    dev.scatter(host.slab, dst, slots)
+    assert torch.equal(dev.read_blocks(dst), want)  # read on the current stream, right after

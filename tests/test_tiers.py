@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import kvtier.device as device_mod
 from kvtier.layout import KVLayout, LayoutError
 from kvtier.tiers import (
     FREE,
@@ -299,11 +300,15 @@ def test_device_tier_rejects_mismatched_tensors():
     assert dev.num_blocks == 8 and dev.block_nbytes == lay.block_nbytes and not dev.is_cuda
 
 
+@pytest.mark.parametrize("groups", [1, 2, 8])
 @pytest.mark.parametrize("kind,inner", [("flash_attn", None), ("flashinfer", None), ("stacked", "mla")])
-def test_staged_copy_path_matches_direct(kind, inner):
-    """The host <-> CUDA path (staging buffer, one copy per run of host rows, per-layer 2-D copies) run on
-    a CPU cache must move exactly the bytes the direct path moves."""
-    lay = KVLayout(kind, 3, 12, 4, 1 if "mla" in (kind, inner) else 2, 8, torch.bfloat16, inner)
+def test_staged_copy_path_matches_direct(kind, inner, groups, monkeypatch):
+    """The host <-> CUDA path (staging buffer, one copy per run of host rows and group of layers, per-layer
+    2-D copies) run on a CPU cache must move exactly the bytes the direct path moves, however the layers
+    are grouped (5 layers: one group, groups of 3 + 2, one layer each)."""
+    monkeypatch.setattr(device_mod, "PIPELINE_GROUPS", groups)
+    lay = KVLayout(kind, 5, 12, 4, 1 if "mla" in (kind, inner) else 2, 8, torch.bfloat16, inner)
+    assert len(DeviceTier(lay, random_tensors(lay))._layer_groups(None, 3)) == min(groups, 5)
     src = DeviceTier(lay, random_tensors(lay))
     staged = DeviceTier(lay, random_tensors(lay, seed=2))
     staged._force_staging = True
@@ -335,8 +340,6 @@ def test_host_holds_by_key_refuses_a_refilled_slot():
 
 
 def test_cpu_copy_threads_are_serial_and_leave_torch_setting_alone():
-    import kvtier.device as device_mod
-
     before = torch.get_num_threads()
     seen = []
     device_mod._parallel(lambda chunk: seen.append((torch.get_num_threads(), chunk)), [1, 2, 3, 4], 64 << 20)
