@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import functools
 import hashlib
 import operator
 import os
@@ -616,17 +617,19 @@ class Namespace:
     def from_manifest(cls, manifest: dict[str, Any]) -> Namespace:
         return cls(**manifest)
 
-    @property
+    # Computed once per (immutable) namespace: backend keys are built per block, and a cbor + sha256 of
+    # the manifest per key was a measurable share of a simulated replay.
+    @functools.cached_property
     def digest(self) -> bytes:
         """16 bytes; goes into every stored block's header."""
         return hashlib.sha256(cbor2.dumps(self.manifest(), canonical=True)).digest()[:16]
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
         """The digest in hex: the prefix of every backend key."""
         return self.digest.hex()
 
-    @property
+    @functools.cached_property
     def layout_id(self) -> int:
         """A u32 naming dtype + layout, stored in the block header (a second check beside the digest)."""
         spec: tuple = (self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
