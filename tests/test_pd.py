@@ -21,7 +21,6 @@ import pytest
 import torch
 import yaml
 
-from kvtier.testing.moto_server import dummy_credentials, start_moto
 from kvtier.testing.redis_server import redis_available, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +102,10 @@ def test_pd_over_redis(tmp_path):
 
 
 def test_pd_over_s3(tmp_path):
+    # Imported here: moto is a test extra the shared-disk pair does not need (it also runs on a GPU
+    # machine that has only torch, where it checks the same pair with the KV on CUDA).
+    from kvtier.testing.moto_server import dummy_credentials, start_moto
+
     with dummy_credentials(), start_moto() as moto:
         bucket = moto.new_bucket()
         run_pair(tmp_path, {"name": "shared", "type": "s3",
