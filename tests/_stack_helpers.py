@@ -37,13 +37,17 @@ def config(tmp_path, *, write: str = "write_through", write_options: dict | None
     return parse_config(data)
 
 
-def make_stack(tmp_path, *, faulty: bool = True, disk_path=None, **kw) -> tuple[TierStack, FaultyBackend | None]:
-    """A stack over local_disk in tmp_path, wrapped in a FaultyBackend (returned) unless ``faulty=False``."""
+def make_stack(tmp_path, *, faulty: bool = True, disk_path=None, segments: bool = True,
+               **kw) -> tuple[TierStack, FaultyBackend | None]:
+    """A stack over local_disk in tmp_path, wrapped in a FaultyBackend (returned) unless ``faulty=False``.
+    ``segments=False``: the wrapper says it does not read segments (as S3), so reads take the one-buffer
+    path."""
     cfg = config(tmp_path, **kw)
     if not faulty:
         return TierStack(cfg), None
     disk = LocalDiskBackend({"path": str(disk_path or tmp_path / "disk")}, name="disk")
     fb = FaultyBackend(disk)
+    fb.reads_segments = segments  # type: ignore[misc]
     return TierStack(cfg, backends=[fb]), fb
 
 

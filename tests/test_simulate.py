@@ -246,6 +246,20 @@ def test_ledger_evicts_least_recently_used_and_refuses_oversized():
     assert tiny.record_put(["x"]) == [False] and tiny.refused == 1
 
 
+def test_ledger_never_evicts_a_held_value_as_local_disk_never_evicts_one_being_read():
+    led = LedgerBackend(name="disk", value_nbytes=100, capacity=200)
+    led.record_put(["a", "b"])
+    led.hold(["a"])
+    led.hold(["a"])  # counted: two loads read it
+    assert led.record_put(["c"]) == [True] and led.contains_prefix(["a", "c"]) == 2  # b went, not a
+    led.hold(["c"])
+    assert led.record_put(["d"]) == [False] and led.refused == 1  # only held values left: refused
+    led.release(["a", "c"])  # a is still held once, c no longer
+    assert led.record_put(["d"]) == [True] and led.contains_prefix(["a", "d"]) == 2 and led.evictions == 2
+    led.release(["a"])
+    assert led.record_put(["e"]) == [True] and led.contains_prefix(["a"]) == 0 and led.evictions == 3
+
+
 @pytest.mark.parametrize("row,message", [
     ({"hashes": ["zz"]}, "row 1: hashes\\[0\\]: expected a hex string, got 'zz'"),
     ({"hashes": []}, "row 1: hashes must be a non-empty list of hex strings"),

@@ -24,9 +24,11 @@ def _evict_memory(st) -> None:
     st.on_device_freed(range(st.device.num_blocks))
 
 
-@pytest.fixture
-def grouped(tmp_path):
-    st, fb = make_stack(tmp_path, host_slots=16, storage={"block_tokens": K * BLOCK})
+@pytest.fixture(params=[True, False], ids=["segments", "one-buffer"])
+def grouped(tmp_path, request):
+    """A grouped stack whose backend reads a value straight into its blocks' rows (segments: local_disk,
+    Redis) or into one buffer first (S3's way)."""
+    st, fb = make_stack(tmp_path, host_slots=16, storage={"block_tokens": K * BLOCK}, segments=request.param)
     yield st, fb
     fb.clear()
     st.close(timeout=TIMEOUT)
@@ -304,3 +306,31 @@ def test_bench_prefix_reads_one_value_per_group_beside_its_raw_ceiling(tmp_path,
     assert [(r["block_tokens"], r["values_read"]) for r in rows] == [(16, 16), (64, 4)]
     assert all(r["raw_ms"] > 0 and r["load_vs_raw"] > 0 for r in rows)
     assert "load_vs_raw" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("segments", [True, False], ids=["segments", "one-buffer"])
+def test_values_load_exactly_when_host_memory_holds_few_of_their_blocks(tmp_path, segments):
+    """3 values of 4 blocks and room for 4 in host memory: the blocks without a slot are read into
+    temporary rows and still land exactly; no slot is left reserved.  A value whose read fails gives the
+    slots reserved for its blocks back."""
+    st, fb = make_stack(tmp_path, host_slots=4, storage={"block_tokens": K * BLOCK}, segments=segments)
+    try:
+        hs = chain(st, 12)
+        rows = fill(st, list(range(12)), seed=5)
+        for a in (0, 4, 8):  # one value at a time: host memory holds one value's blocks
+            st.store(hs[a:a + 4], list(range(a, a + 4)), start=a).wait(TIMEOUT)
+            assert st.flush(TIMEOUT)
+            _evict_memory(st)
+        assert _disk_values(st) == sorted(st.namespace.keys([hs[3], hs[7], hs[11]]))
+        host = st.host_tier()
+        lr = st.load(hs, list(range(12, 24))).wait(TIMEOUT)
+        assert lr.num_loaded == 12 and torch.equal(read(st, list(range(12, 24))), rows)
+        assert all(host.state(s).value != "writing" for s in range(host.num_slots))
+        _evict_memory(st)
+        fb.corrupt(keys=[st.namespace.key(hs[3])])  # the first value (the one given slots) fails its checksum
+        lr = st.load(hs, list(range(12, 24))).wait(TIMEOUT)
+        assert lr.num_loaded == 0
+        assert all(host.state(s).value != "writing" for s in range(host.num_slots))
+    finally:
+        fb.clear()
+        st.close(timeout=TIMEOUT)

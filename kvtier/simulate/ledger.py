@@ -33,6 +33,7 @@ class LedgerBackend(StorageBackend):
         self.value_nbytes = value_nbytes
         self.capacity = capacity
         self._keys: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._held: dict[str, int] = {}  # keys a load will read: never evicted (local_disk's _inflight)
         self.puts = self.gets = self.evictions = self.refused = 0
 
     @classmethod
@@ -62,16 +63,40 @@ class LedgerBackend(StorageBackend):
                 out.append(False)
                 continue
             self._keys.pop(key, None)
-            if cap is not None:
-                while len(self._keys) >= cap:
-                    evicted.append(self._keys.popitem(last=False)[0])
-                    self.evictions += 1
+            if cap is not None and len(self._keys) >= cap and not self._make_room(cap, evicted):
+                self.refused += 1  # the room is held by values being read (local_disk refuses too)
+                out.append(False)
+                continue
             self._keys[key] = None
             self.puts += 1
             out.append(True)
         if evicted:
             self._evicted(evicted)
         return out
+
+    def _make_room(self, cap: int, evicted: list[str]) -> bool:
+        """Evict least recent values not held until one more fits; False when only held ones are left."""
+        while len(self._keys) >= cap:
+            if not self._held:
+                evicted.append(self._keys.popitem(last=False)[0])
+            else:
+                victim = next((k for k in self._keys if k not in self._held), None)
+                if victim is None:
+                    return False
+                del self._keys[victim]
+                evicted.append(victim)
+            self.evictions += 1
+        return True
+
+    def hold(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._held[key] = self._held.get(key, 0) + 1
+
+    def release(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            n = self._held.pop(key, 0) - 1
+            if n > 0:
+                self._held[key] = n
 
     def record_get(self, keys: Sequence[str]) -> list[bool]:
         """Read ``keys``: per key whether it was there (then it becomes most recent)."""

@@ -74,6 +74,8 @@ class SimulatedStack:
         if cap and not self.host_slots:
             raise ValueError(f"host.capacity: {cap} B holds no block of {block_nbytes} B")
         self.ledgers = [LedgerBackend.for_config(b, block_nbytes * k) for b in config.backends]
+        # Holds (a load's keys, kept from evictions) change nothing where no backend evicts: skipped there.
+        self._holds = any(led.capacity is not None for led in self.ledgers)
         names = [led.name for led in self.ledgers]
         self.metrics = StackMetrics(["device", *(["host"] if self.host_slots else []), *names], self.block_size)
         self._backends = BackendSet(self.ledgers, [b.write for b in config.backends], self.metrics,
@@ -140,8 +142,14 @@ class SimulatedStack:
         cut = len(plan)
         pos = [i for i, source in enumerate(plan) if source is Source.FETCH]
         if pos:
-            got = (self._fetch_groups(hashes, start, pos) if self.storage_blocks > 1
-                   else self._fetch([hashes[i] for i in pos]))
+            # As Upward.load: puts meanwhile never evict what the load reads.
+            held = self._keys(hashes) if self._holds else []
+            self._backends.hold(held)
+            try:
+                got = (self._fetch_groups(hashes, start, pos) if self.storage_blocks > 1
+                       else self._fetch([hashes[i] for i in pos]))
+            finally:
+                self._backends.release(held)
             for i, ok in zip(pos, got):
                 if not ok:
                     cut = min(cut, i)
@@ -311,10 +319,11 @@ class SimulatedStack:
         return slots
 
     def _fetch_groups(self, hashes: Sequence[bytes], start: int, pos: list[int]) -> list[bool]:
-        """``Upward._fetch_groups`` + ``Grouped.fetch`` for a load: a chunk of values at a time, every
-        value of the chunk read first (each under its last block's key), then host room made for their
-        wanted blocks (a write-back may evict from a backend only after the reads); per position in
-        ``pos`` whether it arrived."""
+        """``Upward._fetch_groups`` + ``Grouped.fetch`` for a load: a chunk of values at a time, host room
+        made first for the wanted blocks not in host memory (the reads land in their slots; the values
+        are held, so a write-back making that room never evicts them), then every value of the chunk
+        read (each under its last block's key), the slots of a value that was not there given back; per
+        position in ``pos`` whether it arrived."""
         idx, k = self.index, self.storage_blocks
         got = dict.fromkeys(pos, False)
         groups: list[tuple[int, int]] = []
@@ -337,33 +346,40 @@ class SimulatedStack:
                     got[i] = not missing or i not in missing
                 if missing:
                     todo.append((g, missing))
-            src = {}
-            for g, _ in todo:
-                b = where[g]
-                if not self.ledgers[b].record_get([strs[g]])[0]:
-                    b = next((j for j in range(len(self.ledgers)) if j != where[g] and
-                              self.ledgers[j].record_get([strs[g]])[0]), -1)
-                src[g] = b
-            need = []
+            held = [strs[g] for g, _ in todo]
+            self._backends.hold(held)
+            try:
+                slots = self._take(sum(len(m) for _, m in todo)) if self.host_slots else []
+                src = {}
+                for g, _ in todo:
+                    b = where[g]
+                    if not self.ledgers[b].record_get([strs[g]])[0]:
+                        b = next((j for j in range(len(self.ledgers)) if j != where[g] and
+                                  self.ledgers[j].record_get([strs[g]])[0]), -1)
+                    src[g] = b
+            finally:
+                self._backends.release(held)
+            r = 0
             for g, missing in todo:
                 first, last = groups[g]
+                mine = slots[r:r + len(missing)]
+                r += len(missing)
                 if src[g] >= 0:
                     self.counters[self.ledgers[src[g]].name].read += 1
                     for i in range(max(first, 0), last + 1):
                         if hashes[i] in idx:
                             idx.add_backend(hashes[i], src[g])
-                    need += missing
-                elif hashes[last] in idx:
-                    idx.remove_backend(hashes[last], where[g])  # read and not there: a stale hint
-            slots = self._take(len(need)) if self.host_slots else []
-            for i, slot in zip(need, slots):
-                self._commit_host(hashes[i], slot)
-                self.counters["host"].written += 1
-            for i in need:
-                got[i] = True  # in a host slot, or a temporary row when host memory had no room
-            for g, _ in todo:
-                if src[g] >= 0 and groups[g][0] >= 0:
-                    self._remember(tuple(hashes[groups[g][0]:groups[g][1] + 1]))
+                    for i, slot in zip(missing, mine):
+                        self._commit_host(hashes[i], slot)
+                        self.counters["host"].written += 1
+                    for i in missing:
+                        got[i] = True  # in a host slot, or a temporary row when host memory had no room
+                    if first >= 0:
+                        self._remember(tuple(hashes[first:last + 1]))
+                else:
+                    self._free_slots.extend(mine)
+                    if hashes[last] in idx:
+                        idx.remove_backend(hashes[last], where[g])  # read and not there: a stale hint
             if any(not got[i] for first, last in chunk for i in range(max(first, 0), last + 1) if i in got):
                 break
         return [got[i] for i in pos]
