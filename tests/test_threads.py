@@ -9,7 +9,7 @@ import pytest
 
 from kvtier import threads
 from kvtier.config import ConfigError, parse_config
-from kvtier.groups import load_chunks
+from kvtier.groups import MIN_PARALLEL_READS, load_chunks
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(threads.allowed_cpus()) < 2,
                                     reason="needs Linux CPU affinity and at least 2 CPUs")
@@ -79,3 +79,6 @@ def test_load_chunks_cover_the_load_and_grow():
     assert len(spans) == 8  # 2+4+8+16+32+32+32+2, against 16 fixed 32 MiB chunks
     assert load_chunks(0, mib, 32 * mib) == []
     assert load_chunks(3, 64 * mib, 32 * mib) == [(0, 1), (1, 3)]  # units larger than a chunk: one, then two
+    # ...growing to MIN_PARALLEL_READS values however large (read in parallel), not two at a time.
+    sizes = [b - a for a, b in load_chunks(16, 64 * mib, 32 * mib)]
+    assert sizes == [1, 2, 4, 4, 4, 1] and MIN_PARALLEL_READS == 4
