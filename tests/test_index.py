@@ -500,3 +500,33 @@ def test_forget_backend_unmarks_it_everywhere_and_drops_entries_it_leaves_nowher
     idx.validate()
     with pytest.raises(ValueError, match=r"backend index must be an int in \[0, 32\)"):
         idx.forget_backend(32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_short_chains_are_looked_up_exactly_as_the_vector_path_does(seed, monkeypatch):
+    """Chains up to SHORT_CHAIN keys are walked key by key; the answer (length, tier, device id and host
+    slot of each block, dtypes) must be the vectorised one's, on an index with every kind of entry."""
+    import kvtier.index as index_mod
+
+    r = random.Random(seed)
+    ix = BlockIndex()
+    ks = [key(i) for i in range(60)]
+    for i, k in enumerate(ks):
+        kind = r.choice(["device", "host", "both", "backends", "placeholder", "absent", "absent"])
+        if kind == "absent":
+            continue
+        ix.insert(k, device=i if kind in ("device", "both") else None,
+                  host=100 + i if kind in ("host", "both") else None,
+                  backends=r.sample(range(MAX_BACKENDS), r.randint(1, 3)) if kind == "backends" else ())
+    chains = [[], ks[:1], ks[:20]] + [[ks[j] for j in r.sample(range(60), r.randint(1, 48))] for _ in range(40)]
+    chains += [[k for k in ks if ix.lookup_prefix([k]).length] [:n] for n in (5, 30, 48)]  # long hits
+    for chain in chains:
+        short = ix.lookup_prefix(chain)
+        monkeypatch.setattr(index_mod, "SHORT_CHAIN", -1)
+        vec = ix.lookup_prefix(chain)
+        monkeypatch.setattr(index_mod, "SHORT_CHAIN", 48)
+        assert short.length == vec.length
+        for a, b in ((short.tiers, vec.tiers), (short.device_ids, vec.device_ids), (short.host_slots, vec.host_slots)):
+            assert a.dtype == b.dtype and a.tolist() == b.tolist()
+        assert short.in_memory == vec.in_memory
+    assert max(ix.lookup_prefix(c).length for c in chains) >= 20  # long runs were compared, not only misses
