@@ -322,6 +322,13 @@ def test_staged_copy_path_matches_direct(kind, inner, groups, monkeypatch):
     for layer in range(lay.num_layers):
         src.gather(ids, host2, slots, layers=[layer])
     assert torch.equal(host2, host)
+    # Layers that are not consecutive: only their byte ranges move, the rest of each row is left alone.
+    host3 = torch.zeros_like(host)
+    src.gather(ids, host3, slots, layers=[0, 2, 3])
+    ln = lay.layer_nbytes
+    for li in range(lay.num_layers):
+        part = host3[slots, li * ln:(li + 1) * ln]
+        assert torch.equal(part, host[slots, li * ln:(li + 1) * ln]) if li in (0, 2, 3) else not part.any()
     staged.scatter(host, [1, 3, 4, 6, 8], slots)
     assert torch.equal(staged.read_blocks([1, 3, 4, 6, 8]), want)
     for layer in range(lay.num_layers):
