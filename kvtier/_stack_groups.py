@@ -162,14 +162,16 @@ class Grouped:
                     t += 1
         src = [-1] * len(todo)
         for b in sorted({where[g] for g in todo}):
-            self._get(b, [j for j, g in enumerate(todo) if where[g] == b], strs, rows, src)
+            self._get(b, [j for j, g in enumerate(todo) if where[g] == b], strs, rows, need, src)
         for b in range(len(s._backends)):
-            self._get(b, [j for j, g in enumerate(todo) if src[j] < 0 and where[g] != b], strs, rows, src)
+            self._get(b, [j for j, g in enumerate(todo) if src[j] < 0 and where[g] != b], strs, rows, need, src)
         return rows, slot_of, src
 
-    def _get(self, b: int, want: list[int], strs: list[str], rows: list[list[Any]], src: list[int]) -> None:
+    def _get(self, b: int, want: list[int], strs: list[str], rows: list[list[Any]],
+             need: list[list[tuple[int, int]]], src: list[int]) -> None:
         """Read values ``want`` from backend ``b`` into their blocks' rows (as segments when ``b`` reads
-        them, else through one buffer per value, copied to the rows once verified)."""
+        them, else through one buffer per value, whose wanted blocks alone are copied to their rows once
+        verified)."""
         if not want:
             return
         sb = self.s._backends
@@ -182,8 +184,8 @@ class Grouped:
             ok = sb.get_into(b, [strs[j] for j in want], list(whole))
             for n, (j, good) in enumerate(zip(want, ok)):
                 if good:
-                    for off, r in enumerate(rows[j]):
-                        r[:] = whole[n, off * nb:(off + 1) * nb]
+                    for _, off in need[j]:
+                        rows[j][off][:] = whole[n, off * nb:(off + 1) * nb]
         for j, good in zip(want, ok):
             if good:
                 src[j] = b

@@ -200,13 +200,12 @@ class DeviceTier:
     def _rows_copy(self, dst: torch.Tensor, src: torch.Tensor, layers: Sequence[int] | None) -> None:
         """Whole rows, or only the given layers' byte ranges of each row (one 2-D copy per run of
         consecutive layers)."""
-        if layers is None or len(layers) == self.layout.num_layers and list(layers) == list(
-                range(self.layout.num_layers)):
-            dst.copy_(src, non_blocking=True)
-            return
-        ln = self.layout.layer_nbytes
-        for _, first, k in contiguous_runs(layers):
-            copy_2d(dst[:, first * ln:(first + k) * ln], src[:, first * ln:(first + k) * ln])
+        n, ln = self.layout.num_layers, self.layout.layer_nbytes
+        for _, first, k in [(0, 0, n)] if layers is None else contiguous_runs(layers):
+            if k == n:
+                dst.copy_(src, non_blocking=True)  # whole rows
+            else:
+                copy_2d(dst[:, first * ln:(first + k) * ln], src[:, first * ln:(first + k) * ln])
 
     def _layer_groups(self, layers: Sequence[int] | None, dma_runs: int,
                       host: torch.Tensor | None = None) -> list[Sequence[int]]:
