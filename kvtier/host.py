@@ -200,6 +200,13 @@ class HostTier:
 
     # ------------------------------------------------------------------ queries
 
+    def in_state(self, slots: Sequence[int], state: SlotState) -> list[bool]:
+        """Per slot, whether it is in ``state`` (False for a slot out of range): one look under the lock
+        for a whole batch, where ``state()`` per slot cost a transfer's submission a call per block."""
+        n, st = self.num_slots, self._state
+        with self._lock:
+            return [0 <= s < n and st[s] is state for s in slots]
+
     def state(self, slot: int) -> SlotState:
         return self._state[self._check(slot)]
 

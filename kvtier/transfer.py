@@ -128,8 +128,9 @@ class TransferHandle:
     def __init__(self, direction: str, block_ids: Sequence[int], slots: Sequence[int], num_layers: int,
                  device: torch.device):
         self.direction = direction
-        self.block_ids = tuple(int(b) for b in block_ids)
-        self.slots = tuple(int(s) for s in slots)
+        # Callers pass Python ints (``ndarray.tolist()``): a tuple of them, not an int() per element.
+        self.block_ids = tuple(block_ids)
+        self.slots = tuple(slots)
         self.counter = LayerDoneCounter(num_layers)
         self._device = device
         self._done = threading.Event()
@@ -366,7 +367,7 @@ class TransferEngine:
         return h
 
     def _validate(self, direction: str, ids: np.ndarray, sl: np.ndarray) -> tuple[np.ndarray, list[str]]:
-        ok = self.device.valid_block_ids(ids)
+        ok = (ids >= 0) & (ids < self.device.num_blocks)
         errors = []
         if not ok.all():
             errors.append(f"block ids out of range [0, {self.device.num_blocks}): {ids[~ok].tolist()}")
@@ -375,8 +376,7 @@ class TransferEngine:
             errors.append(f"slots out of range [0, {self.host.num_slots}): {sl[~in_range].tolist()}")
         ok &= in_range
         if direction == "store":  # (a load's slots are checked against their keys in _submit)
-            states = np.array([r and self.host.state(int(s)) == WRITING for s, r in zip(sl, in_range)],
-                              dtype=bool)
+            states = np.array(self.host.in_state(sl.tolist(), WRITING), dtype=bool)
             if (in_range & ~states).any():
                 errors.append(f"slots not {WRITING.value}: {sl[in_range & ~states].tolist()}")
             ok &= states

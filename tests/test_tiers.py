@@ -15,6 +15,7 @@ from kvtier.layout import KVLayout, LayoutError
 from kvtier.tiers import (
     FREE,
     READY,
+    WRITING,
     BlockPool,
     DeviceTier,
     HostTier,
@@ -344,6 +345,16 @@ def test_host_holds_by_key_refuses_a_refilled_slot():
     h.commit(h.allocate(1).slots, ["new"])  # same slot, another block
     assert h.holds([s], ["old"]) == [False]
     assert h.holds([s], ["new"]) == [True]
+
+
+def test_host_in_state_answers_per_slot_and_false_out_of_range():
+    h = HostTier(8, num_slots=4, pinned=False)
+    ready, writing = h.allocate(2).slots
+    h.commit([ready], ["k"])
+    free = next(s for s in range(4) if s not in (ready, writing))
+    assert h.in_state([writing, ready, free, -1, 4], WRITING) == [True, False, False, False, False]
+    assert h.in_state([writing, ready, free], READY) == [False, True, False]
+    assert h.in_state([free], FREE) == [True]
 
 
 def test_cpu_copy_threads_are_serial_and_leave_torch_setting_alone():
