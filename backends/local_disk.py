@@ -71,7 +71,7 @@ _TMP = re.compile(r"\.(?:[0-9a-f]+|manifest\.json)\.(?P<host>[0-9a-f]{8})\.(?P<p
 # forever (it changes nothing for regular files, which are never read "non-blocking").
 _RFLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-_PROBE = bytearray(1)  # one byte past the expected end: tells "longer than expected" without an fstat
+_PROBE = memoryview(bytearray(1))  # one byte past the expected end: tells "longer than expected" without an fstat
 _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces at least this large
 class LocalDiskBackend(StorageBackend):
     """Blocks as files in a (possibly shared) directory, bounded by ``capacity`` bytes with LRU eviction."""
@@ -420,36 +420,41 @@ class LocalDiskBackend(StorageBackend):
         return tmp
 
     @staticmethod
-    def _read_file(path: str, header: memoryview, payload: memoryview | blockformat.Segments) -> int | str | None:
-        """Read a value into (header, payload) with one ``preadv``; its full size, None if absent, or why
-        the entry under the name is no value at all (a FIFO, socket, device or directory: never read).
-        ``payload`` may be segments (``reads_segments``): preadv fills the parts in order."""
+    def _read_file(path: str, header: memoryview,
+                   payload: memoryview | blockformat.Segments) -> tuple[int | str | None, int | None]:
+        """Read a value into (header, payload), hashing the payload as it lands
+        (``blockformat.read_hashed``: ``preadv`` calls of ``HASH_GROUP_BYTES``).  Returns the value's full
+        size (None if absent, or why the entry under the name is no value at all: a FIFO, socket, device or
+        directory, never read) and the payload's xxh3-64 when every read came back whole (else None: the
+        caller takes it).  ``payload`` may be segments (``reads_segments``): the reads fill the parts in
+        order."""
         try:
             fd = os.open(path, _RFLAGS)
         except FileNotFoundError:
-            return None
+            return None, None
         except OSError as e:
             if e.errno == errno.ELOOP:  # a symlink planted under a block's name is never followed
-                return None
+                return None, None
             if e.errno == errno.ENXIO:  # open() of a socket, or of a device with no driver behind it
-                return "not a regular file but a socket or device"
+                return "not a regular file but a socket or device", None
             raise
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
-                return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}"
+                return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}", None
             want = header.nbytes + payload.nbytes
-            parts = payload.parts if isinstance(payload, blockformat.Segments) else [payload]
-            n = os.preadv(fd, [header, *parts, _PROBE], 0)
+            # The probe byte past the expected end tells "longer than expected" without an fstat.
+            n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), header, payload,
+                                                  (_PROBE,))
             if n == want:
-                return n
+                return n, checksum
             size = os.fstat(fd).st_size
             while 0 < n < min(want, size):  # a short read (network filesystems): go on from there
                 rest = (payload.tail(max(0, n - header.nbytes)) if isinstance(payload, blockformat.Segments)
                         else [payload[max(0, n - header.nbytes):]])
                 got = os.preadv(fd, [header[min(n, header.nbytes):], *rest], n)
                 n = n + got if got else 0
-            return size
+            return size, None
         finally:
             os.close(fd)
 
@@ -515,9 +520,9 @@ class LocalDiskBackend(StorageBackend):
 
     def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int,
                     on_verified: Callable[[int], None] | None = None) -> list[bool | str]:
-        """Read and verify a batch, each payload straight into the caller's buffer (one ``preadv`` per file:
-        header, payload and a one-byte probe; no copy), its checksum taken right after its read while the
-        bytes are still in cache (one pass).  Batches worth splitting run in the pool's threads; file reads
+        """Read and verify a batch, each payload straight into the caller's buffer (no copy; ``preadv`` calls of
+        ``blockformat.HASH_GROUP_BYTES``, the header first and a one-byte probe last), its checksum taken
+        as each part lands, while its bytes are still in the core's cache (one pass).  Batches worth splitting run in the pool's threads; file reads
         and xxh3 both release the GIL, so one thread's hash overlaps another thread's next read.  The work
         per block in Python is kept to what verification needs: keys were checked once for the batch,
         verified keys are made most recent in one index update at the end."""
@@ -533,7 +538,7 @@ class LocalDiskBackend(StorageBackend):
             for i in idx:
                 key, payload, path = keys[i], payloads[i], where[i][1]
                 try:
-                    size = read(path, header, payload)
+                    size, checksum = read(path, header, payload)
                 except OSError as e:
                     errors.append(e)
                     out.append(False)
@@ -547,7 +552,8 @@ class LocalDiskBackend(StorageBackend):
                     out.append(f"stored value is {size} bytes, expected {hsize + payload.nbytes}")
                 else:
                     # The key is canonical (checked above): its two halves are hex.
-                    why = check(header, payload, bytes.fromhex(key[:32]), bytes.fromhex(key[33:]), layout_id)
+                    why = check(header, payload, bytes.fromhex(key[:32]), bytes.fromhex(key[33:]), layout_id,
+                                checksum)
                     if why is None:
                         verified.append((key, size))
                         out.append(True)
@@ -574,7 +580,7 @@ class LocalDiskBackend(StorageBackend):
     def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
                    payloads: Sequence[memoryview]) -> list[int | None]:
         where = self._check_keys(keys)
-        sizes = [self._read_file(w[1], h, p) for w, h, p in zip(where, headers, payloads)]
+        sizes = [self._read_file(w[1], h, p)[0] for w, h, p in zip(where, headers, payloads)]
         for (_, path), size in zip(where, sizes):
             if isinstance(size, str):
                 log.warning("local_disk: %s is %s; it reads as an empty, corrupt value", path, size)

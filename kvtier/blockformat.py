@@ -22,6 +22,7 @@ is frozen: a change is a new version number, and readers keep accepting the vers
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -120,17 +121,65 @@ class Segments:
         return h.intdigest()
 
 
+# A reader that hashes as it reads (read_hashed) reads this many payload bytes at a time: small enough
+# that the bytes one read brought in are still in the core's L2 cache when they are hashed.  Measured on
+# 4 MiB values from the page cache into vLLM CPU's KV (2 cores): one read of the whole value, then its
+# hash (from L3 / memory): 86 ms per 512 MiB; 512 KiB at a time: 76 ms; 1 MiB: 82 ms.
+HASH_GROUP_BYTES = 512 << 10
+
+
+def read_hashed(read: Callable[[list[memoryview], int], int], header: memoryview,
+                payload: memoryview | Segments, tail: Sequence[memoryview] = ()) -> tuple[int, int | None]:
+    """Fill ``header`` then ``payload`` from offset 0 through ``read(buffers, offset) -> bytes read`` (a
+    ``preadv`` on an open file, say), ``HASH_GROUP_BYTES`` of payload at a time, taking the payload's
+    xxh3-64 as each group lands.  ``tail``: buffers read after the payload in the last call (a probe
+    byte that tells a longer value).  Returns (bytes read, the payload's checksum); the checksum is None
+    when a read came back short (the caller goes on from there and the checksum is taken afterwards).
+    The checksum is of the bytes in the buffers once read, as :func:`check_block` would take it, in
+    the same pass as the read instead of a second one over memory."""
+    parts = payload.parts if isinstance(payload, Segments) else [
+        payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")]
+    groups: list[list[memoryview]] = [[]]
+    size = 0
+    for p in parts:
+        for a in range(0, p.nbytes, HASH_GROUP_BYTES):
+            piece = p[a:a + HASH_GROUP_BYTES]
+            if size and size + piece.nbytes > HASH_GROUP_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(piece)
+            size += piece.nbytes
+    h = xxhash.xxh3_64()
+    done = 0
+    last = len(groups) - 1
+    for i, group in enumerate(groups):
+        bufs = ([header] if i == 0 else []) + group + (list(tail) if i == last else [])
+        want = sum(b.nbytes for b in bufs) - (sum(b.nbytes for b in tail) if i == last else 0)
+        n = read(bufs, done)
+        done += n
+        if n < want:
+            return done, None
+        for b in group:
+            h.update(b)
+    return done, h.intdigest()
+
+
 def check_block(header: Buffer, payload: Buffer | Segments, namespace_digest: bytes, block_hash: bytes,
-                layout_id: int) -> str | None:
+                layout_id: int, checksum: int | None = None) -> str | None:
     """Why (header, payload) is not the expected block, or None if every field and the checksum hold.
 
-    One pass over the payload (its xxh3-64, computed once, also on the failure path); the header is
-    compared as one 88-byte string against the exact header this block must have."""
+    One pass over the payload (its xxh3-64, computed once, also on the failure path); ``checksum``: that
+    xxh3-64 when the reader took it as the bytes landed (:func:`read_hashed`).  The header is compared
+    as one 88-byte string against the exact header this block must have."""
     if isinstance(payload, Segments):
-        nbytes, checksum = payload.nbytes, payload.checksum()
+        nbytes = payload.nbytes
+        if checksum is None:
+            checksum = payload.checksum()
     else:
         mv = payload if isinstance(payload, memoryview) and payload.format == "B" else memoryview(payload).cast("B")
-        nbytes, checksum = mv.nbytes, xxhash.xxh3_64_intdigest(mv)
+        nbytes = mv.nbytes
+        if checksum is None:
+            checksum = xxhash.xxh3_64_intdigest(mv)
     # Fast path (the common, intact case): the exact header this block must have, compared as bytes.
     # Only a mismatch pays for check_header's field-by-field walk, which names the reason.
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, nbytes, namespace_digest, len(block_hash),

@@ -628,3 +628,46 @@ def test_a_key_twice_in_one_batch_is_accounted_once(tmp_path):
     assert get(b, k, 100) == last
     assert b.stats().extra["bytes"] == disk_bytes(b.root) == 2 * (H + 100)
     assert not [f for _, _, fs in os.walk(b.root) for f in fs if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_short_reads_are_continued_and_the_value_checked_whole(tmp_path, monkeypatch, segmented):
+    """A filesystem that returns short reads (network filesystems do): the value is read on from where the
+    read stopped, its checksum taken over the whole payload afterwards, and a flipped byte still fails
+    it.  Values span several hashed groups (blockformat.HASH_GROUP_BYTES), read at most 100 KiB a call."""
+    import kvtier.backends.local_disk as ld
+
+    b = mk(tmp_path)
+    size = 2 * blockformat.HASH_GROUP_BYTES + 12345
+    k1, k2 = newkeys(2)
+    data = os.urandom(size)
+    assert b.put([k1, k2], [data, data], LID) == [True, True]
+    real = os.preadv
+    calls = []
+
+    def short(fd, bufs, offset):
+        left, views = 100 << 10, []
+        for v in map(memoryview, bufs):
+            views.append(v[:left])
+            left -= views[-1].nbytes
+            if not left:
+                break
+        calls.append(offset)
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(ld.os, "preadv", short)
+    if segmented:
+        bufs = [bytearray(1000), bytearray(size - 1000)]
+        assert b.get_into([k1], [blockformat.Segments([memoryview(x) for x in bufs])], LID) == [True]
+        assert b"".join(bufs) == data
+    else:
+        assert get(b, k1, size) == data
+    assert len(calls) > size // (100 << 10)  # it was read in short pieces
+    # damage k2's payload on disk: the whole-payload check after short reads still catches it
+    where = b._check_keys([k2])[0][1]
+    with open(where, "r+b") as f:
+        f.seek(H + size - 1)
+        last = f.read(1)
+        f.seek(H + size - 1)
+        f.write(bytes([last[0] ^ 1]))
+    assert get(b, k2, size) is None

@@ -69,6 +69,72 @@ def test_a_payload_in_segments_checks_as_the_same_bytes_back_to_back():
     assert bf.check_block(header(), seg, NS.digest, HASH, NS.layout_id) == "payload checksum mismatch"
 
 
+class _Source:
+    """A stored value served by ``read(buffers, offset)`` (preadv's contract), recording each call; ``cap``:
+    at most that many bytes a call (a short read, as a network filesystem gives)."""
+
+    def __init__(self, data: bytes, cap: int | None = None):
+        self.data, self.cap, self.calls = data, cap, []
+
+    def __call__(self, bufs, offset):
+        n = 0
+        for b in bufs:
+            chunk = self.data[offset + n: offset + n + b.nbytes]
+            if self.cap is not None:
+                chunk = chunk[: max(0, self.cap - n)]
+            b[: len(chunk)] = chunk
+            n += len(chunk)
+            if len(chunk) < b.nbytes:
+                break
+        self.calls.append([b.nbytes for b in bufs])
+        return n
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_read_hashed_reads_in_groups_and_takes_the_checksum_of_what_landed(segmented):
+    payload = os.urandom(3 * bf.HASH_GROUP_BYTES + 1000)
+    hdr = header(payload)
+    src = _Source(hdr + payload)
+    head = memoryview(bytearray(bf.HEADER_SIZE))
+    if segmented:  # parts of uneven sizes, one larger than a group
+        cuts = [0, 1000, 1000 + 2 * bf.HASH_GROUP_BYTES + 7, len(payload)]
+        bufs = [bytearray(b - a) for a, b in zip(cuts, cuts[1:])]
+        dest = bf.Segments([memoryview(b) for b in bufs])
+    else:
+        buf = bytearray(len(payload))
+        dest = memoryview(buf)
+    probe = memoryview(bytearray(1))
+    n, digest = bf.read_hashed(src, head, dest, (probe,))
+    got = b"".join(bytes(b) for b in bufs) if segmented else bytes(buf)
+    assert (n, digest, got, bytes(head)) == (len(hdr) + len(payload), xxhash.xxh3_64_intdigest(payload), payload, hdr)
+    # the header rides with the first group, the probe with the last; no group's payload exceeds the bound
+    assert src.calls[0][0] == bf.HEADER_SIZE and src.calls[-1][-1] == 1
+    payload_per_call = [sum(c) - (bf.HEADER_SIZE if i == 0 else 0) - (1 if i == len(src.calls) - 1 else 0)
+                        for i, c in enumerate(src.calls)]
+    assert max(payload_per_call) <= bf.HASH_GROUP_BYTES and sum(payload_per_call) == len(payload)
+    assert len(src.calls) >= 4
+    assert bf.check_block(head, dest, NS.digest, HASH, NS.layout_id, digest) is None
+
+
+def test_read_hashed_reports_a_longer_value_and_gives_no_checksum_for_a_short_read():
+    payload = os.urandom(bf.HASH_GROUP_BYTES + 10)
+    hdr = header(payload)
+    head = memoryview(bytearray(bf.HEADER_SIZE))
+    probe = memoryview(bytearray(1))
+    n, digest = bf.read_hashed(_Source(hdr + payload + b"x"), head, memoryview(bytearray(len(payload))), (probe,))
+    assert n == len(hdr) + len(payload) + 1 and digest == xxhash.xxh3_64_intdigest(payload)
+    n, digest = bf.read_hashed(_Source(hdr + payload, cap=1000), head, memoryview(bytearray(len(payload))), (probe,))
+    assert (n, digest) == (1000, None)
+
+
+def test_check_block_uses_the_checksum_the_reader_took():
+    """The reader's checksum is what is compared: a wrong one fails an intact block (so a reader that took
+    it from other bytes than those landed cannot pass a damaged one)."""
+    good = xxhash.xxh3_64_intdigest(PAYLOAD)
+    assert bf.check_block(header(), PAYLOAD, NS.digest, HASH, NS.layout_id, good) is None
+    assert bf.check_block(header(), PAYLOAD, NS.digest, HASH, NS.layout_id, good ^ 1) == "payload checksum mismatch"
+
+
 # Each field changed (with a valid header checksum, so the field check itself fires) -> its reason.
 FORGED = [
     ("magic", 0, b"XXXX", "bad magic"),
