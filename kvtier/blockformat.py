@@ -121,17 +121,20 @@ class Segments:
         return h.intdigest()
 
 
-# A reader that hashes as it reads (read_hashed) reads this many payload bytes at a time: small enough
-# that the bytes one read brought in are still in the core's L2 cache when they are hashed.  Measured on
-# 4 MiB values from the page cache into vLLM CPU's KV (2 cores): one read of the whole value, then its
-# hash (from L3 / memory): 86 ms per 512 MiB; 512 KiB at a time: 76 ms; 1 MiB: 82 ms.
+# A reader that hashes as it reads (read_hashed) reads this many payload bytes at a time into segments:
+# small enough that the bytes one read brought in are still in the core's L2 cache when they are hashed.
+# Measured on 4 MiB values from the page cache into vLLM CPU's KV (2 cores): one read of the whole value,
+# then its hash (from L3 / memory): 86 ms per 512 MiB; 512 KiB at a time: 76 ms; 1 MiB: 82 ms.  Into one
+# buffer (a host slot, copied to the device right after), one read was faster on the same machine (178-194
+# vs 208-236 ms a 512 MiB prefix: a syscall per group costs more there than the cache misses it saves).
 HASH_GROUP_BYTES = 512 << 10
 
 
 def read_hashed(read: Callable[[list[memoryview], int], int], header: memoryview,
-                payload: memoryview | Segments, tail: Sequence[memoryview] = ()) -> tuple[int, int | None]:
+                payload: memoryview | Segments, tail: Sequence[memoryview] = (),
+                group_bytes: int = HASH_GROUP_BYTES) -> tuple[int, int | None]:
     """Fill ``header`` then ``payload`` from offset 0 through ``read(buffers, offset) -> bytes read`` (a
-    ``preadv`` on an open file, say), ``HASH_GROUP_BYTES`` of payload at a time, taking the payload's
+    ``preadv`` on an open file, say), ``group_bytes`` of payload at a time, taking the payload's
     xxh3-64 as each group lands.  ``tail``: buffers read after the payload in the last call (a probe
     byte that tells a longer value).  Returns (bytes read, the payload's checksum); the checksum is None
     when a read came back short (the caller goes on from there and the checksum is taken afterwards).
@@ -141,10 +144,11 @@ def read_hashed(read: Callable[[list[memoryview], int], int], header: memoryview
         payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")]
     groups: list[list[memoryview]] = [[]]
     size = 0
+    group_bytes = max(1, group_bytes)
     for p in parts:
-        for a in range(0, p.nbytes, HASH_GROUP_BYTES):
-            piece = p[a:a + HASH_GROUP_BYTES]
-            if size and size + piece.nbytes > HASH_GROUP_BYTES:
+        for a in range(0, p.nbytes, group_bytes):
+            piece = p[a:a + group_bytes]
+            if size and size + piece.nbytes > group_bytes:
                 groups.append([])
                 size = 0
             groups[-1].append(piece)
