@@ -422,8 +422,8 @@ class LocalDiskBackend(StorageBackend):
     @staticmethod
     def _read_file(path: str, header: memoryview,
                    payload: memoryview | blockformat.Segments) -> tuple[int | str | None, int | None]:
-        """Read a value into (header, payload), hashing the payload as it lands
-        (``blockformat.read_hashed``: segments in ``preadv`` calls of ``HASH_GROUP_BYTES``, a buffer in one).  Returns the value's full
+        """Read a value into (header, payload), hashing the payload as it lands (``blockformat.read_hashed``:
+        segments in ``preadv`` calls of ``HASH_GROUP_BYTES``, a buffer in one).  Returns the value's full
         size (None if absent, or why the entry under the name is no value at all: a FIFO, socket, device or
         directory, never read) and the payload's xxh3-64 when every read came back whole (else None: the
         caller takes it).  ``payload`` may be segments (``reads_segments``): the reads fill the parts in
@@ -444,7 +444,7 @@ class LocalDiskBackend(StorageBackend):
                 return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}", None
             want = header.nbytes + payload.nbytes
             # The probe byte past the expected end tells "longer than expected" without an fstat.  Segments
-            # are read a group at a time, hashed while in cache; one buffer in one read (HASH_GROUP_BYTES).
+            # are read a group at a time, hashed while in cache; one buffer in one read (why: HASH_GROUP_BYTES).
             group = blockformat.HASH_GROUP_BYTES if isinstance(payload, blockformat.Segments) else want
             n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), header, payload,
                                                   (_PROBE,), group)
@@ -524,10 +524,11 @@ class LocalDiskBackend(StorageBackend):
                     on_verified: Callable[[int], None] | None = None) -> list[bool | str]:
         """Read and verify a batch, each payload straight into the caller's buffer (no copy; the header first
         and a one-byte probe last; segments ``blockformat.HASH_GROUP_BYTES`` a ``preadv``), its checksum
-        taken right after its read, while its bytes are still in the core's cache (one pass).  Batches worth splitting run in the pool's threads; file reads
-        and xxh3 both release the GIL, so one thread's hash overlaps another thread's next read.  The work
-        per block in Python is kept to what verification needs: keys were checked once for the batch,
-        verified keys are made most recent in one index update at the end."""
+        taken right after its read, while its bytes are still in the core's cache (one pass).  Batches
+        worth splitting run in the pool's threads; file reads and xxh3 both release the GIL, so one thread's
+        hash overlaps another thread's next read.  The work per block in Python is kept to what
+        verification needs: keys were checked once for the batch, verified keys are made most recent in
+        one index update at the end."""
         where = self._check_keys(keys)
         check, read, hsize = blockformat.check_block, self._read_file, blockformat.HEADER_SIZE
         errors: list[OSError] = []

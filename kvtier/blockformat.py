@@ -157,9 +157,9 @@ def read_hashed(read: Callable[[list[memoryview], int], int], header: memoryview
     done = 0
     last = len(groups) - 1
     for i, group in enumerate(groups):
-        bufs = ([header] if i == 0 else []) + group + (list(tail) if i == last else [])
-        want = sum(b.nbytes for b in bufs) - (sum(b.nbytes for b in tail) if i == last else 0)
-        n = read(bufs, done)
+        head = [header] if i == 0 else []
+        want = sum(b.nbytes for b in head + group)  # the tail's bytes may not be there: not wanted
+        n = read(head + group + (list(tail) if i == last else []), done)
         done += n
         if n < want:
             return done, None

@@ -92,8 +92,11 @@ class DeviceTier:
 
     def valid_block_ids(self, block_ids: Any) -> np.ndarray:
         """A bool array: which ids are in ``[0, num_blocks)``."""
-        ids = np.asarray(block_ids.cpu() if isinstance(block_ids, torch.Tensor) else list(block_ids),
-                         dtype=np.int64).reshape(-1)
+        # An array is compared as it is: list() of one made a numpy scalar per id (a transfer's submission
+        # checks every batch here).
+        ids = (block_ids if isinstance(block_ids, np.ndarray) else
+               np.asarray(block_ids.cpu() if isinstance(block_ids, torch.Tensor) else list(block_ids),
+                          dtype=np.int64)).reshape(-1)
         return (ids >= 0) & (ids < self.num_blocks)
 
     def plan(self, block_ids: Any, buf: torch.Tensor, slots: Any = None) -> CopyPlan:

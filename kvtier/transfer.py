@@ -367,7 +367,7 @@ class TransferEngine:
         return h
 
     def _validate(self, direction: str, ids: np.ndarray, sl: np.ndarray) -> tuple[np.ndarray, list[str]]:
-        ok = (ids >= 0) & (ids < self.device.num_blocks)
+        ok = self.device.valid_block_ids(ids)
         errors = []
         if not ok.all():
             errors.append(f"block ids out of range [0, {self.device.num_blocks}): {ids[~ok].tolist()}")
