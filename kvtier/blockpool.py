@@ -32,11 +32,13 @@ class BlockPool:
     * a key maps to at most one block and that block maps back to it; a block holds at most one key;
     * ``num_free`` counts free blocks, cached or not: allocating that many never raises.
 
-    ``on_evict(key, block_id)``, when given, is called (under the pool's lock; keep it short) when
-    allocation drops a cached key, so a write-back policy or an index can follow.
+    ``on_evict(keys, block_ids)``, when given, is called once per :meth:`allocate` that dropped cached
+    keys (under the pool's lock; keep it short), with those keys and their blocks in allocation order, so
+    an index can follow: one call a batch, since a full pool evicts on nearly every allocation.
     """
 
-    def __init__(self, num_blocks: int, *, on_evict: Callable[[Hashable, int], None] | None = None):
+    def __init__(self, num_blocks: int, *,
+                 on_evict: Callable[[list[Hashable], list[int]], None] | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected an integer >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -93,17 +95,23 @@ class BlockPool:
         with self._lock:
             if n > len(self._free):
                 raise PoolExhausted(n, len(self._free), self.num_blocks)
-            out = []
+            out: list[int] = []
+            keys: list[Hashable] = []
+            ids: list[int] = []
+            pop, key_pop, block_of, ref = self._free.popitem, self._key_of.pop, self._block_of, self._ref
             for _ in range(n):
-                b, _ = self._free.popitem(last=False)
-                key = self._key_of.pop(b, None)
+                b = pop(last=False)[0]
+                key = key_pop(b, None)
                 if key is not None:
-                    del self._block_of[key]
-                    self.evictions += 1
-                    if self._on_evict is not None:
-                        self._on_evict(key, b)
-                self._ref[b] = 1
+                    del block_of[key]
+                    keys.append(key)
+                    ids.append(b)
+                ref[b] = 1
                 out.append(b)
+            if keys:
+                self.evictions += len(keys)
+                if self._on_evict is not None:
+                    self._on_evict(keys, ids)
             return out
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -145,6 +153,28 @@ class BlockPool:
             self._key_of[block_id] = key
             self._block_of[key] = block_id
             return True
+
+    def cache_many(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> None:
+        """:meth:`cache` of each ``(block_ids[i], keys[i])`` in order, under one lock: a request's full
+        prompt blocks once computed or loaded (a key cached elsewhere already is left there, as ``cache``
+        does).  All or nothing: every block is checked allocated before anything is recorded."""
+        if len(block_ids) != len(keys):
+            raise ValueError(f"cache_many: {len(block_ids)} block ids for {len(keys)} keys")
+        with self._lock:
+            ref = self._ref
+            for b in block_ids:
+                if ref[self._check_id(b)] == 0:
+                    raise ValueError(f"cache: block {b} is not allocated")
+            key_of, block_of = self._key_of, self._block_of
+            for b, key in zip(block_ids, keys):
+                held = block_of.get(key)
+                if held is not None:
+                    continue
+                old = key_of.get(b)
+                if old is not None:
+                    del block_of[old]
+                key_of[b] = key
+                block_of[key] = b
 
     def uncache(self, block_id: int) -> Hashable | None:
         """Forget the key of ``block_id`` (e.g. its KV turned out wrong); returns it."""

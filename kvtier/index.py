@@ -731,6 +731,17 @@ class BlockIndex:
         if s >= 0:
             self._vacate_device(s)
 
+    def free_devices(self, block_ids: Iterable[int]) -> None:
+        """:meth:`free_device` of each id: what an engine's block allocation evicted, in one call."""
+        rev = self._rev[0]
+        n = len(rev)
+        for b in block_ids:
+            if type(b) is not int:
+                b = operator.index(b)
+            s = rev[b] if 0 <= b < n else -1
+            if s >= 0:
+                self._vacate_device(s)
+
     # -- prefix lookup
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
         """Longest run of leading ``keys`` present in some tier, with the best tier of each block.

@@ -218,8 +218,7 @@ class TierStack:
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
         """The engine freed or reused these device blocks: forget what the index says they hold."""
         with self._lock:
-            for b in int_array(block_ids, "block ids"):
-                self.index.free_device(int(b))
+            self.index.free_devices(int_array(block_ids, "block ids").tolist())
 
     def drain_report(self) -> WorkerReport:
         """Host-memory changes, and blocks the backends evicted, since the last call (recording starts with

@@ -46,7 +46,7 @@ def test_pool_allocates_in_order_and_reuses_least_recently_freed():
 
 def test_pool_cached_blocks_survive_free_until_reallocated():
     evicted = []
-    pool = BlockPool(4, on_evict=lambda k, b: evicted.append((k, b)))
+    pool = BlockPool(4, on_evict=lambda ks, bs: evicted.append((ks, bs)))
     blocks = pool.allocate(3)
     for b, k in zip(blocks, [b"k0", b"k1", b"k2"]):
         assert pool.cache(b, k)
@@ -59,7 +59,7 @@ def test_pool_cached_blocks_survive_free_until_reallocated():
     assert pool.ref_count(0) == 1 and pool.num_free == 2
     # Allocation takes the never-cached block 3 first, then the LRU cached one (k2), evicting its key.
     assert pool.allocate(2) == [3, 2]
-    assert evicted == [(b"k2", 2)] and pool.lookup(b"k2") is None and pool.lookup(b"k0") == 0
+    assert evicted == [([b"k2"], [2])] and pool.lookup(b"k2") is None and pool.lookup(b"k0") == 0
     assert pool.evictions == 1
     pool.check()
 

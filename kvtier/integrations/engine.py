@@ -90,7 +90,7 @@ class CachedEngine:
         model = PagedLlama(spec, num_blocks=nb, block_size=m.block_size, dtype=parse_dtype(m.kv_dtype),
                            device=device, model_id=m.id)
         stack = TierStack(cfg, kv_caches=model.kv_caches, **(stack_kwargs or {}))
-        pool = BlockPool(nb, on_evict=lambda key, block_id: stack.on_device_freed([block_id]))
+        pool = BlockPool(nb, on_evict=lambda keys, block_ids: stack.on_device_freed(block_ids))
         return cls(stack, model, pool)
 
     def run_request(self, prompt: Sequence[int], *, mm: Sequence[Any] = (), cache_salt: str | None = None,
@@ -138,8 +138,7 @@ class CachedEngine:
             if keep_logits:
                 res.step_logits = [x.cpu() for x in logits]
             # Full prompt blocks now hold valid KV under their keys: reusable on the device...
-            for i, h in enumerate(hashes):
-                self.pool.cache(table[i], h)
+            self.pool.cache_many(table[:len(hashes)], hashes)
             # ...and, for the ones computed here, worth storing (loaded ones are already stored).
             first_new = len(dev) + loaded
             if store and first_new < len(hashes):

@@ -82,7 +82,7 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
     stack = SimulatedStack(config, nbytes)
     B = stack.block_size
     pool = BlockPool(device_blocks or config.device.num_blocks,
-                     on_evict=lambda key, block_id: stack.on_device_freed([block_id]))
+                     on_evict=lambda keys, block_ids: stack.on_device_freed(block_ids))
     vocab = requests.vocab_size if isinstance(requests, ChatWorkload) else 2048
     engine = CachedEngine(stack, NullModel(B, vocab, seed), pool)  # type: ignore[arg-type]
     hasher = stack.namespace.hasher()

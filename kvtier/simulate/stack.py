@@ -222,8 +222,7 @@ class SimulatedStack:
         return _Done(StoreResult(tuple(status)))
 
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
-        for b in block_ids:
-            self.index.free_device(int(b))
+        self.index.free_devices(block_ids)
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
