@@ -742,6 +742,68 @@ class BlockIndex:
             if s >= 0:
                 self._vacate_device(s)
 
+    # -- batches: the same operations over a request's keys, one call each (a simulation makes millions;
+    # a method call per key per step was most of their cost).  Each is exactly its single-key form
+    # applied to the keys in order.
+    def place_on_device_many(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """:meth:`place_on_device` of each ``(keys[i], block_ids[i])`` in order."""
+        place = self.place_on_device
+        for key, b in zip(keys, block_ids, strict=True):
+            place(key, b)
+
+    def host_slots(self, keys: Iterable[bytes]) -> list[int]:
+        """The host slot of each key, -1 where it has none (or is not in the index)."""
+        host = self._host
+        return [-1 if s is None else host[s] for s in map(self._slots.get, keys)]
+
+    def acquire_many(self, keys: Iterable[bytes]) -> None:
+        """:meth:`acquire` of each key in order."""
+        get, pin = self._slots.get, self._pin_slot
+        for key in keys:
+            s = get(key)
+            if s is None:
+                self.insert(key)
+                s = self._slots[key]
+            pin(key, s, 1)
+
+    def release_many(self, keys: Iterable[bytes]) -> None:
+        """:meth:`release` of each key in order."""
+        get, unpin = self._slots.get, self._unpin_slot
+        for key in keys:
+            s = get(key)
+            if s is None:
+                s = self._slot(key)
+            if not unpin(key, s, 1):
+                self._drop_if_unused(s)
+
+    def drop_host_many(self, keys: Iterable[bytes]) -> list[int]:
+        """:meth:`clear_host` then :meth:`discard_if_unused` of each key in order (host memory evicted
+        them); the slots they had, -1 where a key had none."""
+        get, detach, drop = self._slots.get, self._detach, self._drop_if_unused
+        out: list[int] = []
+        for key in keys:
+            s = get(key)
+            if s is None:
+                out.append(-1)
+                continue
+            h = detach(1, s)
+            out.append(-1 if h is None else h)
+            drop(s)
+        return out
+
+    def add_backend_many(self, keys: Iterable[bytes], i: int) -> None:
+        """:meth:`add_backend` ``i`` on each key that is in the index (others are skipped)."""
+        _check_backend(i)
+        bit, get, mask, n = 1 << i, self._slots.get, self._mask, 0
+        for key in keys:
+            s = get(key)
+            if s is not None:
+                m = mask[s]
+                if not m & bit:
+                    mask[s] = m | bit
+                    n += 1
+        self._bcount[i] += n
+
     # -- prefix lookup
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
         """Longest run of leading ``keys`` present in some tier, with the best tier of each block.
@@ -773,6 +835,30 @@ class BlockIndex:
         holes = np.flatnonzero(tiers < 0)
         n = int(holes[0]) if holes.size else len(slots)
         return PrefixMatch(n, tiers[:n].astype(np.int8), dev[:n].copy(), host[:n].copy())
+
+    def prefix_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
+        """``lookup_prefix(keys).tiers`` as a list of :class:`Tier`: the best tier of each block of the
+        longest run of leading keys present somewhere.  What the manager's lookups read, without the
+        device ids, host slots and numpy arrays a short chain's walk would build only to drop."""
+        if len(keys) > SHORT_CHAIN:
+            return [TIER_OF_CODE[t + 1] for t in self.lookup_prefix(keys).tiers.tolist()]
+        get, dev_col, host_col, mask_col = self._slots.get, self._dev, self._host, self._mask
+        device, host, of_code = Tier.DEVICE, Tier.HOST, TIER_OF_CODE
+        out: list[Tier] = []
+        for key in keys:
+            s = get(key)
+            if s is None:
+                break
+            if dev_col[s] >= 0:
+                out.append(device)
+            elif host_col[s] >= 0:
+                out.append(host)
+            else:
+                m = mask_col[s]
+                if not m:
+                    break  # present in no tier (a placeholder): the chain stops
+                out.append(of_code[(m & -m).bit_length() + 2])  # code 2 + lowest backend bit, shifted by 1
+        return out
 
     def _lookup_short(self, keys: Sequence[bytes]) -> PrefixMatch:
         """``lookup_prefix`` of a short chain, key by key over the array columns: the vector path's dozen

@@ -41,7 +41,7 @@ from ._stack_backends import BackendSet
 from .backend_api import StorageBackend
 from .config import KvtierConfig
 from .groups import group_ends, group_of
-from .index import BlockIndex, Tier, TierNames, tier_of
+from .index import BlockIndex, Tier, TierNames
 from .keys import Namespace, invalid_key
 from .metrics import StackMetrics
 from .plans import Lookup, LookupState, WorkerReport
@@ -221,8 +221,8 @@ class TierManager:
         n = len(hashes)
         with self._lock:
             self.fold_evictions_locked()
-            m = self.index.lookup_prefix(hashes)
-            p, tiers = m.length, [tier_of(t) for t in m.tiers.tolist()]
+            tiers = self.index.prefix_tiers(hashes)
+            p = len(tiers)
             if self.storage_blocks > 1:
                 p = self._servable_locked(hashes, start, tiers)
                 del tiers[p:]
@@ -269,8 +269,10 @@ class TierManager:
         while p < n:
             with self._lock:
                 self.fold_evictions_locked()
-                m = self.index.lookup_prefix(hashes[p:])
-                mem = [tier_of(t) for t in m.tiers[:m.in_memory].tolist()]
+                mem = self.index.prefix_tiers(hashes[p:])
+                cut = next((i for i, t in enumerate(mem) if t > Tier.HOST), None)
+                if cut is not None:
+                    del mem[cut:]
             out += mem
             p += len(mem)
             if p == n or not len(self.backends):
@@ -280,10 +282,10 @@ class TierManager:
             if best == 0:
                 break
             with self._lock:
-                m = self.index.lookup_prefix(hashes[p:p + best])
-                run = m.tiers.tolist() + [-1] * (best - m.length)
+                run = self.index.prefix_tiers(hashes[p:p + best])
             stored = Tier.backend(who)
-            out += [tier_of(t) if t in (Tier.DEVICE, Tier.HOST) else stored for t in run]
+            out += [t if t <= Tier.HOST else stored for t in run]
+            out += [stored] * (best - len(run))
             p += best
         return tuple(out)
 

@@ -505,7 +505,8 @@ def test_forget_backend_unmarks_it_everywhere_and_drops_entries_it_leaves_nowher
 @pytest.mark.parametrize("seed", range(5))
 def test_short_chains_are_looked_up_exactly_as_the_vector_path_does(seed, monkeypatch):
     """Chains up to SHORT_CHAIN keys are walked key by key; the answer (length, tier, device id and host
-    slot of each block, dtypes) must be the vectorised one's, on an index with every kind of entry."""
+    slot of each block, dtypes) must be the vectorised one's, on an index with every kind of entry; and
+    prefix_tiers (the manager's lookups) must give the same tiers."""
     import kvtier.index as index_mod
 
     r = random.Random(seed)
@@ -529,4 +530,68 @@ def test_short_chains_are_looked_up_exactly_as_the_vector_path_does(seed, monkey
         for a, b in ((short.tiers, vec.tiers), (short.device_ids, vec.device_ids), (short.host_slots, vec.host_slots)):
             assert a.dtype == b.dtype and a.tolist() == b.tolist()
         assert short.in_memory == vec.in_memory
+        assert ix.prefix_tiers(chain) == [tier_of(t) for t in vec.tiers.tolist()]
     assert max(ix.lookup_prefix(c).length for c in chains) >= 20  # long runs were compared, not only misses
+
+
+def _state(ix: BlockIndex, ks: list[bytes]) -> tuple:
+    """Everything observable: each key's entry, both memory tiers' LRU order, every backend's count."""
+    ix.validate()
+    return ([ix.get(k) for k in ks], ix.eviction_candidates(DEV, 10**6), ix.eviction_candidates(HOST, 10**6),
+            [ix.count(B(i)) for i in range(4)], ix.pinned, len(ix))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_operations_are_their_single_key_forms_in_order(seed):
+    """place_on_device_many, acquire_many, release_many, drop_host_many, add_backend_many, free_devices and
+    host_slots leave exactly the state (entries, LRU orders, counts) of the single-key calls in order,
+    on random batches with repeats, absent keys and keys pinned twice."""
+    r = random.Random(seed)
+    ks = [key(i) for i in range(40)]
+    one, many = ticking(), ticking()
+    for step in range(300):
+        batch = [r.choice(ks) for _ in range(r.randint(0, 8))]
+        op = r.choice(["place", "acquire", "release", "drop_host", "add_backend", "free", "set_host"])
+        if op == "place":
+            ids = r.sample(range(30), len(batch))
+            batch = list(dict.fromkeys(batch))[:len(ids)]
+            ids = ids[:len(batch)]
+            for k, b in zip(batch, ids):
+                one.place_on_device(k, b)
+            many.place_on_device_many(batch, ids)
+        elif op == "acquire":
+            for k in batch:
+                one.acquire(k)
+            many.acquire_many(batch)
+        elif op == "release":
+            batch = [k for k in dict.fromkeys(batch) if k in one and one.refs(k)]
+            for k in batch:
+                one.release(k)
+            many.release_many(batch)
+        elif op == "drop_host":
+            batch = [k for k in dict.fromkeys(batch) if k in one and not one.refs(k)]
+            want = [one.host_slot(k) for k in batch]
+            for k in batch:
+                one.clear_host(k)
+                one.discard_if_unused(k)
+            assert many.drop_host_many(batch) == [-1 if h is None else h for h in want]
+        elif op == "add_backend":
+            i = r.randrange(4)
+            for k in batch:
+                if k in one:
+                    one.add_backend(k, i)
+            many.add_backend_many(batch, i)
+        elif op == "free":
+            ids = [r.randrange(35) for _ in batch]
+            for b in ids:
+                one.free_device(b)
+            many.free_devices(ids)
+        else:  # give a few keys host slots, the single way in both: what drop_host then takes away
+            for k in dict.fromkeys(batch):
+                if k in one and one.host_slot(k) is None:
+                    slot = next(s for s in range(100) if one.key_at_host(s) is None)
+                    one.set_host(k, slot)
+                    many.set_host(k, slot)
+        assert many.host_slots(ks) == [-1 if one.host_slot(k) is None else one.host_slot(k) for k in ks]
+        assert _state(one, ks) == _state(many, ks), (step, op)
+    assert one.count(HOST) and one.pinned and len(one) > 10  # the walk reached every kind of entry

@@ -299,3 +299,14 @@ def test_cli_refuses_a_rate_that_is_not_positive(capsys):
     assert main(["simulate", "--rate", "0"]) == 2
     assert "--rate: expected > 0, got 0.0" in capsys.readouterr().err
 
+
+
+def test_null_model_draws_the_stream_one_call_a_request_would():
+    """NullModel reads its answers from values drawn ahead in bulk: the tokens must be exactly those of
+    one draw per request from the same seed (a simulation's chat, and its figures, are unchanged)."""
+    from kvtier.simulate.replay import NullModel
+
+    model, rng = NullModel(16, vocab_size=500, seed=3), np.random.default_rng(3)
+    sizes = [32, 0, 1, 70_000, 17, 65_536, 5]  # across a refill, one bigger than a refill, and empty
+    for n in sizes:
+        assert model.generate([], [], 0, n)[0] == rng.integers(0, 500, n).tolist()

@@ -126,8 +126,9 @@ class SimulatedStack:
         plan, fetch what is only in backends into host slots, then record the device copies."""
         idx, ids = self.index, [int(b) for b in block_ids]
         plan: list[Source] = []
-        for key, b in zip(hashes, ids):
-            if self.host_slots and idx.host_slot(key) is not None:
+        in_host = idx.host_slots(hashes) if self.host_slots else [-1] * len(hashes)
+        for key, b, h in zip(hashes, ids, in_host):
+            if h >= 0:
                 plan.append(Source.HOST)
             elif idx.key_at_device(b) == key:
                 plan.append(Source.SAME)
@@ -135,10 +136,9 @@ class SimulatedStack:
                 plan.append(Source.FETCH)
             else:
                 break
-            self.index.acquire(key)
-        for source, b in zip(plan, ids):
-            if source is not Source.SAME:
-                idx.free_device(b)
+        planned = hashes[:len(plan)]
+        idx.acquire_many(planned)
+        idx.free_devices([b for source, b in zip(plan, ids) if source is not Source.SAME])
         cut = len(plan)
         pos = [i for i, source in enumerate(plan) if source is Source.FETCH]
         if pos:
@@ -153,14 +153,10 @@ class SimulatedStack:
             for i, ok in zip(pos, got):
                 if not ok:
                     cut = min(cut, i)
-        down = []
-        for i in range(cut):
-            key = hashes[i]
-            self.index.place_on_device(key, ids[i])
-            if self.write_policy.on_hit(key, self._hit(key)):
-                down.append(key)
-        for key in hashes[:len(plan)]:
-            self.index.release(key)
+        idx.place_on_device_many(hashes[:cut], ids[:cut])
+        on_hit, hit = self.write_policy.on_hit, self._hit
+        down = [key for key in hashes[:cut] if on_hit(key, hit(key))]
+        idx.release_many(planned)
         if down:
             self._write_down(down)
         loaded = tuple(i < cut for i in range(len(hashes)))
@@ -173,43 +169,47 @@ class SimulatedStack:
         new: list[int] = []
         hits: list[bytes] = []
         seen: set[bytes] = set()
-        host_slot, hosted, writable = idx.host_slot, bool(self.host_slots), self.writable
-        place, acquire = idx.place_on_device, idx.acquire
-        for i, (key, b) in enumerate(zip(hashes, block_ids)):
-            place(key, int(b))
-            held = host_slot(key) is not None if hosted else bool(writable) and idx.in_backends(key, writable)
-            if key in seen or held:
+        writable = self.writable
+        # The stack places, then classifies and pins key by key; nothing of that changes what a later
+        # key is classified as (device ids and pins, not host slots or backend marks), so each step
+        # runs over the batch, with the same resulting state.
+        idx.place_on_device_many(hashes, [int(b) for b in block_ids])
+        if self.host_slots:
+            held = [h >= 0 for h in idx.host_slots(hashes)]
+        else:
+            held = [bool(writable) and idx.in_backends(key, writable) for key in hashes]
+        on_hit = self.write_policy.on_hit
+        for i, key in enumerate(hashes):
+            if key in seen or held[i]:
                 status[i] = PRESENT
-                if key not in seen and held and self.write_policy.on_hit(key, self._hit(key)):
+                if key not in seen and on_hit(key, self._hit(key)):
                     hits.append(key)
                 seen.add(key)
                 continue
             seen.add(key)
             new.append(i)
-            acquire(key)
+        fresh = [hashes[i] for i in new]
+        idx.acquire_many(fresh)
         if hits:
             self._write_down(hits)
         if not new:
             return _Done(StoreResult(tuple(status)))
         if not self.host_slots:
             self._store_direct(hashes, start, new, status)
-            for i in new:
-                idx.release(hashes[i])
+            idx.release_many(fresh)
             return _Done(StoreResult(tuple(status)))
         slots = self._take(len(new))
         taken = len(slots)
         if taken < len(new):
             self.counters["host"].skipped += len(new) - taken
-        down = []
-        commit, on_store, release = self._commit_host, self.write_policy.on_store, idx.release
-        for j, i in enumerate(new):
-            key = hashes[i]
-            if j < taken:
-                commit(key, slots[j])
-                status[i] = STORED
-                if on_store(key):
-                    down.append(key)
-            release(key)
+        # Committed while pinned (no LRU move), then released in order: the host LRU order of the
+        # stack's commit-and-release per key.
+        self._commit_host_many(fresh[:taken], slots)
+        for i in new[:taken]:
+            status[i] = STORED
+        on_store = self.write_policy.on_store
+        down = [key for key in fresh[:taken] if on_store(key)]
+        idx.release_many(fresh)
         self.counters["host"].written += taken
         if self.storage_blocks > 1:
             groups = [tuple(hashes[a:b + 1]) for a, b in whole_groups(start, n, self.storage_blocks)]
@@ -287,34 +287,50 @@ class SimulatedStack:
         seen: set[bytes] = set()
         wb: list[tuple[bytes, list[int]]] = []
         dropped = 0
+        grouped = self.storage_blocks > 1
+        on_evict, writable = self.write_policy.on_evict, self.writable
         while need > 0:
             fresh = [k for k in self.eviction_policy.victims(idx, Tier.HOST, need + len(seen)) if k not in seen]
             if not fresh:
                 break
-            for key in fresh:
+            # Per victim, whether to drop or write back depends on its own entry only (with groups also
+            # on its group's other blocks, dropped at once then), so drops and pins go in one batch.
+            drop: list[bytes] = []
+            pins: list[bytes] = []
+            for key, h in zip(fresh, idx.host_slots(fresh)):
                 seen.add(key)
-                if need == 0 or idx.host_slot(key) is None or idx.refs(key):
+                if need == 0 or h < 0 or idx.refs(key):
                     continue
-                targets = [i for i in self.writable if not idx.in_backends(key, (i,))]
-                if targets and self.storage_blocks > 1 and self._group_of(key) is None:
+                targets = [i for i in writable if not idx.in_backends(key, (i,))]
+                if targets and grouped and self._group_of(key) is None:
                     targets = []  # a block of a group no longer whole in host memory cannot be written
-                if targets and self.write_policy.on_evict(key):
-                    self.index.acquire(key)
+                if targets and on_evict(key):
+                    pins.append(key)
                     wb.append((key, targets))
-                else:
-                    self._drop_host(key)
+                elif grouped:
+                    self._drop_host_many([key])
                     dropped += 1
+                else:
+                    drop.append(key)
                 need -= 1
+            if drop:
+                self._drop_host_many(drop)
+                dropped += len(drop)
+            idx.acquire_many(pins)
         slots += [free.pop() for _ in range(dropped)]
         if wb:
             written = self._copy_down(wb)
-            for key, _ in wb:
+            keys = [key for key, _ in wb]
+            for key in keys:
                 idx.unpin(key)
-                if written[key] and idx.refs(key) == 0 and idx.host_slot(key) is not None:
-                    self._drop_host(key)
-                    slots.append(free.pop())
-                else:
+            gone = [key for key in keys if written[key] and idx.refs(key) == 0 and idx.host_slot(key) is not None]
+            gone_set = set(gone)
+            for key in keys:
+                if key not in gone_set:
                     idx.discard_if_unused(key)
+            if gone:
+                self._drop_host_many(gone)
+                slots += [free.pop() for _ in gone]
         return slots
 
     def _fetch_groups(self, hashes: Sequence[bytes], start: int, pos: list[int]) -> list[bool]:
@@ -467,11 +483,10 @@ class SimulatedStack:
             part = [key for key, targets in todo if b in targets]
             if not part:
                 continue
-            for key, good in zip(part, self._put(b, part)):
-                if good:
-                    taken[key] = True
-                    if key in self.index:
-                        self.index.add_backend(key, b)
+            ok = [key for key, good in zip(part, self._put(b, part)) if good]
+            for key in ok:
+                taken[key] = True
+            self.index.add_backend_many(ok, b)
             self.counters["host"].read += len(part)
         return taken
 
@@ -498,27 +513,37 @@ class SimulatedStack:
         return idx.hits(key)
 
     def _commit_host(self, key: bytes, slot: int) -> None:
+        self._commit_host_many([key], [slot])
+
+    def _commit_host_many(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Each key lands in its slot (a key already in another slot keeps it; this one goes back)."""
         idx = self.index
-        held = idx.host_slot(key)
-        if held is not None and held != slot:
-            self._free_slots.append(slot)
-            return
-        if key not in idx:
-            idx.insert(key)
-        idx.set_host(key, slot)
-        if self._on_insert is not None:
-            self._on_insert(Tier.HOST, [key])
+        set_host, free = idx.set_host, self._free_slots
+        for key, slot, held in zip(keys, slots, idx.host_slots(keys)):
+            if held >= 0 and held != slot:
+                free.append(slot)
+                continue
+            if key not in idx:
+                idx.insert(key)
+            set_host(key, slot)
+            if self._on_insert is not None:
+                self._on_insert(Tier.HOST, [key])
 
     def _drop_host(self, key: bytes) -> None:
-        idx = self.index
-        slot = idx.clear_host(key)
-        self._members.pop(key, None)
-        if slot is not None:
-            self._free_slots.append(slot)
-            if self._on_remove is not None:
-                self._on_remove(Tier.HOST, [key])
-            self.counters["host"].evicted += 1
-        idx.discard_if_unused(key)
+        self._drop_host_many([key])
+
+    def _drop_host_many(self, keys: Sequence[bytes]) -> None:
+        """Host memory evicts ``keys`` (unpinned): their slots become free."""
+        members, free = self._members, self._free_slots
+        evicted = 0
+        for key, slot in zip(keys, self.index.drop_host_many(keys)):
+            members.pop(key, None)
+            if slot >= 0:
+                free.append(slot)
+                if self._on_remove is not None:
+                    self._on_remove(Tier.HOST, [key])
+                evicted += 1
+        self.counters["host"].evicted += evicted
 
 
 __all__ = ["SimulatedStack", "TierCounters"]
