@@ -4,10 +4,14 @@ The scheduler-side map from a block key (the hash ``bytes`` from :mod:`kvtier.ke
 lives: a device block id, a host slot, a set of storage backends (a bitmask over up to 32 backend indices),
 plus a ref count, a hit count and the last access time.  It never touches a tensor.
 
-Layout: struct-of-arrays.  A dict maps key -> slot (an int); every attribute is a column (``array.array``,
-typed, 4-8 bytes a slot) indexed by slot; freed slots go on a free list and are reused; columns grow by
-doubling.  At 1 M entries this costs ~200 B an entry (tracemalloc; ~225 B RSS) including the 32-byte key
-``bytes`` themselves, where an object an entry with an OrderedDict per tier costs several times that.
+Layout: struct-of-arrays.  A dict maps key -> slot (an int); every attribute is a column indexed by slot;
+freed slots go on a free list and are reused; columns grow by doubling.  The integer columns are Python
+lists, the access time an ``array.array`` of doubles: CPython specialises list indexing (7 ns a read or
+write here) and not ``array.array``'s (18 ns a read, 31 a write), and an index operation is a dozen
+such steps; numpy scans (backend candidates, long prefixes) copy the columns they read.  At 1 M entries
+in host memory and a backend this costs ~270 B an entry (tracemalloc) including the 32-byte key ``bytes``
+themselves (~200 B with ``array.array`` columns, for a simulated replay 35 % slower), where an object an
+entry with an OrderedDict per tier costs several times that.
 
 Tiers are codes of the int enum :class:`Tier`: ``DEVICE`` = 0, ``HOST`` = 1, backend ``i`` = ``2 + i``.
 
@@ -184,6 +188,10 @@ def _filled(typecode: str, value: float, n: int) -> array.array:
     return array.array(typecode, [value]) * n
 
 
+def _column(n: int, value: int = -1) -> list[int]:
+    return [value] * n
+
+
 class BlockIndex:
     """key -> (device block id, host slot, backend set, refs, hits, last access), with per-tier LRU.
 
@@ -203,23 +211,22 @@ class BlockIndex:
         self._free: list[int] = []
         self._top = 0  # slots >= _top have never been used
         self._cap = cap
-        self._dev = _filled("i", -1, cap)
-        self._host = _filled("i", -1, cap)
-        self._mask = _filled("I", 0, cap)
-        self._refs = _filled("i", -1, cap)  # -1 marks a free slot, so vector scans need no live column
-        self._hits = _filled("I", 0, cap)
+        self._dev = _column(cap)
+        self._host = _column(cap)
+        self._mask = _column(cap, 0)
+        self._refs = _column(cap)  # -1 marks a free slot, so vector scans need no live column
+        self._hits = _column(cap, 0)
         self._last = _filled("d", 0.0, cap)
         self._loc = (self._dev, self._host)  # indexed by Tier.DEVICE / Tier.HOST
-        self._prev = (_filled("i", -1, cap), _filled("i", -1, cap))
-        self._next = (_filled("i", -1, cap), _filled("i", -1, cap))
+        self._prev = (_column(cap), _column(cap))
+        self._next = (_column(cap), _column(cap))
         self._head = [-1, -1]  # least recently used
         self._tail = [-1, -1]  # most recently used
         self._lru_len = [0, 0]
-        self._rev = (array.array("i"), array.array("i"))  # device id / host slot -> slot
+        self._rev: tuple[list[int], list[int]] = ([], [])  # device id / host slot -> slot
         self._count = [0, 0]
         self._bcount = [0] * MAX_BACKENDS
         self._pinned = 0
-        self._views: tuple[np.ndarray, ...] | None = None
 
     # -- basics
     def __len__(self) -> int:
@@ -247,10 +254,10 @@ class BlockIndex:
         while new < need:
             new *= 2
         extra = new - self._cap
-        self._views = None  # release numpy views: an exported array.array cannot be resized
         for col, fill in ((self._dev, -1), (self._host, -1), (self._mask, 0), (self._refs, -1),
-                          (self._hits, 0), (self._last, 0.0), *((c, -1) for c in self._prev + self._next)):
-            col.extend(_filled(col.typecode, fill, extra))
+                          (self._hits, 0), *((c, -1) for c in self._prev + self._next)):
+            col.extend(_column(extra, fill))
+        self._last.extend(_filled("d", 0.0, extra))
         self._keys.extend([None] * extra)
         self._cap = new
 
@@ -263,10 +270,10 @@ class BlockIndex:
         return self._top - 1
 
     def _np(self) -> tuple[np.ndarray, ...]:
-        if self._views is None:
-            self._views = tuple(np.frombuffer(c, dtype=c.typecode) for c in
-                                (self._dev, self._host, self._mask, self._refs, self._last))
-        return self._views
+        """Copies of the dev, host, mask, refs and last columns (for O(capacity) scans)."""
+        return (np.array(self._dev, dtype=np.int32), np.array(self._host, dtype=np.int32),
+                np.array(self._mask, dtype=np.uint32), np.array(self._refs, dtype=np.int32),
+                np.array(self._last, dtype=np.float64))
 
     # -- LRU lists (intrusive, in the prev/next columns)
     def _link_mru(self, t: int, s: int) -> None:
@@ -362,10 +369,10 @@ class BlockIndex:
         self._top = b
         self._slots.update(zip(keys, range(a, b)))
         self._keys[a:b] = keys
-        self._refs[a:b] = _filled("i", 0, n)
-        self._hits[a:b] = _filled("I", 0, n)
+        self._refs[a:b] = _column(n, 0)
+        self._hits[a:b] = _column(n, 0)
         self._last[a:b] = _filled("d", self._clock(), n)
-        self._mask[a:b] = _filled("I", mask, n)
+        self._mask[a:b] = _column(n, mask)
         for i in _bits(mask):
             self._bcount[i] += n
 
@@ -524,7 +531,7 @@ class BlockIndex:
         ident = int(ident)
         rev, loc = self._rev[t], self._loc[t]
         if ident >= len(rev):
-            rev.extend(_filled("i", -1, max(ident + 1, 2 * len(rev)) - len(rev)))
+            rev.extend(_column(max(ident + 1, 2 * len(rev)) - len(rev)))
         old = loc[s]
         if old >= 0:
             rev[old] = -1
@@ -657,17 +664,16 @@ class BlockIndex:
         from an outage may have come back empty).  Entries this leaves in no tier and unreferenced are
         dropped, as ``discard_if_unused`` would.  Returns how many entries were unmarked.  O(capacity)."""
         _check_backend(i)
-        dev, host, mask, refs, _last = self._np()
+        _dev, _host, mask, refs, _last = self._np()
         bit = 1 << i
-        marked = np.flatnonzero((mask & bit).astype(bool) & (refs >= 0))
-        if not marked.size:
-            return 0
-        mask[marked] &= np.uint32(~bit & 0xFFFFFFFF)
+        marked = np.flatnonzero((mask & bit).astype(bool) & (refs >= 0)).tolist()
+        col = self._mask
+        for s in marked:
+            col[s] ^= bit
         self._bcount[i] = 0
-        unused = marked[(mask[marked] == 0) & (dev[marked] < 0) & (host[marked] < 0) & (refs[marked] == 0)]
-        for s in unused.tolist():
-            self._drop_slot(self._keys[s] or b"", s)  # a live slot always holds a key
-        return int(marked.size)
+        for s in marked:
+            self._drop_if_unused(s)
+        return len(marked)
 
     def discard_if_unused(self, key: bytes) -> bool:
         """Remove ``key`` if it is in no tier and unreferenced (keeps an index of hints bounded)."""
@@ -825,10 +831,9 @@ class BlockIndex:
             slots += [x for x in part if x is not None]
             pos += chunk
             chunk *= 4
-        idx = np.frombuffer(array.array("q", slots), dtype=np.int64)
-        dev_col, host_col, mask_col, _refs, _last = self._np()
-        dev, host = dev_col[idx], host_col[idx]
-        mask = mask_col[idx].astype(np.int64)
+        dev = np.array([self._dev[s] for s in slots], dtype=np.int32)
+        host = np.array([self._host[s] for s in slots], dtype=np.int32)
+        mask = np.array([self._mask[s] for s in slots], dtype=np.int64)
         low_bit = np.frexp((mask & -mask).astype(np.float64))[1] - 1  # index of lowest set bit; -1 if none
         tiers = np.where(dev >= 0, Tier.DEVICE,
                          np.where(host >= 0, Tier.HOST, np.where(mask != 0, low_bit + 2, Tier.MISSING)))
@@ -873,6 +878,7 @@ class BlockIndex:
             if s is None:
                 break
             d, h = dev_col[s], host_col[s]
+            t: int
             if d >= 0:
                 t = Tier.DEVICE
             elif h >= 0:
