@@ -11,7 +11,7 @@ append and removal from the middle).
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 
@@ -129,13 +129,20 @@ class BlockPool:
         the free queue (keeping its key).  Free a request's blocks tail first, as vLLM does, so its
         prefix outlives its suffix."""
         with self._lock:
-            for b, times in Counter(block_ids).items():  # all or nothing
-                if self._ref[self._check_id(b)] < times:
-                    raise ValueError(f"free: block {b} has ref count {self._ref[b]}, freed {times} time(s)")
-            for b in block_ids:
-                self._ref[b] -= 1
-                if self._ref[b] == 0:
-                    self._free[b] = None
+            ref, free, n = self._ref, self._free, self.num_blocks
+            for j, b in enumerate(block_ids):
+                if not 0 <= b < n or ref[b] == 0:  # all or nothing: undo this call's drops, then refuse
+                    for u in block_ids[:j]:
+                        if ref[u] == 0:
+                            del free[u]
+                        ref[u] += 1
+                    self._check_id(b)
+                    times = sum(1 for u in block_ids if u == b)
+                    raise ValueError(f"free: block {b} has ref count {ref[b]}, freed {times} time(s)")
+                r = ref[b] - 1
+                ref[b] = r
+                if r == 0:
+                    free[b] = None
 
     def cache(self, block_id: int, key: Hashable) -> bool:
         """Record that ``block_id`` (allocated, full) holds ``key``.  Returns False (and records nothing)

@@ -79,6 +79,23 @@ def test_pool_ref_counts_shared_blocks():
     pool.check()
 
 
+def test_pool_free_is_all_or_nothing():
+    """A free that names a block it cannot free (over-freed, out of range) changes nothing: the blocks
+    before it in the call keep their counts and stay out of the free queue, in queue order."""
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    pool.touch([b])
+    order = list(pool._free)
+    with pytest.raises(ValueError, match=f"free: block {c} has ref count 1, freed 2 time"):
+        pool.free([a, b, c, b, c])
+    with pytest.raises(IndexError, match="block id 9 out of range"):
+        pool.free([a, c, 9])
+    assert [pool.ref_count(x) for x in (a, b, c)] == [1, 2, 1] and list(pool._free) == order
+    pool.free([c, b, a, b])  # tail first; b reaches 0 at its second mention
+    assert list(pool._free) == [*order, c, a, b]
+    pool.check()
+
+
 def test_pool_exhaustion_raises_at_once_and_takes_nothing():
     pool = BlockPool(3)
     pool.allocate(2)

@@ -172,7 +172,9 @@ class SimulatedStack:
         writable = self.writable
         # The stack places, then classifies and pins key by key; nothing of that changes what a later
         # key is classified as (device ids and pins, not host slots or backend marks), so each step
-        # runs over the batch, with the same resulting state.
+        # runs over the batch.  New blocks are not pinned here: the stack's pins keep them through its
+        # copies in other threads, and here nothing runs meanwhile that could drop an entry on the
+        # device (the host LRU order is the same: each joins it, in order, as it lands).
         idx.place_on_device_many(hashes, [int(b) for b in block_ids])
         if self.host_slots:
             held = [h >= 0 for h in idx.host_slots(hashes)]
@@ -189,27 +191,22 @@ class SimulatedStack:
             seen.add(key)
             new.append(i)
         fresh = [hashes[i] for i in new]
-        idx.acquire_many(fresh)
         if hits:
             self._write_down(hits)
         if not new:
             return _Done(StoreResult(tuple(status)))
         if not self.host_slots:
             self._store_direct(hashes, start, new, status)
-            idx.release_many(fresh)
             return _Done(StoreResult(tuple(status)))
         slots = self._take(len(new))
         taken = len(slots)
         if taken < len(new):
             self.counters["host"].skipped += len(new) - taken
-        # Committed while pinned (no LRU move), then released in order: the host LRU order of the
-        # stack's commit-and-release per key.
         self._commit_host_many(fresh[:taken], slots)
         for i in new[:taken]:
             status[i] = STORED
         on_store = self.write_policy.on_store
         down = [key for key in fresh[:taken] if on_store(key)]
-        idx.release_many(fresh)
         self.counters["host"].written += taken
         if self.storage_blocks > 1:
             groups = [tuple(hashes[a:b + 1]) for a, b in whole_groups(start, n, self.storage_blocks)]
