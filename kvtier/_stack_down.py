@@ -140,22 +140,25 @@ class Downward:
         slots: list[int] = []
         wb: list[Victim] = []
         with s._lock:
-            for i, (key, b) in enumerate(zip(hashes, ids.tolist())):
-                s.index.place_on_device(key, b)
-                e = s.index.entry(key)
-                held = e.host is not None if s.host else bool(s._backends.writable) and all(
-                    j in e.backends for j in s._backends.writable)
-                if key in seen or key in s._storing or held:
+            # Placing a block, or pinning one, changes no later block's host slot or backend marks: the
+            # steps run over the batch (the simulator's store makes the same calls).
+            idx, writable, storing = s.index, s._backends.writable, s._storing
+            idx.place_on_device_many(hashes, ids.tolist())
+            if s.host:
+                held = [h >= 0 for h in idx.host_slots(hashes)]
+            else:
+                held = [bool(writable) and idx.in_backends(key, writable) for key in hashes]
+            for i, key in enumerate(hashes):
+                if key in seen or key in storing or held[i]:
                     status[i] = PRESENT
-                    if key not in seen and (held or key in s._storing) and \
-                            s.write_policy.on_hit(key, s._hit_locked(key)):
+                    if key not in seen and s.write_policy.on_hit(key, s._hit_locked(key)):
                         hits.append(key)
                     seen.add(key)
                     continue
                 seen.add(key)
                 new.append(i)
-                s._storing.add(key)
-                s.index.acquire(key)
+                storing.add(key)
+            idx.acquire_many([hashes[i] for i in new])
             if s.host is not None and new:
                 slots, wb = s.room.take_locked(len(new))
             s._pending.add()
