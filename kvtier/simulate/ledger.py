@@ -55,8 +55,22 @@ class LedgerBackend(StorageBackend):
         """Store ``keys`` (in order): each becomes most recent, evicting the least recent to make room.
         The evicted keys go to ``on_evicted``, as local_disk's do."""
         cap = self.max_values
-        out = []
         evicted: list[str] = []
+        if cap and not self._held:
+            # Nothing held (no load in flight): every put that finds the ledger full evicts the least
+            # recent value, the loop below without its checks (a full disk evicts on every put).
+            held, pop, first = self._keys, self._keys.pop, self._keys.popitem
+            for key in keys:
+                pop(key, None)
+                if len(held) >= cap:
+                    evicted.append(first(last=False)[0])
+                held[key] = None
+            self.puts += len(keys)
+            self.evictions += len(evicted)
+            if evicted:
+                self._evicted(evicted)
+            return [True] * len(keys)
+        out = []
         for key in keys:
             if cap == 0:
                 self.refused += 1
