@@ -327,7 +327,7 @@ class BlockIndex:
             raise TypeError(f"block key must be non-empty bytes, got {type(key).__name__}")
         if key in self._slots:
             raise ValueError(f"block {key.hex()}: already in the index")
-        mask = _mask_of(backends)
+        mask = _mask_of(backends) if backends != () else 0
         # validate ids before allocating, so a bad call leaves the index unchanged
         if device is not None:
             self._check_free_id(0, device, key, -1)
@@ -386,11 +386,14 @@ class BlockIndex:
         return snap
 
     def _drop_slot(self, key: bytes, s: int) -> None:
-        for t in (0, 1):
-            self._detach(t, s)
-        for i in _bits(self._mask[s]):
-            self._bcount[i] -= 1
-        self._mask[s] = 0
+        if self._dev[s] >= 0:
+            self._detach(0, s)
+        if self._host[s] >= 0:
+            self._detach(1, s)
+        if self._mask[s]:
+            for i in _bits(self._mask[s]):
+                self._bcount[i] -= 1
+            self._mask[s] = 0
         self._refs[s] = -1
         self._hits[s] = 0
         self._keys[s] = None
