@@ -135,20 +135,21 @@ class Upward:
         handle = LoadHandle(len(hashes), s.layout.num_layers, layerwise)
         plan: list[Step] = []  # per block of the planned prefix
         with s._lock:
-            for key, b in zip(hashes, ids.tolist()):
-                e = s.index.get(key)
-                if e is not None and e.host is not None and s.host is not None:
-                    plan.append(Step(Source.HOST, e.host))
-                elif e is not None and e.device == b:
+            idx, id_list = s.index, ids.tolist()
+            in_host = idx.host_slots(hashes) if s.host is not None else [-1] * len(hashes)
+            for key, b, h in zip(hashes, id_list, in_host):
+                if h >= 0:
+                    plan.append(Step(Source.HOST, h))
+                elif idx.key_at_device(b) == key:
                     plan.append(Step(Source.SAME))
                 elif len(s._backends):
                     plan.append(Step(Source.FETCH))
                 else:
                     break  # nowhere to get it from: the usable prefix ends here
-                s.index.acquire(key)
-            for step, b in zip(plan, ids.tolist()):
-                if step.source is not Source.SAME:
-                    s.index.free_device(b)  # about to be overwritten: whatever it held is gone
+            # Pinned after planning, in one call: a pin changes no later block's plan.
+            idx.acquire_many(hashes[:len(plan)])
+            # About to be overwritten: whatever those blocks held is gone.
+            idx.free_devices([b for step, b in zip(plan, id_list) if step.source is not Source.SAME])
         if any(p.source is Source.FETCH for p in plan):
             # A put meanwhile (write-back, another request's store) must not evict what this load reads.
             held = s.namespace.keys(hashes)
@@ -331,13 +332,10 @@ class Upward:
             num = next((i for i in range(n) if not copied[i]), n)
             with s._lock:
                 try:
-                    for i in range(num):
-                        s.index.place_on_device(hashes[i], int(ids[i]))
-                        if s.write_policy.on_hit(hashes[i], s._hit_locked(hashes[i])):
-                            down.append(hashes[i])
+                    s.index.place_on_device_many(hashes[:num], ids[:num].tolist())
+                    down += [key for key in hashes[:num] if s.write_policy.on_hit(key, s._hit_locked(key))]
                 finally:
-                    for i in range(len(plan)):
-                        s.index.release(hashes[i])
+                    s.index.release_many(hashes[:len(plan)])
             self._count(plan[:num], n, r)
         except Exception as e:  # noqa: BLE001 - the handle is finished whatever happens
             log.exception("load: completion failed")
