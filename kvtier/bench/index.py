@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     runs = ", ".join(f"{Tier.label(t)} {b - a}" for t, a, b in m.runs())
 
     lookup_s = median_time(lambda: ix.lookup_prefix(chain), repeats=args.repeats, warmup=2)
+    assert ix.prefix_tiers(chain) == [Tier(t) for t in m.tiers.tolist()]
+    tiers_s = median_time(lambda: ix.prefix_tiers(chain), repeats=args.repeats, warmup=2)
     get = ix._slots.get  # the ceiling: the same probes into the same dict, nothing else
 
     def bare() -> list:
@@ -103,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
          "goal": f"<= {GOAL_LOOKUP_MS}", "result": "pass" if ok_lookup else "FAIL"},
         {"metric": "  ceiling: bare dict.get loop", "value": ceiling_s * 1e3, "unit": "ms",
          "goal": "", "result": f"lookup/ceiling = {lookup_s / ceiling_s:.2f}x"},
+        {"metric": "  tiers only (prefix_tiers: the manager's)", "value": tiers_s * 1e3, "unit": "ms",
+         "goal": "", "result": f"tiers/ceiling = {tiers_s / ceiling_s:.2f}x"},
         {"metric": f"memory at {n:,} entries ({args.key_size} B keys)", "value": per_entry,
          "unit": "B/entry", "goal": f"<= {GOAL_BYTES_PER_ENTRY:.0f}", "result": "pass" if ok_mem else "FAIL"},
         {"metric": "  peak during build", "value": peak_per_entry, "unit": "B/entry", "goal": "", "result": ""},
