@@ -269,11 +269,11 @@ class BlockIndex:
         self._top += 1
         return self._top - 1
 
-    def _np(self) -> tuple[np.ndarray, ...]:
-        """Copies of the dev, host, mask, refs and last columns (for O(capacity) scans)."""
-        return (np.array(self._dev, dtype=np.int32), np.array(self._host, dtype=np.int32),
-                np.array(self._mask, dtype=np.uint32), np.array(self._refs, dtype=np.int32),
-                np.array(self._last, dtype=np.float64))
+    def _np(self, last: bool = False) -> tuple[np.ndarray, ...]:
+        """Copies of the mask and refs columns, and of last access times if asked (O(capacity) scans
+        of backend marks: the only columns they read)."""
+        cols = (np.array(self._mask, dtype=np.uint32), np.array(self._refs, dtype=np.int32))
+        return (*cols, np.frombuffer(self._last, dtype=np.float64).copy()) if last else cols
 
     # -- LRU lists (intrusive, in the prev/next columns)
     def _link_mru(self, t: int, s: int) -> None:
@@ -637,7 +637,7 @@ class BlockIndex:
         """Entries present in ``tier`` with ref count 0."""
         if tier in (0, 1):
             return self._lru_len[tier]
-        _dev, _host, mask, refs, _last = self._np()
+        mask, refs = self._np()
         return int(np.count_nonzero(((mask >> _tier_backend(tier)) & 1).astype(bool) & (refs == 0)))
 
     def eviction_candidates(self, tier: int, n: int) -> list[bytes]:
@@ -657,7 +657,7 @@ class BlockIndex:
         b = _tier_backend(tier)
         if n <= 0:
             return []
-        _dev, _host, mask, refs, last = self._np()
+        mask, refs, last = self._np(last=True)
         sel = np.flatnonzero(((mask >> b) & 1).astype(bool) & (refs == 0))
         order = sel[np.argsort(last[sel], kind="stable")[:n]]
         return [self._keys[s] for s in order.tolist()]
@@ -667,7 +667,7 @@ class BlockIndex:
         from an outage may have come back empty).  Entries this leaves in no tier and unreferenced are
         dropped, as ``discard_if_unused`` would.  Returns how many entries were unmarked.  O(capacity)."""
         _check_backend(i)
-        _dev, _host, mask, refs, _last = self._np()
+        mask, refs = self._np()
         bit = 1 << i
         marked = np.flatnonzero((mask & bit).astype(bool) & (refs >= 0)).tolist()
         col = self._mask
