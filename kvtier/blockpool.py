@@ -151,15 +151,18 @@ class BlockPool:
             self._check_id(block_id)
             if self._ref[block_id] == 0:
                 raise ValueError(f"cache: block {block_id} is not allocated")
-            held = self._block_of.get(key)
-            if held is not None:
-                return held == block_id
-            old = self._key_of.get(block_id)
-            if old is not None:
-                del self._block_of[old]
-            self._key_of[block_id] = key
-            self._block_of[key] = block_id
-            return True
+            return self._cache_locked(block_id, key)
+
+    def _cache_locked(self, block_id: int, key: Hashable) -> bool:
+        held = self._block_of.get(key)
+        if held is not None:
+            return held == block_id
+        old = self._key_of.get(block_id)
+        if old is not None:
+            del self._block_of[old]
+        self._key_of[block_id] = key
+        self._block_of[key] = block_id
+        return True
 
     def cache_many(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> None:
         """:meth:`cache` of each ``(block_ids[i], keys[i])`` in order, under one lock: a request's full
@@ -172,16 +175,8 @@ class BlockPool:
             for b in block_ids:
                 if ref[self._check_id(b)] == 0:
                     raise ValueError(f"cache: block {b} is not allocated")
-            key_of, block_of = self._key_of, self._block_of
             for b, key in zip(block_ids, keys):
-                held = block_of.get(key)
-                if held is not None:
-                    continue
-                old = key_of.get(b)
-                if old is not None:
-                    del block_of[old]
-                key_of[b] = key
-                block_of[key] = b
+                self._cache_locked(b, key)
 
     def uncache(self, block_id: int) -> Hashable | None:
         """Forget the key of ``block_id`` (e.g. its KV turned out wrong); returns it."""

@@ -733,15 +733,10 @@ class BlockIndex:
     def free_device(self, block_id: int) -> None:
         """Device block ``block_id`` is freed or about to be overwritten: the key it held, if any, loses its
         device copy (and its entry, if that leaves it nowhere and unreferenced)."""
-        rev = self._rev[0]
-        if type(block_id) is not int:
-            block_id = operator.index(block_id)
-        s = rev[block_id] if 0 <= block_id < len(rev) else -1
-        if s >= 0:
-            self._vacate_device(s)
+        self.free_devices((block_id,))
 
     def free_devices(self, block_ids: Iterable[int]) -> None:
-        """:meth:`free_device` of each id: what an engine's block allocation evicted, in one call."""
+        """:meth:`free_device` of each id in order: what an engine's block allocation evicted, in one call."""
         rev = self._rev[0]
         n = len(rev)
         for b in block_ids:
@@ -870,7 +865,7 @@ class BlockIndex:
         return out
 
     def _lookup_short(self, keys: Sequence[bytes]) -> PrefixMatch:
-        """``lookup_prefix`` of a short chain, key by key over the array columns: the vector path's dozen
+        """``lookup_prefix`` of a short chain, key by key over the columns: the vector path's dozen
         numpy calls cost more than the walk itself below ``SHORT_CHAIN`` keys (most lookups: what the
         device prefix cache left over), and a simulated replay spent a quarter of its time there."""
         get, dev_col, host_col, mask_col = self._slots.get, self._dev, self._host, self._mask

@@ -317,13 +317,12 @@ class SimulatedStack:
         slots += [free.pop() for _ in range(dropped)]
         if wb:
             written = self._copy_down(wb)
-            keys = [key for key, _ in wb]
-            for key in keys:
+            gone = []
+            for key, _ in wb:
                 idx.unpin(key)
-            gone = [key for key in keys if written[key] and idx.refs(key) == 0 and idx.host_slot(key) is not None]
-            gone_set = set(gone)
-            for key in keys:
-                if key not in gone_set:
+                if written[key] and idx.refs(key) == 0 and idx.host_slot(key) is not None:
+                    gone.append(key)  # a backend took it: its slot is free (dropped below, in order)
+                else:
                     idx.discard_if_unused(key)
             if gone:
                 self._drop_host_many(gone)
@@ -525,9 +524,6 @@ class SimulatedStack:
             set_host(key, slot)
             if self._on_insert is not None:
                 self._on_insert(Tier.HOST, [key])
-
-    def _drop_host(self, key: bytes) -> None:
-        self._drop_host_many([key])
 
     def _drop_host_many(self, keys: Sequence[bytes]) -> None:
         """Host memory evicts ``keys`` (unpinned): their slots become free."""
