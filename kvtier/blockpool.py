@@ -147,27 +147,12 @@ class BlockPool:
     def cache(self, block_id: int, key: Hashable) -> bool:
         """Record that ``block_id`` (allocated, full) holds ``key``.  Returns False (and records nothing)
         when ``key`` is already cached in another block, so block tables stay append-only as in vLLM."""
-        with self._lock:
-            self._check_id(block_id)
-            if self._ref[block_id] == 0:
-                raise ValueError(f"cache: block {block_id} is not allocated")
-            return self._cache_locked(block_id, key)
+        return self.cache_many((block_id,), (key,))[0]
 
-    def _cache_locked(self, block_id: int, key: Hashable) -> bool:
-        held = self._block_of.get(key)
-        if held is not None:
-            return held == block_id
-        old = self._key_of.get(block_id)
-        if old is not None:
-            del self._block_of[old]
-        self._key_of[block_id] = key
-        self._block_of[key] = block_id
-        return True
-
-    def cache_many(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> None:
-        """:meth:`cache` of each ``(block_ids[i], keys[i])`` in order, under one lock: a request's full
-        prompt blocks once computed or loaded (a key cached elsewhere already is left there, as ``cache``
-        does).  All or nothing: every block is checked allocated before anything is recorded."""
+    def cache_many(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> list[bool]:
+        """:meth:`cache` of each ``(block_ids[i], keys[i])`` in order, under one lock (a request's full
+        prompt blocks once computed or loaded), with ``cache``'s answer for each.  All or nothing: every
+        block is checked allocated before anything is recorded."""
         if len(block_ids) != len(keys):
             raise ValueError(f"cache_many: {len(block_ids)} block ids for {len(keys)} keys")
         with self._lock:
@@ -175,8 +160,20 @@ class BlockPool:
             for b in block_ids:
                 if ref[self._check_id(b)] == 0:
                     raise ValueError(f"cache: block {b} is not allocated")
+            key_of, block_of = self._key_of, self._block_of
+            out: list[bool] = []
             for b, key in zip(block_ids, keys):
-                self._cache_locked(b, key)
+                held = block_of.get(key)
+                if held is not None:
+                    out.append(held == b)
+                    continue
+                old = key_of.get(b)
+                if old is not None:
+                    del block_of[old]
+                key_of[b] = key
+                block_of[key] = b
+                out.append(True)
+            return out
 
     def uncache(self, block_id: int) -> Hashable | None:
         """Forget the key of ``block_id`` (e.g. its KV turned out wrong); returns it."""
