@@ -751,8 +751,10 @@ class BlockIndex:
     # applied to the keys in order.
     def place_on_device_many(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """:meth:`place_on_device` of each ``(keys[i], block_ids[i])`` in order."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"place_on_device_many: {len(keys)} keys for {len(block_ids)} device block ids")
         place = self.place_on_device
-        for key, b in zip(keys, block_ids, strict=True):
+        for key, b in zip(keys, block_ids):
             place(key, b)
 
     def host_slots(self, keys: Iterable[bytes]) -> list[int]:

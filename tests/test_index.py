@@ -595,3 +595,5 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
         assert many.host_slots(ks) == [-1 if one.host_slot(k) is None else one.host_slot(k) for k in ks]
         assert _state(one, ks) == _state(many, ks), (step, op)
     assert one.count(HOST) and one.pinned and len(one) > 10  # the walk reached every kind of entry
+    with pytest.raises(ValueError, match="place_on_device_many: 2 keys for 1 device block ids"):
+        many.place_on_device_many(ks[:2], [0])

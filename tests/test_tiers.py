@@ -79,6 +79,20 @@ def test_pool_ref_counts_shared_blocks():
     pool.check()
 
 
+def test_pool_cache_many_answers_per_block_and_refuses_bad_input_whole():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.cache_many([a, b], ["x", "y"]) == [True, True]
+    assert pool.cache_many([b, a], ["x", "z"]) == [False, True]  # x stays in a; a is re-keyed to z
+    assert pool.lookup("x") is None and pool.lookup("z") == a and pool.lookup("y") == b
+    with pytest.raises(ValueError, match="cache_many: 2 block ids for 1 keys"):
+        pool.cache_many([a, b], ["w"])
+    with pytest.raises(ValueError, match="cache: block 3 is not allocated"):
+        pool.cache_many([a, 3], ["w", "v"])
+    assert pool.lookup("w") is None and pool.lookup("z") == a  # nothing recorded
+    pool.check()
+
+
 def test_pool_free_is_all_or_nothing():
     """A free that names a block it cannot free (over-freed, out of range) changes nothing: the blocks
     before it in the call keep their counts and stay out of the free queue, in queue order."""
