@@ -543,15 +543,15 @@ def _state(ix: BlockIndex, ks: list[bytes]) -> tuple:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_batch_operations_are_their_single_key_forms_in_order(seed):
-    """place_on_device_many, acquire_many, release_many, drop_host_many, add_backend_many, free_devices and
-    host_slots leave exactly the state (entries, LRU orders, counts) of the single-key calls in order,
+    """place_on_device_many, acquire_many, release_many, drop_host_many, land_host_many, add_backend_many,
+    free_devices, host_slots and masks leave exactly the state (entries, LRU orders, counts) of the single-key calls in order,
     on random batches with repeats, absent keys and keys pinned twice."""
     r = random.Random(seed)
     ks = [key(i) for i in range(40)]
     one, many = ticking(), ticking()
     for step in range(300):
         batch = [r.choice(ks) for _ in range(r.randint(0, 8))]
-        op = r.choice(["place", "acquire", "release", "drop_host", "add_backend", "free", "set_host"])
+        op = r.choice(["place", "acquire", "release", "drop_host", "add_backend", "free", "set_host", "land"])
         if op == "place":
             ids = r.sample(range(30), len(batch))
             batch = list(dict.fromkeys(batch))[:len(ids)]
@@ -583,9 +583,26 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
             many.add_backend_many(batch, i)
         elif op == "free":
             ids = [r.randrange(35) for _ in batch]
-            for b in ids:
-                one.free_device(b)
+            for b in ids:  # free_device's meaning from the primitives (free_device is free_devices of one)
+                held = one.key_at_device(b)
+                if held is not None:
+                    one.clear_device(held)
+                    one.discard_if_unused(held)
             many.free_devices(ids)
+        elif op == "land":  # land_host_many: insert if absent and set_host, unless in another slot already
+            batch = list(dict.fromkeys(batch))
+            free = [x for x in range(100) if one.key_at_host(x) is None]
+            slots = r.sample(free, len(batch))
+            want = []
+            for k, slot in zip(batch, slots):
+                if k in one and one.host_slot(k) is not None and one.host_slot(k) != slot:
+                    want.append(False)
+                    continue
+                if k not in one:
+                    one.insert(k)
+                one.set_host(k, slot)
+                want.append(True)
+            assert many.land_host_many(batch, slots) == want
         else:  # give a few keys host slots, the single way in both: what drop_host then takes away
             for k in dict.fromkeys(batch):
                 if k in one and one.host_slot(k) is None:
@@ -593,6 +610,7 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
                     one.set_host(k, slot)
                     many.set_host(k, slot)
         assert many.host_slots(ks) == [-1 if one.host_slot(k) is None else one.host_slot(k) for k in ks]
+        assert many.masks(ks) == [sum(1 << i for i in one.entry(k).backends) if k in one else 0 for k in ks]
         assert _state(one, ks) == _state(many, ks), (step, op)
     assert one.count(HOST) and one.pinned and len(one) > 10  # the walk reached every kind of entry
     with pytest.raises(ValueError, match="place_on_device_many: 2 keys for 1 device block ids"):

@@ -294,11 +294,11 @@ class SimulatedStack:
             # on its group's other blocks, dropped at once then), so drops and pins go in one batch.
             drop: list[bytes] = []
             pins: list[bytes] = []
-            for key, h in zip(fresh, idx.host_slots(fresh)):
+            for key, h, m in zip(fresh, idx.host_slots(fresh), idx.masks(fresh)):
                 seen.add(key)
                 if need == 0 or h < 0 or idx.refs(key):
                     continue
-                targets = [i for i in writable if not idx.in_backends(key, (i,))]
+                targets = [i for i in writable if not (m >> i) & 1]
                 if targets and grouped and self._group_of(key) is None:
                     targets = []  # a block of a group no longer whole in host memory cannot be written
                 if targets and on_evict(key):
@@ -459,11 +459,12 @@ class SimulatedStack:
             self._write_groups([g for g in map(self._group_of, dict.fromkeys(keys)) if g is not None])
             return
         todo = []
-        idx = self.index
-        for key in dict.fromkeys(keys):
-            if idx.host_slot(key) is None:
+        idx, writable = self.index, self.writable
+        keys = list(dict.fromkeys(keys))
+        for key, h, m in zip(keys, idx.host_slots(keys), idx.masks(keys)):
+            if h < 0:
                 continue
-            targets = [i for i in self.writable if not idx.in_backends(key, (i,))]
+            targets = [i for i in writable if not (m >> i) & 1]
             if targets:
                 todo.append((key, targets))
         if todo:
@@ -513,17 +514,12 @@ class SimulatedStack:
 
     def _commit_host_many(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Each key lands in its slot (a key already in another slot keeps it; this one goes back)."""
-        idx = self.index
-        set_host, free = idx.set_host, self._free_slots
-        for key, slot, held in zip(keys, slots, idx.host_slots(keys)):
-            if held >= 0 and held != slot:
+        on_insert, free = self._on_insert, self._free_slots
+        for key, slot, landed in zip(keys, slots, self.index.land_host_many(keys, slots)):
+            if not landed:
                 free.append(slot)
-                continue
-            if key not in idx:
-                idx.insert(key)
-            set_host(key, slot)
-            if self._on_insert is not None:
-                self._on_insert(Tier.HOST, [key])
+            elif on_insert is not None:
+                on_insert(Tier.HOST, [key])
 
     def _drop_host_many(self, keys: Sequence[bytes]) -> None:
         """Host memory evicts ``keys`` (unpinned): their slots become free."""
