@@ -204,6 +204,7 @@ def test_cli_writes_table_parquet_and_plot(tmp_path, capsys, monkeypatch):
                  "--jobs", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "6 grid point(s) x 64 requests" in text and "hit% host" in text
+    assert "raw ceiling, same prompt keys through a bare OrderedDict LRU in this run" in text
     t = pq.read_table(out / "simulate.parquet").to_pydict()
     assert len(t["host.capacity"]) == 6
     # More host memory never serves fewer blocks from host memory (same policy), and serves more here.
@@ -310,3 +311,32 @@ def test_null_model_draws_the_stream_one_call_a_request_would():
     sizes = [32, 0, 1, 70_000, 17, 65_536, 5]  # across a refill, one bigger than a refill, and empty
     for n in sizes:
         assert model.generate([], [], 0, n)[0] == rng.integers(0, 500, n).tolist()
+
+
+def test_bare_lru_is_a_least_recently_used_cache_and_counts_two_ops_a_key():
+    from collections import OrderedDict
+
+    from kvtier.simulate.replay import bare_lru
+
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    assert bare_lru(cache, 2, [b"a", b"b", b"a", b"c"]) == 8
+    assert list(cache) == [b"a", b"c"]  # b, least recently used when c came, went
+    bare_lru(cache, 2, [b"a", b"d"])
+    assert list(cache) == [b"a", b"d"]
+
+
+def test_the_ceiling_times_the_same_prompt_keys_and_changes_no_result(tmp_path):
+    """``ceiling=True`` runs the bare LRU over every request's prompt keys (two ops a block), timed apart
+    from the replay, whose figures stay those of a run without it."""
+    from dataclasses import asdict
+
+    config = load_config(_config(tmp_path, host="1MiB", disk="4MiB", write="write_back"))
+    plain = asdict(simulate(config, ChatWorkload(8, 3, 64, 16, 16, seed=1), device_blocks=24))
+    res = simulate(config, ChatWorkload(8, 3, 64, 16, 16, seed=1), device_blocks=24, ceiling=True)
+    assert res.ceiling_ops == 2 * res.prompt_blocks > 0 and res.ceiling_s > 0
+    assert res.ceiling_ops_per_s == res.ceiling_ops / res.ceiling_s
+    timed = asdict(res)
+    for k in ("sim_s", "hash_s", "ceiling_ops", "ceiling_s"):
+        timed.pop(k), plain.pop(k)
+    assert timed == plain
+    assert plain["hit_blocks"]["local_disk"] > 0  # the chat reached every tier

@@ -9,6 +9,7 @@ one takes, minus the bytes.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,9 @@ class SimResult:
     block_ops: int = 0                                          # blocks looked up + loaded + stored
     sim_s: float = 0.0                                          # wall time of the replay, hashing excluded
     hash_s: float = 0.0
+    # The raw ceiling, when asked for: the same prompt keys through a bare OrderedDict LRU in this run.
+    ceiling_ops: int = 0
+    ceiling_s: float = 0.0
 
     def hit_rate(self, tier: str) -> float:
         return self.hit_blocks.get(tier, 0) / max(self.prompt_blocks, 1)
@@ -81,12 +85,34 @@ class SimResult:
     def ops_per_s(self) -> float:
         return self.block_ops / max(self.sim_s, 1e-9)
 
+    @property
+    def ceiling_ops_per_s(self) -> float:
+        """Lookups + updates a second of the bare LRU (0 when not measured)."""
+        return self.ceiling_ops / self.ceiling_s if self.ceiling_s else 0.0
+
+
+def bare_lru(cache: OrderedDict[bytes, None], capacity: int, keys: Sequence[bytes]) -> int:
+    """The raw ceiling of a simulated request's bookkeeping: each key looked up in a plain LRU of
+    ``capacity`` keys and made most recent, inserted (evicting the least recent) where absent; the
+    lookups + updates made (two a key).  No tiers, pins, policies or backends: what Python does at
+    the least per block, to read the simulator's own figure against on a noisy machine."""
+    move, pop = cache.move_to_end, cache.popitem
+    for key in keys:
+        if key in cache:
+            move(key)
+        else:
+            cache[key] = None
+            if len(cache) > capacity:
+                pop(last=False)
+    return 2 * len(keys)
+
 
 def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *,
              device_blocks: int | None = None, rate: float = 10.0, seed: int = 0,
-             on_request: Callable[[int], None] | None = None) -> SimResult:
+             on_request: Callable[[int], None] | None = None, ceiling: bool = False) -> SimResult:
     """Replay ``requests`` (a trace, read lazily) or a synthetic chat through ``config``'s tiers.
-    ``rate``: arrivals per second for requests without a timestamp ``t``."""
+    ``rate``: arrivals per second for requests without a timestamp ``t``.  ``ceiling``: also time
+    :func:`bare_lru` on each request's prompt keys, apart from the replay (``SimResult.ceiling_*``)."""
     nbytes = block_nbytes(config)
     stack = SimulatedStack(config, nbytes)
     B = stack.block_size
@@ -99,6 +125,8 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
                     tiers=["device", *(["host"] if stack.host_slots else []), *(led.name for led in stack.ledgers)])
     clock = time.perf_counter
     t_first: float | None = None
+    lru: OrderedDict[bytes, None] = OrderedDict()
+    lru_cap = pool.num_blocks + stack.host_slots
 
     def serve(req: Request) -> list[int]:
         nonlocal t_first
@@ -116,8 +144,12 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
             hashes = hasher.hash_blocks(prompt, mm=req.mm, cache_salt=req.cache_salt, lora=req.lora)
         h1 = clock()
         r = engine.run_request(prompt, max_new_tokens=req.max_new_tokens, hashes=hashes)
-        res.sim_s += clock() - h1
+        h2 = clock()
+        res.sim_s += h2 - h1
         res.hash_s += h1 - h0
+        if ceiling:
+            res.ceiling_ops += bare_lru(lru, lru_cap, hashes)
+            res.ceiling_s += clock() - h2
         res.requests += 1
         res.prompt_tokens += r.num_prompt_tokens
         res.prompt_blocks += r.num_prompt_blocks
@@ -164,4 +196,4 @@ def _per_second(buckets: dict[int, int], duration_s: float) -> list[int]:
     return out
 
 
-__all__ = ["NullModel", "SimResult", "block_nbytes", "check_digest_size", "simulate"]
+__all__ = ["NullModel", "SimResult", "bare_lru", "block_nbytes", "check_digest_size", "simulate"]
