@@ -156,10 +156,10 @@ class BlockPool:
         if len(block_ids) != len(keys):
             raise ValueError(f"cache_many: {len(block_ids)} block ids for {len(keys)} keys")
         with self._lock:
-            ref = self._ref
+            ref, n = self._ref, self.num_blocks
             for b in block_ids:
-                if ref[self._check_id(b)] == 0:
-                    raise ValueError(f"cache: block {b} is not allocated")
+                if not 0 <= b < n or ref[b] == 0:
+                    raise ValueError(f"cache: block {self._check_id(b)} is not allocated")
             key_of, block_of = self._key_of, self._block_of
             out: list[bool] = []
             for b, key in zip(block_ids, keys):

@@ -325,7 +325,7 @@ class BlockIndex:
         operations' insert: the caller has found ``key`` absent."""
         if type(key) is not bytes or not key:
             self.insert(key)  # raises the TypeError naming what it got
-        s = self._alloc()
+        s = self._free.pop() if self._free else self._alloc()  # _alloc's common case without its call
         self._slots[key] = s
         self._keys[s] = key
         self._refs[s] = 0
@@ -884,7 +884,7 @@ class BlockIndex:
         """Each key lands in host slot ``slots[i]`` (inserted if absent, then :meth:`set_host`), in order,
         except a key already in another host slot: it keeps that one.  Per key whether it landed (the
         slot of one that did not is the caller's again)."""
-        get, host = self._slots.get, self._host
+        get, host, refs, rev = self._slots.get, self._host, self._refs, self._rev[1]
         out: list[bool] = []
         for key, slot in zip(keys, slots, strict=True):
             s = get(key)
@@ -893,9 +893,17 @@ class BlockIndex:
             elif 0 <= host[s] != slot:
                 out.append(False)
                 continue
-            self._check_free_id(1, slot, key, s)
-            self._attach(1, s, slot)
             out.append(True)
+            if type(slot) is not int or not 0 <= slot < len(rev) or rev[slot] >= 0 or host[s] >= 0:
+                self._check_free_id(1, slot, key, s)  # the rare cases (growth, a re-set, a bad slot)
+                self._attach(1, s, slot)
+                continue
+            # _attach(HOST, s, slot) of a free slot to an entry with none: counted, and MRU if unpinned
+            self._count[1] += 1
+            host[s] = slot
+            rev[slot] = s
+            if refs[s] == 0:
+                self._link_mru(1, s)
         return out
 
     def masks(self, keys: Iterable[bytes]) -> list[int]:

@@ -59,9 +59,10 @@ class LedgerBackend(StorageBackend):
         if cap and not self._held:
             # Nothing held (no load in flight): every put that finds the ledger full evicts the least
             # recent value, the loop below without its checks (a full disk evicts on every put).
-            held, pop, first = self._keys, self._keys.pop, self._keys.popitem
+            held, first = self._keys, self._keys.popitem
             for key in keys:
-                pop(key, None)
+                if key in held:  # a rewrite: it moves to the most recent end (cheaper than pop(key, None))
+                    del held[key]
                 if len(held) >= cap:
                     evicted.append(first(last=False)[0])
                 held[key] = None

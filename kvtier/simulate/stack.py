@@ -175,7 +175,7 @@ class SimulatedStack:
         # runs over the batch.  New blocks are not pinned here: the stack's pins keep them through its
         # copies in other threads, and here nothing runs meanwhile that could drop an entry on the
         # device (the host LRU order is the same: each joins it, in order, as it lands).
-        idx.place_on_device_many(hashes, [int(b) for b in block_ids])
+        idx.place_on_device_many(hashes, block_ids)  # converts an id of another int type itself
         if self.host_slots:
             held = [h >= 0 for h in idx.host_slots(hashes)]
         else:
