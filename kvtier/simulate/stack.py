@@ -49,6 +49,21 @@ class TierCounters:
     writes_per_s: dict[int, int] = field(default_factory=dict)
 
 
+class _Lacking(dict[int, list[int]]):
+    """Backend mask -> the writable backends it lacks, in order (``lacking[mask & lacking.bits]``): what
+    a write-down sends a block to, read per block in the hottest loops, where a list comprehension
+    each time cost more than the rest of the step.  The lists are shared: never change one."""
+
+    def __init__(self, writable: Sequence[int]):
+        super().__init__()
+        self.writable = list(writable)
+        self.bits = sum(1 << i for i in self.writable)
+
+    def __missing__(self, mask: int) -> list[int]:
+        out = self[mask] = [i for i in self.writable if not (mask >> i) & 1]
+        return out
+
+
 class _Done:
     """A finished handle: what ``.wait()`` returns."""
 
@@ -81,6 +96,7 @@ class SimulatedStack:
         self._backends = BackendSet(self.ledgers, [b.write for b in config.backends], self.metrics,
                                     self.namespace.layout_id, block_nbytes)
         self.writable = list(self._backends.writable)
+        self._lacking = _Lacking(self.writable)
         self.direct = self._direct_loads(config)  # per backend: loads skip host memory (TierStack.direct_loads)
         pol = config.policies
         self.write_policy = pol.write.plugin()(pol.write.options)
@@ -285,7 +301,8 @@ class SimulatedStack:
         wb: list[tuple[bytes, list[int]]] = []
         dropped = 0
         grouped = self.storage_blocks > 1
-        on_evict, writable = self.write_policy.on_evict, self.writable
+        on_evict, lacking = self.write_policy.on_evict, self._lacking
+        bits = lacking.bits
         while need > 0:
             fresh = [k for k in self.eviction_policy.victims(idx, Tier.HOST, need + len(seen)) if k not in seen]
             if not fresh:
@@ -298,7 +315,7 @@ class SimulatedStack:
                 seen.add(key)
                 if need == 0 or h < 0 or idx.refs(key):
                     continue
-                targets = [i for i in writable if not (m >> i) & 1]
+                targets = lacking[m & bits]
                 if targets and grouped and self._group_of(key) is None:
                     targets = []  # a block of a group no longer whole in host memory cannot be written
                 if targets and on_evict(key):
@@ -405,7 +422,7 @@ class SimulatedStack:
         for members in dict.fromkeys(groups):
             if any(idx.host_slot(key) is None for key in members):
                 continue
-            targets = [b for b in self.writable if not idx.in_backends(members[-1], (b,))]
+            targets = self._lacking[idx.masks(members[-1:])[0] & self._lacking.bits]
             if targets:
                 todo.append((members, targets))
         written: set[bytes] = set()
@@ -459,12 +476,13 @@ class SimulatedStack:
             self._write_groups([g for g in map(self._group_of, dict.fromkeys(keys)) if g is not None])
             return
         todo = []
-        idx, writable = self.index, self.writable
+        idx, lacking = self.index, self._lacking
+        bits = lacking.bits
         keys = list(dict.fromkeys(keys))
         for key, h, m in zip(keys, idx.host_slots(keys), idx.masks(keys)):
             if h < 0:
                 continue
-            targets = [i for i in writable if not (m >> i) & 1]
+            targets = lacking[m & bits]
             if targets:
                 todo.append((key, targets))
         if todo:
@@ -523,16 +541,17 @@ class SimulatedStack:
 
     def _drop_host_many(self, keys: Sequence[bytes]) -> None:
         """Host memory evicts ``keys`` (unpinned): their slots become free."""
-        members, free = self._members, self._free_slots
-        evicted = 0
-        for key, slot in zip(keys, self.index.drop_host_many(keys)):
-            members.pop(key, None)
-            if slot >= 0:
-                free.append(slot)
-                if self._on_remove is not None:
+        slots = self.index.drop_host_many(keys)
+        if self._members:
+            for key in keys:
+                self._members.pop(key, None)
+        if self._on_remove is not None:
+            for key, slot in zip(keys, slots):
+                if slot >= 0:
                     self._on_remove(Tier.HOST, [key])
-                evicted += 1
-        self.counters["host"].evicted += evicted
+        freed = [slot for slot in slots if slot >= 0]
+        self._free_slots += freed
+        self.counters["host"].evicted += len(freed)
 
 
 __all__ = ["SimulatedStack", "TierCounters"]
