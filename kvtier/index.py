@@ -505,20 +505,23 @@ class BlockIndex:
                 self._link_mru(1, s)
         return r
 
-    def touch(self, key: bytes, now: float | None = None) -> None:
-        """Count a hit, stamp the access time, and move the entry to MRU in its memory tiers."""
+    def touch(self, key: bytes, now: float | None = None) -> int:
+        """Count a hit, stamp the access time, and move the entry to MRU in its memory tiers.  Returns
+        the hit count now (what write policies read: a hit's caller needs no second lookup)."""
         s = self._slots.get(key)
         if s is None:
             s = self._slot(key)
         h = self._hits[s]
         if h < _HITS_MAX:
-            self._hits[s] = h + 1
+            h += 1
+            self._hits[s] = h
         self._last[s] = self._clock() if now is None else now
         if self._refs[s] == 0:
             if self._dev[s] >= 0:
                 self._to_mru(0, s)
             if self._host[s] >= 0:
                 self._to_mru(1, s)
+        return h
 
     def touch_many(self, keys: Iterable[bytes], now: float | None = None) -> None:
         """``touch`` each key in order with one timestamp (so the last key ends up most recent)."""

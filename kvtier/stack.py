@@ -355,11 +355,10 @@ class TierStack:
 
     def _hit_locked(self, key: bytes) -> int:
         """Count a hit (a reuse): recency for eviction, and the count write policies look at."""
-        self.index.touch(key)
-        e = self.index.entry(key)
-        if e.host is not None:
+        hits = self.index.touch(key)
+        if self.index.host_slot(key) is not None:
             self.eviction_policy.on_access(Tier.HOST, [key])
-        return e.hits
+        return hits
 
     def host_tier(self) -> HostTier:
         """The host tier, on the paths that run only when there is one (``host.capacity`` > 0)."""

@@ -139,8 +139,8 @@ def test_pinned_is_never_a_candidate_and_unpin_returns_to_mru():
         assert ks[0] not in cands and ks[2] not in cands, tier
         assert ix.evictable_count(tier) == 3 and ix.count(tier) == 5
     assert ix.pinned == 2
-    ix.touch(ks[0])  # touching a pinned entry counts the hit; the list is untouched
-    assert ix.entry(ks[0]).hits == 1
+    assert ix.touch(ks[0]) == 1  # touching a pinned entry counts the hit (touch returns it); the list is untouched
+    assert ix.entry(ks[0]).hits == 1 and ix.touch(ks[0]) == 2 and ix.hits(ks[0]) == 2
     assert ix.unpin(ks[0], 2) == 1
     assert ks[0] not in ix.eviction_candidates(DEV, 10)
     assert ix.unpin(ks[0]) == 0

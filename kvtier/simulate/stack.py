@@ -521,11 +521,10 @@ class SimulatedStack:
     # ------------------------------------------------------------------ index bookkeeping (as TierStack)
 
     def _hit(self, key: bytes) -> int:
-        idx = self.index
-        idx.touch(key, self.now)
-        if self._on_access is not None and idx.host_slot(key) is not None:
+        hits = self.index.touch(key, self.now)
+        if self._on_access is not None and self.index.host_slot(key) is not None:
             self._on_access(Tier.HOST, [key])
-        return idx.hits(key)
+        return hits
 
     def _commit_host(self, key: bytes, slot: int) -> None:
         self._commit_host_many([key], [slot])
