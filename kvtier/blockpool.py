@@ -159,7 +159,8 @@ class BlockPool:
             ref, n = self._ref, self.num_blocks
             for b in block_ids:
                 if not 0 <= b < n or ref[b] == 0:
-                    raise ValueError(f"cache: block {self._check_id(b)} is not allocated")
+                    self._check_id(b)  # out of range: the IndexError naming the range
+                    raise ValueError(f"cache: block {b} is not allocated")
             key_of, block_of = self._key_of, self._block_of
             out: list[bool] = []
             for b, key in zip(block_ids, keys):

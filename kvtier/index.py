@@ -773,7 +773,9 @@ class BlockIndex:
 
     # -- batches: the same operations over a request's keys, one call each (a simulation makes millions;
     # a method call per key per step was most of their cost).  Each is exactly its single-key form
-    # applied to the keys in order.
+    # applied to the keys in order (test_batch_operations_are_their_single_key_forms_in_order).  Their
+    # common paths repeat the steps of the helpers they name (_attach, _detach, _pin_slot...) instead of
+    # calling them: with the calls, a simulated replay ran 15 % more instructions (cachegrind).
     def place_on_device_many(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """:meth:`place_on_device` of each ``(keys[i], block_ids[i])`` in order."""
         if len(keys) != len(block_ids):
@@ -887,9 +889,11 @@ class BlockIndex:
         """Each key lands in host slot ``slots[i]`` (inserted if absent, then :meth:`set_host`), in order,
         except a key already in another host slot: it keeps that one.  Per key whether it landed (the
         slot of one that did not is the caller's again)."""
+        if len(keys) != len(slots):
+            raise ValueError(f"land_host_many: {len(keys)} keys for {len(slots)} host slots")
         get, host, refs, rev = self._slots.get, self._host, self._refs, self._rev[1]
         out: list[bool] = []
-        for key, slot in zip(keys, slots, strict=True):
+        for key, slot in zip(keys, slots):
             s = get(key)
             if s is None:
                 s = self._new_slot(key)

@@ -615,3 +615,5 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
     assert one.count(HOST) and one.pinned and len(one) > 10  # the walk reached every kind of entry
     with pytest.raises(ValueError, match="place_on_device_many: 2 keys for 1 device block ids"):
         many.place_on_device_many(ks[:2], [0])
+    with pytest.raises(ValueError, match="land_host_many: 1 keys for 2 host slots"):
+        many.land_host_many(ks[:1], [0, 1])
