@@ -11,7 +11,7 @@ import pytest
 
 _CHECK = """
 import importlib, importlib.resources, sys
-import kvtier, kvtier.backends, kvtier.policies, kvtier.testing
+import kvtier, kvtier.backends, kvtier.policies, kvtier.testing, kvtier.simulate.replay
 assert kvtier.__file__.startswith(sys.prefix), kvtier.__file__
 assert kvtier.backends.__file__.startswith(sys.prefix), kvtier.backends.__file__
 assert importlib.resources.files("kvtier.configs").joinpath("local.yaml").is_file()
@@ -34,6 +34,12 @@ def test_wheel_install_imports_everything(tmp_path):
     for must in ("kvtier/keys.py", "kvtier/backends/local_disk.py", "kvtier/policies/write.py",
                  "kvtier/configs/local.yaml", "kvtier/py.typed", "kvtier/testing/__init__.py"):
         assert must in names, must
+    # Every module of the source tree, not only the ones named above: pyproject lists packages one by one,
+    # and a package left off that list is missing from the wheel while the editable install still has it.
+    for top, under in (("kvtier", "kvtier"), ("backends", "kvtier/backends"), ("policies", "kvtier/policies")):
+        for src in sorted((root / top).rglob("*.py")):
+            name = f"{under}/{src.relative_to(root / top).as_posix()}"
+            assert name in names, f"{name} is not in the wheel (a package missing from pyproject's list?)"
     # A fresh venv that sees the already-installed dependencies (torch etc.) but gets kvtier from the wheel.
     env_dir = tmp_path / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=True)
