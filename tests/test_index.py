@@ -507,7 +507,7 @@ def test_short_chains_are_looked_up_exactly_as_the_vector_path_does(seed, monkey
     """Chains up to SHORT_CHAIN keys are walked key by key; the answer (length, tier, device id and host
     slot of each block, dtypes) must be the vectorised one's, on an index with every kind of entry; and
     prefix_tiers (the manager's lookups) must give the same tiers."""
-    import kvtier.index as index_mod
+    import kvtier.index.prefix as index_mod
 
     r = random.Random(seed)
     ix = BlockIndex()

@@ -1,119 +1,20 @@
-"""Block index: where a block is.
-
-The scheduler-side map from a block key (the hash ``bytes`` from :mod:`kvtier.keys`) to where that block
-lives: a device block id, a host slot, a set of storage backends (a bitmask over up to 32 backend indices),
-plus a ref count, a hit count and the last access time.  It never touches a tensor.
-
-Layout: struct-of-arrays.  A dict maps key -> slot (an int); every attribute is a column indexed by slot;
-freed slots go on a free list and are reused; columns grow by doubling.  The integer columns are Python
-lists, the access time an ``array.array`` of doubles: CPython specialises list indexing (7 ns a read or
-write here) and not ``array.array``'s (18 ns a read, 31 a write), and an index operation is a dozen
-such steps; numpy scans (backend candidates, long prefixes) copy the columns they read.  At 1 M entries
-in host memory and a backend this costs ~270 B an entry (tracemalloc) including the 32-byte key ``bytes``
-themselves (~200 B with ``array.array`` columns, for a simulated replay 35 % slower), where an object an
-entry with an OrderedDict per tier costs several times that.
-
-Tiers are codes of the int enum :class:`Tier`: ``DEVICE`` = 0, ``HOST`` = 1, backend ``i`` = ``2 + i``.
-
-Invariant of the LRU lists: DEVICE and HOST each keep an intrusive doubly-linked list (prev/next columns)
-that holds **exactly** the live entries present in that tier with ref count 0, least recently used at the
-head.  Pinning (0 -> 1 refs) unlinks an entry, so eviction candidates are a walk from the head that never
-meets a pinned entry; unpinning to 0 relinks it at the MRU end, the way vLLM's free-block queue treats a
-released block.  Touch, set_device and set_host also move it to the MRU end.
-"""
+"""The index's entries: the struct-of-arrays columns, the per-tier LRU lists, and every single-key
+operation (insert, remove, reads, pins, recency, locations, backend marks, tier-wide queries), with the
+invariant check.  The batch forms (:mod:`.batches`) and prefix lookups (:mod:`.prefix`) build on it."""
 
 from __future__ import annotations
 
 import array
-import enum
-import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-MAX_BACKENDS = 32
+from .tiers import MAX_BACKENDS, Tier, _bits, _check_backend, _mask_of, _tier_backend
+
 _ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
 _HITS_MAX = 2**32 - 1
-
-
-class Tier(enum.IntEnum):
-    """Where a block is, the one word for it everywhere (index columns, lookups, load results): an int
-    enum, so tiers pack into an ``int8`` column; lower is faster to serve from.  Backend ``i`` of a
-    deployment is the member ``Tier.backend(i)`` (``BACKEND_i`` = ``2 + i``); what a deployment *calls*
-    its tiers (a backend's configured name) is :class:`TierNames`, for people and metric labels."""
-
-    _ignore_ = ["_members", "_i"]
-    MISSING = -1
-    DEVICE = 0
-    HOST = 1
-    _members = vars()
-    for _i in range(MAX_BACKENDS):
-        _members[f"BACKEND_{_i}"] = 2 + _i
-
-    @staticmethod
-    def backend(i: int) -> Tier:
-        """The tier of backend index ``i`` (0 <= i < 32)."""
-        _check_backend(i)
-        return Tier(2 + i)
-
-    @staticmethod
-    def backend_index(code: int) -> int | None:
-        """Backend index of a tier, or None for DEVICE / HOST / MISSING."""
-        return code - 2 if code >= 2 else None
-
-    @property
-    def is_backend(self) -> bool:
-        return self >= 2
-
-    def as_backend_index(self) -> int:
-        """The backend index of a backend tier (``ValueError`` for DEVICE / HOST / MISSING)."""
-        if self < 2:
-            raise ValueError(f"{self.name} is not a backend tier")
-        return int(self) - 2
-
-    @staticmethod
-    def label(code: int) -> str:
-        """"missing", "device", "host" or "backend[i]" (a deployment's own names: :class:`TierNames`)."""
-        code = int(code)
-        return {-1: "missing", 0: "device", 1: "host"}.get(code) or f"backend[{code - 2}]"
-
-
-# Tier of an index column code (int8, -1..33), without Tier()'s per-call lookup.
-TIER_OF_CODE: tuple[Tier, ...] = tuple(Tier(c) for c in range(-1, 2 + MAX_BACKENDS))
-
-
-def tier_of(code: int) -> Tier:
-    return TIER_OF_CODE[code + 1]
-
-
-@dataclass(frozen=True)
-class TierNames:
-    """What one deployment calls its tiers: ``"device"``, ``"host"`` and each backend's configured name
-    by index.  For reports, logs and metric labels; code compares :class:`Tier` members."""
-
-    backends: tuple[str, ...] = ()
-
-    def __call__(self, tier: int) -> str:
-        i = Tier.backend_index(tier)
-        return Tier.label(tier) if i is None or i >= len(self.backends) else self.backends[i]
-
-    def count(self, tiers: Iterable[int]) -> dict[str, int]:
-        """{name: how many of ``tiers``}, in the order the names first appear (per-tier figures for people)."""
-        out: dict[str, int] = {}
-        for t in tiers:
-            name = self(t)
-            out[name] = out.get(name, 0) + 1
-        return out
-
-    def tier(self, name: str) -> Tier:
-        """The tier a name means (``ValueError`` naming the known ones when there is none)."""
-        if name in ("device", "host"):
-            return Tier.DEVICE if name == "device" else Tier.HOST
-        if name in self.backends:
-            return Tier.backend(self.backends.index(name))
-        raise ValueError(f"no tier named {name!r}: expected device, host or one of {list(self.backends)}")
 
 
 @dataclass(frozen=True)
@@ -132,43 +33,6 @@ class BlockEntry:
     last_access: float
 
 
-# Chains up to this long are looked up key by key (BlockIndex._lookup_short), longer ones vectorised.
-SHORT_CHAIN = 48
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Result of :meth:`BlockIndex.lookup_prefix`: the leading ``length`` keys are available somewhere.
-
-    ``tiers[i]`` is the tier block ``i`` is best served from (device > host > lowest backend index);
-    ``device_ids[i]`` / ``host_slots[i]`` are its device block id / host slot, -1 where absent.
-    """
-
-    length: int
-    tiers: np.ndarray  # int8[length]
-    device_ids: np.ndarray  # int32[length]
-    host_slots: np.ndarray  # int32[length]
-
-    @property
-    def in_memory(self) -> int:
-        """Leading blocks served from device or host memory (before the first backend-only one)."""
-        mem = self.tiers <= Tier.HOST
-        return int(mem.argmin()) if not mem.all() else self.length
-
-    def counts(self) -> dict[int, int]:
-        codes, n = np.unique(self.tiers, return_counts=True)
-        return {int(c): int(k) for c, k in zip(codes, n)}
-
-    def runs(self) -> list[tuple[int, int, int]]:
-        """Maximal runs of one tier as ``(tier, start, stop)``, e.g. device 0..10, host 10..15."""
-        if not self.length:
-            return []
-        cuts = np.flatnonzero(np.diff(self.tiers)) + 1
-        starts = [0, *cuts.tolist()]
-        stops = [*cuts.tolist(), self.length]
-        return [(int(self.tiers[a]), a, b) for a, b in zip(starts, stops)]
-
-
 def _add(seen: set[bytes], k: bytes) -> bool:
     """``seen.add(k)`` as an expression (False), for a generator that finds the first repeat."""
     seen.add(k)
@@ -179,11 +43,6 @@ def _hex(key: bytes) -> str:
     return key.hex() if isinstance(key, (bytes, bytearray)) else repr(key)
 
 
-def _check_backend(i: int) -> None:
-    if not isinstance(i, int) or not 0 <= i < MAX_BACKENDS:
-        raise ValueError(f"backend index must be an int in [0, {MAX_BACKENDS}), got {i!r}")
-
-
 def _filled(typecode: str, value: float, n: int) -> array.array:
     return array.array(typecode, [value]) * n
 
@@ -192,16 +51,9 @@ def _column(n: int, value: int = -1) -> list[int]:
     return [value] * n
 
 
-class BlockIndex:
-    """key -> (device block id, host slot, backend set, refs, hits, last access), with per-tier LRU.
-
-    Every single-key operation is O(1).  Not thread-safe: the tier stack calls it under its own lock, and
-    readers (``lookup_prefix``) must hold it too, since a concurrent insert may grow the columns.
-
-    Device block ids and host slots are unique: one id is held by at most one key (setting an id another
-    key holds is a ValueError); they are small dense ints (reverse maps are arrays sized by the largest id).
-    An entry may be present nowhere (e.g. a load in flight); lookups treat it as missing.
-    """
+class IndexCore:
+    """The entries of a :class:`~kvtier.index.BlockIndex` and their single-key operations (the invariants
+    are the package's docstring)."""
 
     def __init__(self, capacity: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
         cap = max(1, int(capacity))
@@ -747,276 +599,6 @@ class BlockIndex:
         self._check_free_id(0, block_id, key, s)
         self._attach(0, s, block_id)
 
-    def free_device(self, block_id: int) -> None:
-        """Device block ``block_id`` is freed or about to be overwritten: the key it held, if any, loses its
-        device copy (and its entry, if that leaves it nowhere and unreferenced)."""
-        self.free_devices((block_id,))
-
-    def free_devices(self, block_ids: Iterable[int]) -> None:
-        """:meth:`free_device` of each id in order: what an engine's block allocation evicted, in one call."""
-        rev, dev, host, mask, refs, keys = self._rev[0], self._dev, self._host, self._mask, self._refs, self._keys
-        count, n = self._count, len(rev)
-        for b in block_ids:
-            if type(b) is not int:
-                b = operator.index(b)
-            s = rev[b] if 0 <= b < n else -1
-            if s < 0:
-                continue
-            # _vacate_device(s) inlined: the device copy goes, then the entry if that leaves it unused
-            if refs[s] == 0:
-                self._unlink(0, s)
-            dev[s] = -1
-            rev[b] = -1
-            count[0] -= 1
-            if not refs[s] and host[s] < 0 and not mask[s]:
-                self._drop_slot(keys[s] or b"", s)  # a live slot always holds a key
-
-    # -- batches: the same operations over a request's keys, one call each (a simulation makes millions;
-    # a method call per key per step was most of their cost).  Each is exactly its single-key form
-    # applied to the keys in order (test_batch_operations_are_their_single_key_forms_in_order).  Their
-    # common paths repeat the steps of the helpers they name (_attach, _detach, _pin_slot...) instead of
-    # calling them: with the calls, a simulated replay ran 15 % more instructions (cachegrind).
-    def place_on_device_many(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """:meth:`place_on_device` of each ``(keys[i], block_ids[i])`` in order."""
-        if len(keys) != len(block_ids):
-            raise ValueError(f"place_on_device_many: {len(keys)} keys for {len(block_ids)} device block ids")
-        # place_on_device inlined for plain ids (an id of another type, or out of range, takes the
-        # single-key form, which converts or raises exactly as it would): the store path's hottest loop.
-        get, dev, refs, rev = self._slots.get, self._dev, self._refs, self._rev[0]
-        prev, nxt, head, tail = self._prev[0], self._next[0], self._head, self._tail
-        for key, b in zip(keys, block_ids):
-            if type(b) is not int or not 0 <= b <= _ID_MAX:
-                self.place_on_device(key, b)
-                continue
-            if b >= len(rev):
-                rev.extend(_column(max(b + 1, 2 * len(rev)) - len(rev)))
-            o = rev[b]
-            s = get(key)
-            if o >= 0 and o != s:
-                self._vacate_device(o)  # the block held another key: it loses its device copy
-            if s is None:
-                s = self._new_slot(key)
-            old = dev[s]
-            if old == b:  # already there: only recency changes (as _attach's re-set)
-                if refs[s] == 0:
-                    self._to_mru(0, s)
-                continue
-            if old >= 0:
-                rev[old] = -1
-            else:
-                self._count[0] += 1
-            dev[s] = b
-            rev[b] = s
-            if refs[s] == 0:
-                if old >= 0:
-                    self._to_mru(0, s)
-                else:  # _link_mru(0, s)
-                    p = tail[0]
-                    prev[s] = p
-                    nxt[s] = -1
-                    if p >= 0:
-                        nxt[p] = s
-                    else:
-                        head[0] = s
-                    tail[0] = s
-                    self._lru_len[0] += 1
-
-    def host_slots(self, keys: Iterable[bytes]) -> list[int]:
-        """The host slot of each key, -1 where it has none (or is not in the index)."""
-        host = self._host
-        return [-1 if s is None else host[s] for s in map(self._slots.get, keys)]
-
-    def acquire_many(self, keys: Iterable[bytes]) -> None:
-        """:meth:`acquire` of each key in order."""
-        get, refs, dev, host = self._slots.get, self._refs, self._dev, self._host
-        for key in keys:
-            s = get(key)
-            if s is None:
-                s = self._new_slot(key)
-            r = refs[s]
-            if r == 0:  # _pin_slot: leaves its tiers' LRU lists
-                self._pinned += 1
-                if dev[s] >= 0:
-                    self._unlink(0, s)
-                if host[s] >= 0:
-                    self._unlink(1, s)
-            refs[s] = r + 1
-
-    def release_many(self, keys: Iterable[bytes]) -> None:
-        """:meth:`release` of each key in order."""
-        get, refs, dev, host, mask = self._slots.get, self._refs, self._dev, self._host, self._mask
-        for key in keys:
-            s = get(key)
-            if s is None:
-                s = self._slot(key)
-            r = refs[s]
-            if r != 1:
-                self._unpin_slot(key, s, 1)  # still pinned after, or the ValueError of an unpinned key
-                continue
-            refs[s] = 0  # _unpin_slot to 0: back in its tiers' LRU lists, or dropped if in none
-            self._pinned -= 1
-            d, h = dev[s], host[s]
-            if d >= 0:
-                self._link_mru(0, s)
-            if h >= 0:
-                self._link_mru(1, s)
-            if d < 0 and h < 0 and not mask[s]:
-                self._drop_slot(key, s)
-
-    def drop_host_many(self, keys: Iterable[bytes]) -> list[int]:
-        """:meth:`clear_host` then :meth:`discard_if_unused` of each key in order (host memory evicted
-        them); the slots they had, -1 where a key had none."""
-        get, refs, dev, host, mask, rev = self._slots.get, self._refs, self._dev, self._host, self._mask, self._rev[1]
-        out: list[int] = []
-        for key in keys:
-            s = get(key)
-            h = -1 if s is None else host[s]
-            out.append(h)
-            if s is None:
-                continue
-            r = refs[s]
-            if h >= 0:  # _detach(HOST, s)
-                if r == 0:
-                    self._unlink(1, s)
-                host[s] = -1
-                rev[h] = -1
-                self._count[1] -= 1
-            if not r and dev[s] < 0 and not mask[s]:
-                self._drop_slot(key, s)
-        return out
-
-    def land_host_many(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
-        """Each key lands in host slot ``slots[i]`` (inserted if absent, then :meth:`set_host`), in order,
-        except a key already in another host slot: it keeps that one.  Per key whether it landed (the
-        slot of one that did not is the caller's again)."""
-        if len(keys) != len(slots):
-            raise ValueError(f"land_host_many: {len(keys)} keys for {len(slots)} host slots")
-        get, host, refs, rev = self._slots.get, self._host, self._refs, self._rev[1]
-        out: list[bool] = []
-        for key, slot in zip(keys, slots):
-            s = get(key)
-            if s is None:
-                s = self._new_slot(key)
-            elif 0 <= host[s] != slot:
-                out.append(False)
-                continue
-            out.append(True)
-            if type(slot) is not int or not 0 <= slot < len(rev) or rev[slot] >= 0 or host[s] >= 0:
-                self._check_free_id(1, slot, key, s)  # the rare cases (growth, a re-set, a bad slot)
-                self._attach(1, s, slot)
-                continue
-            # _attach(HOST, s, slot) of a free slot to an entry with none: counted, and MRU if unpinned
-            self._count[1] += 1
-            host[s] = slot
-            rev[slot] = s
-            if refs[s] == 0:
-                self._link_mru(1, s)
-        return out
-
-    def masks(self, keys: Iterable[bytes]) -> list[int]:
-        """The backend bitmask of each key (bit ``i``: stored in backend ``i``), 0 where it is not in the
-        index: one read for a batch's per-backend decisions (:meth:`in_backends` is one key's)."""
-        mask = self._mask
-        return [0 if s is None else mask[s] for s in map(self._slots.get, keys)]
-
-    def add_backend_many(self, keys: Iterable[bytes], i: int) -> None:
-        """:meth:`add_backend` ``i`` on each key that is in the index (others are skipped)."""
-        _check_backend(i)
-        bit, get, mask, n = 1 << i, self._slots.get, self._mask, 0
-        for key in keys:
-            s = get(key)
-            if s is not None:
-                m = mask[s]
-                if not m & bit:
-                    mask[s] = m | bit
-                    n += 1
-        self._bcount[i] += n
-
-    # -- prefix lookup
-    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
-        """Longest run of leading ``keys`` present in some tier, with the best tier of each block.
-
-        Read-only (no touch, no hit counted: a scheduler asks again every step until it admits a
-        request).  The chain stops at the first key that is absent or present in no tier.
-        """
-        get, total = self._slots.get, len(keys)
-        if total <= SHORT_CHAIN:
-            return self._lookup_short(keys)
-        slots: list[int] = []
-        pos, chunk = 0, 64
-        # growing chunks: a chain that misses early costs a few dict probes, a full hit ~log(n) chunks
-        while pos < total:
-            part = list(map(get, keys[pos:pos + chunk]))
-            if None in part:
-                slots += [x for x in part[:part.index(None)] if x is not None]
-                break
-            slots += [x for x in part if x is not None]
-            pos += chunk
-            chunk *= 4
-        # itemgetter gathers a column's values in C (a list comprehension took twice as long in all)
-        pick = operator.itemgetter(*slots) if len(slots) > 1 else (lambda col: tuple(col[s] for s in slots))
-        dev = np.array(pick(self._dev), dtype=np.int32)
-        host = np.array(pick(self._host), dtype=np.int32)
-        mask = np.array(pick(self._mask), dtype=np.int64)
-        low_bit = np.frexp((mask & -mask).astype(np.float64))[1] - 1  # index of lowest set bit; -1 if none
-        tiers = np.where(dev >= 0, Tier.DEVICE,
-                         np.where(host >= 0, Tier.HOST, np.where(mask != 0, low_bit + 2, Tier.MISSING)))
-        holes = np.flatnonzero(tiers < 0)
-        n = int(holes[0]) if holes.size else len(slots)
-        return PrefixMatch(n, tiers[:n].astype(np.int8), dev[:n].copy(), host[:n].copy())
-
-    def prefix_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
-        """``lookup_prefix(keys).tiers`` as a list of :class:`Tier`: the best tier of each block of the
-        longest run of leading keys present somewhere.  What the manager's lookups read, without the
-        device ids, host slots and numpy arrays a walk would build only to drop.  A walk at any length:
-        with list columns it costs ~60 ns a key, less than the vector path's copies below thousands."""
-        get, dev_col, host_col, mask_col = self._slots.get, self._dev, self._host, self._mask
-        device, host, of_code = Tier.DEVICE, Tier.HOST, TIER_OF_CODE
-        out: list[Tier] = []
-        for key in keys:
-            s = get(key)
-            if s is None:
-                break
-            if dev_col[s] >= 0:
-                out.append(device)
-            elif host_col[s] >= 0:
-                out.append(host)
-            else:
-                m = mask_col[s]
-                if not m:
-                    break  # present in no tier (a placeholder): the chain stops
-                out.append(of_code[(m & -m).bit_length() + 2])  # code 2 + lowest backend bit, shifted by 1
-        return out
-
-    def _lookup_short(self, keys: Sequence[bytes]) -> PrefixMatch:
-        """``lookup_prefix`` of a short chain, key by key over the columns: the vector path's dozen
-        numpy calls cost more than the walk itself below ``SHORT_CHAIN`` keys (most lookups: what the
-        device prefix cache left over), and a simulated replay spent a quarter of its time there."""
-        get, dev_col, host_col, mask_col = self._slots.get, self._dev, self._host, self._mask
-        tiers: list[int] = []
-        devs: list[int] = []
-        hosts: list[int] = []
-        for key in keys:
-            s = get(key)
-            if s is None:
-                break
-            d, h = dev_col[s], host_col[s]
-            t: int
-            if d >= 0:
-                t = Tier.DEVICE
-            elif h >= 0:
-                t = Tier.HOST
-            else:
-                m = mask_col[s]
-                if not m:
-                    break  # present in no tier (a placeholder): the chain stops
-                t = (m & -m).bit_length() + 1  # 2 + index of the lowest backend holding it
-            tiers.append(t)
-            devs.append(d)
-            hosts.append(h)
-        return PrefixMatch(len(tiers), np.array(tiers, dtype=np.int8), np.array(devs, dtype=np.int32),
-                           np.array(hosts, dtype=np.int32))
-
     # -- self-check (tests, debugging)
     def validate(self) -> None:
         """Check every invariant in O(capacity); raises AssertionError naming the first broken one."""
@@ -1049,27 +631,3 @@ class BlockIndex:
         for ok, msg in checks:
             if not ok:
                 raise AssertionError(f"BlockIndex invariant broken: {msg}")
-
-
-def _mask_of(backends: Iterable[int]) -> int:
-    mask = 0
-    for i in backends:
-        _check_backend(i)
-        mask |= 1 << i
-    return mask
-
-
-def _bits(mask: int) -> tuple[int, ...]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return tuple(out)
-
-
-def _tier_backend(tier: int) -> int:
-    i = Tier.backend_index(tier)
-    if i is None or i >= MAX_BACKENDS:
-        raise ValueError(f"unknown tier code {tier!r}: expected DEVICE (0), HOST (1) or Tier.backend(i)")
-    return i

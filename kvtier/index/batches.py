@@ -1,0 +1,198 @@
+"""Batch forms of the index's operations, over a request's keys in one call each."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+
+from .core import _ID_MAX, IndexCore, _column
+from .tiers import _check_backend
+
+
+class BatchOps(IndexCore):
+    """The operations a tier stack (and its simulator) makes per request, one call per batch."""
+
+    def free_device(self, block_id: int) -> None:
+        """Device block ``block_id`` is freed or about to be overwritten: the key it held, if any, loses its
+        device copy (and its entry, if that leaves it nowhere and unreferenced)."""
+        self.free_devices((block_id,))
+
+    def free_devices(self, block_ids: Iterable[int]) -> None:
+        """:meth:`free_device` of each id in order: what an engine's block allocation evicted, in one call."""
+        rev, dev, host, mask, refs, keys = self._rev[0], self._dev, self._host, self._mask, self._refs, self._keys
+        count, n = self._count, len(rev)
+        for b in block_ids:
+            if type(b) is not int:
+                b = operator.index(b)
+            s = rev[b] if 0 <= b < n else -1
+            if s < 0:
+                continue
+            # _vacate_device(s) inlined: the device copy goes, then the entry if that leaves it unused
+            if refs[s] == 0:
+                self._unlink(0, s)
+            dev[s] = -1
+            rev[b] = -1
+            count[0] -= 1
+            if not refs[s] and host[s] < 0 and not mask[s]:
+                self._drop_slot(keys[s] or b"", s)  # a live slot always holds a key
+
+    # -- batches: the same operations over a request's keys, one call each (a simulation makes millions;
+    # a method call per key per step was most of their cost).  Each is exactly its single-key form
+    # applied to the keys in order (test_batch_operations_are_their_single_key_forms_in_order).  Their
+    # common paths repeat the steps of the helpers they name (_attach, _detach, _pin_slot...) instead of
+    # calling them: with the calls, a simulated replay ran 15 % more instructions (cachegrind).
+    def place_on_device_many(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """:meth:`place_on_device` of each ``(keys[i], block_ids[i])`` in order."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"place_on_device_many: {len(keys)} keys for {len(block_ids)} device block ids")
+        # place_on_device inlined for plain ids (an id of another type, or out of range, takes the
+        # single-key form, which converts or raises exactly as it would): the store path's hottest loop.
+        get, dev, refs, rev = self._slots.get, self._dev, self._refs, self._rev[0]
+        prev, nxt, head, tail = self._prev[0], self._next[0], self._head, self._tail
+        for key, b in zip(keys, block_ids):
+            if type(b) is not int or not 0 <= b <= _ID_MAX:
+                self.place_on_device(key, b)
+                continue
+            if b >= len(rev):
+                rev.extend(_column(max(b + 1, 2 * len(rev)) - len(rev)))
+            o = rev[b]
+            s = get(key)
+            if o >= 0 and o != s:
+                self._vacate_device(o)  # the block held another key: it loses its device copy
+            if s is None:
+                s = self._new_slot(key)
+            old = dev[s]
+            if old == b:  # already there: only recency changes (as _attach's re-set)
+                if refs[s] == 0:
+                    self._to_mru(0, s)
+                continue
+            if old >= 0:
+                rev[old] = -1
+            else:
+                self._count[0] += 1
+            dev[s] = b
+            rev[b] = s
+            if refs[s] == 0:
+                if old >= 0:
+                    self._to_mru(0, s)
+                else:  # _link_mru(0, s)
+                    p = tail[0]
+                    prev[s] = p
+                    nxt[s] = -1
+                    if p >= 0:
+                        nxt[p] = s
+                    else:
+                        head[0] = s
+                    tail[0] = s
+                    self._lru_len[0] += 1
+
+    def host_slots(self, keys: Iterable[bytes]) -> list[int]:
+        """The host slot of each key, -1 where it has none (or is not in the index)."""
+        host = self._host
+        return [-1 if s is None else host[s] for s in map(self._slots.get, keys)]
+
+    def acquire_many(self, keys: Iterable[bytes]) -> None:
+        """:meth:`acquire` of each key in order."""
+        get, refs, dev, host = self._slots.get, self._refs, self._dev, self._host
+        for key in keys:
+            s = get(key)
+            if s is None:
+                s = self._new_slot(key)
+            r = refs[s]
+            if r == 0:  # _pin_slot: leaves its tiers' LRU lists
+                self._pinned += 1
+                if dev[s] >= 0:
+                    self._unlink(0, s)
+                if host[s] >= 0:
+                    self._unlink(1, s)
+            refs[s] = r + 1
+
+    def release_many(self, keys: Iterable[bytes]) -> None:
+        """:meth:`release` of each key in order."""
+        get, refs, dev, host, mask = self._slots.get, self._refs, self._dev, self._host, self._mask
+        for key in keys:
+            s = get(key)
+            if s is None:
+                s = self._slot(key)
+            r = refs[s]
+            if r != 1:
+                self._unpin_slot(key, s, 1)  # still pinned after, or the ValueError of an unpinned key
+                continue
+            refs[s] = 0  # _unpin_slot to 0: back in its tiers' LRU lists, or dropped if in none
+            self._pinned -= 1
+            d, h = dev[s], host[s]
+            if d >= 0:
+                self._link_mru(0, s)
+            if h >= 0:
+                self._link_mru(1, s)
+            if d < 0 and h < 0 and not mask[s]:
+                self._drop_slot(key, s)
+
+    def drop_host_many(self, keys: Iterable[bytes]) -> list[int]:
+        """:meth:`clear_host` then :meth:`discard_if_unused` of each key in order (host memory evicted
+        them); the slots they had, -1 where a key had none."""
+        get, refs, dev, host, mask, rev = self._slots.get, self._refs, self._dev, self._host, self._mask, self._rev[1]
+        out: list[int] = []
+        for key in keys:
+            s = get(key)
+            h = -1 if s is None else host[s]
+            out.append(h)
+            if s is None:
+                continue
+            r = refs[s]
+            if h >= 0:  # _detach(HOST, s)
+                if r == 0:
+                    self._unlink(1, s)
+                host[s] = -1
+                rev[h] = -1
+                self._count[1] -= 1
+            if not r and dev[s] < 0 and not mask[s]:
+                self._drop_slot(key, s)
+        return out
+
+    def land_host_many(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """Each key lands in host slot ``slots[i]`` (inserted if absent, then :meth:`set_host`), in order,
+        except a key already in another host slot: it keeps that one.  Per key whether it landed (the
+        slot of one that did not is the caller's again)."""
+        if len(keys) != len(slots):
+            raise ValueError(f"land_host_many: {len(keys)} keys for {len(slots)} host slots")
+        get, host, refs, rev = self._slots.get, self._host, self._refs, self._rev[1]
+        out: list[bool] = []
+        for key, slot in zip(keys, slots):
+            s = get(key)
+            if s is None:
+                s = self._new_slot(key)
+            elif 0 <= host[s] != slot:
+                out.append(False)
+                continue
+            out.append(True)
+            if type(slot) is not int or not 0 <= slot < len(rev) or rev[slot] >= 0 or host[s] >= 0:
+                self._check_free_id(1, slot, key, s)  # the rare cases (growth, a re-set, a bad slot)
+                self._attach(1, s, slot)
+                continue
+            # _attach(HOST, s, slot) of a free slot to an entry with none: counted, and MRU if unpinned
+            self._count[1] += 1
+            host[s] = slot
+            rev[slot] = s
+            if refs[s] == 0:
+                self._link_mru(1, s)
+        return out
+
+    def masks(self, keys: Iterable[bytes]) -> list[int]:
+        """The backend bitmask of each key (bit ``i``: stored in backend ``i``), 0 where it is not in the
+        index: one read for a batch's per-backend decisions (:meth:`in_backends` is one key's)."""
+        mask = self._mask
+        return [0 if s is None else mask[s] for s in map(self._slots.get, keys)]
+
+    def add_backend_many(self, keys: Iterable[bytes], i: int) -> None:
+        """:meth:`add_backend` ``i`` on each key that is in the index (others are skipped)."""
+        _check_backend(i)
+        bit, get, mask, n = 1 << i, self._slots.get, self._mask, 0
+        for key in keys:
+            s = get(key)
+            if s is not None:
+                m = mask[s]
+                if not m & bit:
+                    mask[s] = m | bit
+                    n += 1
+        self._bcount[i] += n
