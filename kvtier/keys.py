@@ -318,10 +318,9 @@ class BlockHasher:
     ) -> list[bytes]:
         """Hashes of every full block of ``tokens`` (a partial trailing block is ignored)."""
         arr = as_token_array(tokens)
-        items = validate_mm_items(mm, arr.size)
-        lora_key, salt_key = _lora_key(lora), _salt_key(cache_salt)
-        self._refuse_sglang_extras(items, lora_key)
-        return self._hash_range(arr, 0, None, items, lora_key, salt_key)
+        ex = Extras.checked(mm, lora, cache_salt, arr.size)
+        self._refuse_sglang_extras(ex.items, ex.lora_key)
+        return self._hash_range(arr, 0, None, ex.items, ex.lora_key, ex.salt_key)
 
     def _refuse_sglang_extras(self, items: tuple[MMItem, ...], lora_key: tuple | None) -> None:
         if self.algo != SGLANG_SHA256:
@@ -498,6 +497,23 @@ def _salt_key(salt: str | None) -> tuple | None:
     return ("cache_salt", salt)
 
 
+@dataclass(frozen=True)
+class Extras:
+    """A request's extra keys, checked and normalised: its multimodal items (sorted, inside the prompt)
+    and its LoRA and salt keys (None when absent)."""
+
+    items: tuple[MMItem, ...]
+    lora_key: tuple | None
+    salt_key: tuple | None
+
+    @classmethod
+    def checked(cls, mm: Sequence[Any], lora: LoRA | tuple | dict | None, cache_salt: str | None,
+                num_tokens: int | None) -> Extras:
+        """ValueError naming the field (``mm[2].offset``, ``lora.name``, ``cache_salt``) that is wrong;
+        ``num_tokens``: the prompt length the items must lie in (None: not checked)."""
+        return cls(validate_mm_items(mm, num_tokens), _lora_key(lora), _salt_key(cache_salt))
+
+
 class SequenceHasher:
     """Incremental hashing of one growing sequence (a request whose decode appends tokens).
 
@@ -510,9 +526,8 @@ class SequenceHasher:
         self.hasher = hasher
         arr = as_token_array(tokens)
         # Multimodal items belong to the prompt: they must lie inside the tokens given up front.
-        self._items = validate_mm_items(mm, arr.size)
-        self._lora = _lora_key(lora)
-        self._salt = _salt_key(cache_salt)
+        ex = Extras.checked(mm, lora, cache_salt, arr.size)
+        self._items, self._lora, self._salt = ex.items, ex.lora_key, ex.salt_key
         hasher._refuse_sglang_extras(self._items, self._lora)
         self._tail = np.empty(0, dtype=np.int64)
         self._num_tokens = 0

@@ -19,9 +19,11 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
+
+from .keys import Extras
 
 
 @dataclass
@@ -152,13 +154,14 @@ def iter_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_toke
             if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
                 raise ValueError(f"{where}: tokens must be a list of ints in [0, {vocab_size})")
         elif "length" in row:
-            n = row["length"]
-            if type(n) is not int or n < 1:
-                raise ValueError(f"{where}: length must be a positive int, got {n!r}")
+            n = _count(row, "length", where, low=1, default=0)  # present (this branch), never the default
             tokens = rng.integers(0, vocab_size, n).tolist()
             pid = row.get("prefix_id")
             if pid is not None:
-                plen = min(int(row.get("prefix_length") or 0), n)
+                if not isinstance(pid, str | int) or isinstance(pid, bool):
+                    raise ValueError(f"{where}: prefix_id must be a string or an int, got {pid!r}")
+                plen = _count(row, "prefix_length", where, low=0, default=0)
+                plen = min(plen, n)
                 shared = prefixes.setdefault(pid, rng.integers(0, vocab_size, plen).tolist())
                 tokens[: len(shared[:plen])] = shared[:plen]
         elif "hashes" in row:
@@ -171,13 +174,31 @@ def iter_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_toke
         t = row.get("t")
         if t is not None and (not isinstance(t, int | float) or isinstance(t, bool) or t < 0):
             raise ValueError(f"{where}: t must be a number of seconds >= 0, got {t!r}")
-        nt = row.get("num_tokens")
-        if nt is not None and (type(nt) is not int or nt < 1):
-            raise ValueError(f"{where}: num_tokens must be a positive int, got {nt!r}")
-        mnt = row.get("max_new_tokens") or default_max_new_tokens
-        yield Request(list(tokens), int(mnt), user=i - 1, cache_salt=row.get("cache_salt"),
+        nt = _count(row, "num_tokens", where, low=1, default=None)
+        mnt = _count(row, "max_new_tokens", where, low=1, default=default_max_new_tokens)
+        try:  # checked here, where the row is known (the hasher names only the field)
+            Extras.checked(row.get("mm") or [], row.get("lora"), row.get("cache_salt"),
+                           nt if hashes is not None else len(tokens))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        yield Request(list(tokens), mnt, user=i - 1, cache_salt=row.get("cache_salt"),
                       mm=list(row.get("mm") or []), t=None if t is None else float(t), lora=row.get("lora"),
                       hashes=hashes, num_tokens=nt)
+
+
+@overload
+def _count(row: dict[str, Any], field: str, where: str, *, low: int, default: int) -> int: ...
+@overload
+def _count(row: dict[str, Any], field: str, where: str, *, low: int, default: None) -> int | None: ...
+def _count(row: dict[str, Any], field: str, where: str, *, low: int, default: int | None) -> int | None:
+    """``row[field]``, an int >= ``low`` (``default`` when absent); ValueError naming the row otherwise."""
+    v = row.get(field)
+    if v is None:
+        return default
+    if type(v) is not int or v < low:
+        what = "a positive int" if low == 1 else f"an int >= {low}"
+        raise ValueError(f"{where}: {field} must be {what}, got {v!r}")
+    return v
 
 
 def _hashes(value: Any, where: str) -> list[bytes]:

@@ -268,6 +268,16 @@ def test_ledger_never_evicts_a_held_value_as_local_disk_never_evicts_one_being_r
     ({"hashes": ["00" * 32], "num_tokens": 0}, "row 1: num_tokens must be a positive int, got 0"),
     ({"tokens": [1], "tenant": "x"}, "row 1: unknown field\\(s\\) \\['tenant'\\]"),
     ({"t": 1.0}, "row 1: needs 'tokens', 'length' or 'hashes'"),
+    ({"tokens": [1, 2], "max_new_tokens": -1}, "row 1: max_new_tokens must be a positive int, got -1"),
+    ({"tokens": [1, 2], "max_new_tokens": 0}, "row 1: max_new_tokens must be a positive int, got 0"),
+    ({"tokens": [1, 2], "max_new_tokens": "8"}, "row 1: max_new_tokens must be a positive int, got '8'"),
+    ({"length": 40, "prefix_id": 1, "prefix_length": -3}, "row 1: prefix_length must be an int >= 0, got -3"),
+    ({"length": 40, "prefix_id": [1]}, "row 1: prefix_id must be a string or an int, got \\[1\\]"),
+    ({"length": 1.5}, "row 1: length must be a positive int, got 1.5"),
+    ({"tokens": [1, 2], "cache_salt": 5}, "row 1: cache_salt: expected a non-empty string, got 5"),
+    ({"tokens": [1, 2], "lora": {"a": 1}}, "row 1: lora: expected \\{name, path\\}"),
+    ({"tokens": [1, 2], "mm": [{"identifier": "im", "offset": 1, "length": 4}]},
+     "row 1: mm\\[0\\] \\('im'\\) covers tokens \\[1, 5\\) but the sequence has 2 tokens"),
 ])
 def test_trace_rows_are_refused_naming_row_and_field(tmp_path, row, message):
     p = tmp_path / "t.jsonl"
@@ -280,7 +290,11 @@ def test_simulate_refuses_hashes_of_another_algorithm_and_a_host_tier_too_small(
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps({"hashes": ["00" * 16]}) + "\n")
     config = load_config(None, env={})
-    with pytest.raises(ValueError, match="request 0: hashes are 16 bytes, keys.algo sha256_cbor makes 32"):
+    with pytest.raises(ValueError, match="trace row 1: hashes are 16 bytes, keys.algo sha256_cbor makes 32"):
+        simulate(config, iter_trace(p))
+    p.write_text(json.dumps({"hashes": ["00" * 32] * 2, "num_tokens": 31}) + "\n")
+    with pytest.raises(ValueError, match="trace row 1: 2 block hashes for num_tokens 31 "
+                                         "\\(at most 1 full blocks of 16 tokens\\)"):
         simulate(config, iter_trace(p))
     small = load_config(None, env={"KVTIER_HOST__CAPACITY": "1KiB"})
     with pytest.raises(ValueError, match="host.capacity: 1024 B holds no block of 65536 B"):
@@ -293,7 +307,18 @@ def test_a_grid_refuses_hashes_of_another_algorithm_before_any_point_runs(tmp_pa
     p.write_text(json.dumps({"hashes": ["00" * 32]}) + "\n" + json.dumps({"hashes": ["00" * 16]}) + "\n")
     assert main(["simulate", "--trace", str(p), "--grid", "host.capacity=1GiB,2GiB", "--jobs", "1",
                  "--out", str(tmp_path / "o")]) == 2
-    assert "request 1: hashes are 16 bytes, keys.algo sha256_cbor makes 32" in capsys.readouterr().err
+    assert "trace row 2: hashes are 16 bytes, keys.algo sha256_cbor makes 32" in capsys.readouterr().err
+
+
+def test_a_trace_without_a_full_prompt_block_is_simulated_and_reported(tmp_path, capsys):
+    """Nothing to look up (every prompt shorter than a block): a table of zeros, and no ceiling line
+    (nothing was timed; its ratio would divide by zero)."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"t": 0, "tokens": [1, 2, 3]}) + "\n")
+    assert main(["simulate", "--trace", str(p), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "1 requests (0 prompt blocks" in out and "raw ceiling" not in out
+    assert (tmp_path / "o" / "simulate.parquet").is_file()
 
 
 def test_cli_refuses_a_rate_that_is_not_positive(capsys):

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(points)} grid point(s) x {r0.requests} requests ({r0.prompt_blocks} prompt blocks of "
           f"{r0.block_nbytes} B) in {wall:.1f} s with {jobs} process(es); {speed:,.0f} block "
           f"lookups+updates/s per process (hashing {hash_s + sum(r.hash_s for r in results):.1f} s apart)")
-    if r0.ceiling_s:
+    if r0.ceiling_ops_per_s:  # 0 without a full prompt block: nothing was timed, nothing to divide by
         print(f"raw ceiling, same prompt keys through a bare OrderedDict LRU in this run: "
               f"{r0.ceiling_ops_per_s:,.0f} lookups+updates/s; simulated / ceiling = "
               f"{speed / r0.ceiling_ops_per_s:.3f}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..keys import BlockHasher
 from ..workload import Request
-from .replay import check_digest_size
+from .replay import check_hashed_row
 
 MAGIC = b"KVTHASH1"
 _HEAD = struct.Struct("<H")
@@ -38,7 +38,7 @@ def hash_trace(requests: Iterable[Request], hasher: BlockHasher, path: str | Pat
         for req in requests:
             if req.hashes is not None:
                 hashes = req.hashes
-                check_digest_size(hashes, hasher, n)  # the file slices every hash at one size
+                check_hashed_row(hashes, req.num_tokens, hasher, n)  # the file slices every hash at one size
                 num_tokens = req.num_tokens or len(hashes) * hasher.block_size
             else:
                 h0 = clock()

@@ -137,7 +137,7 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
         h0 = clock()
         if req.hashes is not None:
             hashes = req.hashes
-            check_digest_size(hashes, hasher, i)
+            check_hashed_row(hashes, req.num_tokens, hasher, i)
             prompt = [0] * (req.num_tokens or len(hashes) * B)
         else:
             prompt = req.tokens
@@ -180,11 +180,16 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
     return res
 
 
-def check_digest_size(hashes: Sequence[bytes], hasher: BlockHasher, i: int) -> None:
-    """A hashed row's hashes must be the size ``keys.algo`` makes (another algorithm's never match)."""
+def check_hashed_row(hashes: Sequence[bytes], num_tokens: int | None, hasher: BlockHasher, i: int) -> None:
+    """Request ``i`` (0-based) of a trace gives block hashes: they must be the size ``keys.algo`` makes
+    (another algorithm's never match), and full blocks of its ``num_tokens`` (when given)."""
     if hashes and len(hashes[0]) != hasher.digest_size:
-        raise ValueError(f"request {i}: hashes are {len(hashes[0])} bytes, keys.algo {hasher.algo} "
+        raise ValueError(f"trace row {i + 1}: hashes are {len(hashes[0])} bytes, keys.algo {hasher.algo} "
                          f"makes {hasher.digest_size}")
+    B = hasher.block_size
+    if num_tokens is not None and len(hashes) > num_tokens // B:
+        raise ValueError(f"trace row {i + 1}: {len(hashes)} block hashes for num_tokens {num_tokens} "
+                         f"(at most {num_tokens // B} full blocks of {B} tokens)")
 
 
 def _per_second(buckets: dict[int, int], duration_s: float) -> list[int]:
@@ -196,4 +201,4 @@ def _per_second(buckets: dict[int, int], duration_s: float) -> list[int]:
     return out
 
 
-__all__ = ["NullModel", "SimResult", "bare_lru", "block_nbytes", "check_digest_size", "simulate"]
+__all__ = ["NullModel", "SimResult", "bare_lru", "block_nbytes", "check_hashed_row", "simulate"]
