@@ -480,8 +480,10 @@ def _lora_key(lora: LoRA | tuple | dict | None) -> tuple | None:
         if unknown or "name" not in lora:
             raise ValueError(f"lora: expected {{name, path}}, got {lora!r}")
         lora = LoRA(lora["name"], lora.get("path", ""))
-    elif isinstance(lora, (tuple, list)):
+    elif isinstance(lora, (tuple, list)) and len(lora) in (1, 2):
         lora = LoRA(*lora)
+    if not isinstance(lora, LoRA):
+        raise ValueError(f"lora: expected {{name, path}} or [name, path], got {lora!r}")
     if not isinstance(lora.name, str) or not lora.name:
         raise ValueError(f"lora.name: expected a non-empty string, got {lora.name!r}")
     if not isinstance(lora.path, str):

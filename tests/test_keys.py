@@ -170,6 +170,20 @@ def test_bad_mm_items(mm, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("lora, message", [
+    ("adapter", "lora: expected {name, path} or [name, path], got 'adapter'"),
+    (("a", "/p", "x"), "lora: expected {name, path} or [name, path], got ('a', '/p', 'x')"),
+    ({"path": "/p"}, "lora: expected {name, path}, got {'path': '/p'}"),
+    ({"name": ""}, "lora.name: expected a non-empty string, got ''"),
+    (("a", 3), "lora.path: expected a string, got 3"),
+])
+def test_bad_lora_names_the_field(lora, message):
+    """A LoRA of any wrong shape is a ValueError naming the field (a bare string was an AttributeError)."""
+    with pytest.raises(ValueError) as e:
+        BlockHasher(4).hash_blocks(list(range(16)), lora=lora)
+    assert message in str(e.value)
+
+
 @pytest.mark.parametrize("bs", [0, -1, 1.5, True])
 def test_bad_block_size(bs):
     with pytest.raises(ValueError, match="block_size: expected an integer >= 1"):

@@ -276,6 +276,7 @@ def test_ledger_never_evicts_a_held_value_as_local_disk_never_evicts_one_being_r
     ({"length": 1.5}, "row 1: length must be a positive int, got 1.5"),
     ({"tokens": [1, 2], "cache_salt": 5}, "row 1: cache_salt: expected a non-empty string, got 5"),
     ({"tokens": [1, 2], "lora": {"a": 1}}, "row 1: lora: expected \\{name, path\\}"),
+    ({"tokens": [1, 2], "lora": "adapter"}, "row 1: lora: expected \\{name, path\\} or \\[name, path\\]"),
     ({"tokens": [1, 2], "mm": [{"identifier": "im", "offset": 1, "length": 4}]},
      "row 1: mm\\[0\\] \\('im'\\) covers tokens \\[1, 5\\) but the sequence has 2 tokens"),
 ])
