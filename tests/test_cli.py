@@ -41,3 +41,33 @@ def test_user_error_is_one_line_exit_2(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "nope.yaml" in r.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--device-blocks", "0"], "argument --device-blocks: expected an integer >= 1, got '0'"),
+    (["run", "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+    (["simulate", "--jobs", "-1"], "argument --jobs: expected an integer >= 0, got '-1'"),
+    (["simulate", "--seed", "x"], "argument --seed: expected an integer >= 0, got 'x'"),
+    (["pd", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1, got '0'"),
+    (["config", "schema", "--indent", "-2"], "argument --indent: expected an integer >= 0, got '-2'"),
+])
+def test_numbers_out_of_range_are_refused_naming_the_flag(argv, message, capsys):
+    """Before: --device-blocks 0 silently meant the config's size, --jobs -1 one process, and --seed -1
+    a numpy traceback."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd", ["run", "simulate"])
+def test_a_device_pool_smaller_than_one_request_is_a_user_error(cmd, tmp_path, capsys):
+    """A request needs its whole block table on the device at once: a pool smaller than that is refused
+    naming the request, the blocks it needs and the setting (it was a PoolExhausted traceback)."""
+    from kvtier.cli import main
+
+    extra = ["--no-progress"] if cmd == "run" else []
+    assert main([cmd, "--device-blocks", "2", "--users", "1", "--turns", "1", "--out", str(tmp_path / "o"),
+                 *extra]) == 2
+    err = capsys.readouterr().err
+    assert ("request 1: 576 prompt + 32 new tokens need 38 device blocks of 16 tokens; the device pool has 2 "
+            "(device.num_blocks, or --device-blocks)") in err

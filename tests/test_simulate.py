@@ -366,3 +366,31 @@ def test_the_ceiling_times_the_same_prompt_keys_and_changes_no_result(tmp_path):
         timed.pop(k), plain.pop(k)
     assert timed == plain
     assert plain["hit_blocks"]["local_disk"] > 0  # the chat reached every tier
+
+
+def test_a_request_the_pool_cannot_hold_takes_no_block_with_it():
+    """The engine refuses a request larger than the whole device pool before touching it, and one that
+    finds too few blocks free (others in flight) gives back the references its prefix hit took."""
+    from kvtier.blockpool import BlockPool, PoolExhausted
+    from kvtier.integrations.engine import CachedEngine
+    from kvtier.simulate.replay import NullModel, block_nbytes
+    from kvtier.simulate.stack import SimulatedStack
+
+    config = load_config(None, env={})
+    stack = SimulatedStack(config, block_nbytes(config))
+    pool = BlockPool(8, on_evict=lambda keys, ids: stack.on_device_freed(ids))
+    engine = CachedEngine(stack, NullModel(16), pool)  # type: ignore[arg-type]
+    prompt = list(range(64))  # 4 full blocks; with 16 new tokens a request needs 5 blocks
+    engine.run_request(prompt, max_new_tokens=16)
+    assert pool.num_free == 8 and pool.num_cached == 4
+    with pytest.raises(ValueError, match="64 prompt \\+ 200 new tokens need 17 device blocks of 16 tokens; "
+                                         "the device pool has 8"):
+        engine.run_request(prompt, max_new_tokens=200)
+    assert pool.num_free == 8
+    held = pool.allocate(4)  # another request in flight: 4 left, the 4 cached ones; the next request hits
+    # those 4 and needs 4 more (7 prompt blocks + 1 for its new tokens)
+    with pytest.raises(PoolExhausted):
+        engine.run_request(prompt + list(range(48)), max_new_tokens=16)
+    assert pool.num_free == 4 and all(pool.ref_count(b) == 0 for b in range(8) if b not in held)
+    pool.free(held)
+    stack.close()

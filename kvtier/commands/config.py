@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from ._types import non_negative_int
+
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("config", help="validate a config file, or print its JSON Schema",
@@ -28,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Print the JSON Schema of kvtier's YAML config, for editors (e.g. the YAML language "
                     "server: `# yaml-language-server: $schema=kvtier.schema.json`).  Plugin options are "
                     "free objects here; `kvtier config check` validates them.")
-    s.add_argument("--indent", type=int, default=2, help="JSON indentation (default 2)")
+    s.add_argument("--indent", type=non_negative_int, default=2, help="JSON indentation (default 2)")
     s.set_defaults(func=_schema)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import UserError
+from ._types import non_negative_int, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,10 +25,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--requests", required=True, metavar="FILE", help="JSONL requests")
     p.add_argument("--out", metavar="FILE", help="per-request results as JSON")
     p.add_argument("--logits", metavar="FILE", help="decode: save every step's logits (torch.save)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: per request, else 32 "
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: per request, else 32 "
                    "(decode) / 1 (prefill)")
     p.add_argument("--no-cache", action="store_true", help="decode: recompute everything (the baseline)")
-    p.add_argument("--seed", type=int, default=0, help="model seed; both sides must agree (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="model seed; both sides must agree (default 0)")
     p.set_defaults(func=run)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..cli import UserError
+from ._types import non_negative_int, positive_int
 
 if TYPE_CHECKING:
     from ..integrations.engine import RequestResult
@@ -33,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--system-tokens", type=int, default=512, help="shared system prompt length (512)")
     w.add_argument("--question-tokens", type=int, default=64, help="new user tokens per turn (64)")
     w.add_argument("--answer-tokens", type=int, default=32, help="generated tokens per turn (32)")
-    w.add_argument("--seed", type=int, default=0, help="workload and model seed (0)")
-    p.add_argument("--device-blocks", type=int, default=None,
+    w.add_argument("--seed", type=non_negative_int, default=0, help="workload and model seed (0)")
+    p.add_argument("--device-blocks", type=positive_int, default=None,
                    help="device block pool size (default: device.num_blocks from the config); smaller "
                         "than the working set to make the host and storage tiers work")
     p.add_argument("--out", default="kvtier-run", help="output directory (default ./kvtier-run)")
@@ -70,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
                             "kvtier run needs token ids")
         if recorder is not None:
             recorder.write(req, time.perf_counter() - t_start)
-        r = engine.run_request(req.tokens, max_new_tokens=req.max_new_tokens, cache_salt=req.cache_salt,
-                               mm=req.mm, lora=req.lora)
+        try:
+            r = engine.run_request(req.tokens, max_new_tokens=req.max_new_tokens, cache_salt=req.cache_salt,
+                                   mm=req.mm, lora=req.lora)
+        except ValueError as e:
+            raise UserError(f"request {len(results) + 1}: {e}") from None
         results.append(_row(len(results), req, r, engine.block_size))
         bar.update(1)
         return r.tokens

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cli import UserError
+from ._types import non_negative_int, positive_int
 
 if TYPE_CHECKING:
     from ..simulate import SimResult
@@ -44,12 +45,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--system-tokens", type=int, default=512)
     w.add_argument("--question-tokens", type=int, default=64)
     w.add_argument("--answer-tokens", type=int, default=32)
-    w.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device-blocks", type=int, default=None,
+    w.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--device-blocks", type=positive_int, default=None,
                    help="device block pool size (default: device.num_blocks), as kvtier run --device-blocks")
     p.add_argument("--rate", type=float, default=10.0,
                    help="arrivals per second for requests without a timestamp (default 10)")
-    p.add_argument("--jobs", type=int, default=0, help="grid points simulated at once (default: CPU cores)")
+    p.add_argument("--jobs", type=non_negative_int, default=0, help="grid points simulated at once (default: CPU cores)")
     p.add_argument("--out", default="kvtier-simulate", help="output directory (default ./kvtier-simulate)")
     p.set_defaults(func=run)
 

@@ -107,6 +107,11 @@ class CachedEngine:
         elif len(hashes := list(hashes)) > len(prompt) // B:
             raise ValueError(f"{len(hashes)} block hashes for a prompt of {len(prompt)} tokens "
                              f"(at most {len(prompt) // B} full blocks of {B})")
+        total_blocks = -(-(len(prompt) + max_new_tokens) // B)
+        if total_blocks > self.pool.num_blocks:  # no request finishing first would make room: refuse now
+            raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {total_blocks} device "
+                             f"blocks of {B} tokens; the device pool has {self.pool.num_blocks} "
+                             "(device.num_blocks, or --device-blocks)")
         res = RequestResult(len(prompt), len(hashes))
         # At least the last prompt token is computed: its logits start the generation.
         reusable = hashes[: (len(prompt) - 1) // B] if use_cache else []
@@ -117,8 +122,11 @@ class CachedEngine:
         rest = reusable[len(dev):]
         found = self.stack.lookup(rest, start=len(dev)) if rest else None
         res.lookup_s = time.perf_counter() - t0
-        total_blocks = -(-(len(prompt) + max_new_tokens) // B)
-        new = self.pool.allocate(total_blocks - len(dev))
+        try:
+            new = self.pool.allocate(total_blocks - len(dev))
+        except BaseException:
+            self.pool.free(list(reversed(dev)))  # the prefix hit's references, taken above
+            raise
         table = dev + new
         try:
             loaded = 0

@@ -143,7 +143,10 @@ def simulate(config: KvtierConfig, requests: Iterable[Request] | ChatWorkload, *
             prompt = req.tokens
             hashes = hasher.hash_blocks(prompt, mm=req.mm, cache_salt=req.cache_salt, lora=req.lora)
         h1 = clock()
-        r = engine.run_request(prompt, max_new_tokens=req.max_new_tokens, hashes=hashes)
+        try:
+            r = engine.run_request(prompt, max_new_tokens=req.max_new_tokens, hashes=hashes)
+        except ValueError as e:
+            raise ValueError(f"request {i + 1}: {e}") from None
         h2 = clock()
         res.sim_s += h2 - h1
         res.hash_s += h1 - h0
