@@ -50,6 +50,11 @@ def test_user_error_is_one_line_exit_2(tmp_path):
     (["simulate", "--seed", "x"], "argument --seed: expected an integer >= 0, got 'x'"),
     (["pd", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1, got '0'"),
     (["config", "schema", "--indent", "-2"], "argument --indent: expected an integer >= 0, got '-2'"),
+    (["bench", "index", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+    (["bench", "keys", "--vocab", "0"], "argument --vocab: expected an integer >= 1, got '0'"),
+    (["bench", "backends", "--total", "0"], "argument --total: expected a size of at least 1 byte, got '0'"),
+    (["bench", "backends", "--block-sizes", "2MiB,0"], "argument --block-sizes: expected a size of at least 1 byte"),
+    (["bench", "peers", "--total", "lots"], 'argument --total: expected a size like "4GiB", got "lots"'),
 ])
 def test_numbers_out_of_range_are_refused_naming_the_flag(argv, message, capsys):
     """Before: --device-blocks 0 silently meant the config's size, --jobs -1 one process, and --seed -1
@@ -71,3 +76,16 @@ def test_a_device_pool_smaller_than_one_request_is_a_user_error(cmd, tmp_path, c
     err = capsys.readouterr().err
     assert ("request 1: 576 prompt + 32 new tokens need 38 device blocks of 16 tokens; the device pool has 2 "
             "(device.num_blocks, or --device-blocks)") in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "100"], "--tokens 100: the prefix must hold at least one stored value of the largest "
+                          "--block-tokens (256 tokens)"),
+    (["--block-tokens", "8"], "--block-tokens: each value must be a multiple of the 16-token block, got '8'"),
+])
+def test_bench_prefix_refuses_a_prefix_it_cannot_measure(argv, message, capsys):
+    """A prefix shorter than one stored value was an mmap OSError out of the raw ceiling."""
+    from kvtier.cli import main
+
+    assert main(["bench", "prefix", "--backends", "disk", "--repeats", "1", *argv]) == 2
+    assert message in capsys.readouterr().err

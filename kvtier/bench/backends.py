@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 
+from ..commands._types import positive_int, positive_size, positive_sizes
 from ._util import print_table, write_json
 
 HELP = "storage backends put/get GiB/s beside each one's ceiling (disk: raw files; redis: wire; s3: boto3)"
@@ -37,29 +38,21 @@ def discover() -> list[str]:
                   if m.name.startswith("backend_"))
 
 
-def _size(text: str) -> int:
-    try:
-        from ..units import parse_size
-    except ImportError:  # pragma: no cover - units ships with kvtier
-        return int(text)
-    return parse_size(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(discover()),
                    help=f"comma-separated (default: all = {','.join(discover())})")
-    p.add_argument("--block-sizes", default="2MiB,256KiB",
+    p.add_argument("--block-sizes", type=positive_sizes, default="2MiB,256KiB",
                    help='comma-separated block sizes (default "2MiB,256KiB")')
-    p.add_argument("--total", default="1GiB",
+    p.add_argument("--total", type=positive_size, default="1GiB",
                    help='bytes moved per case and repeat (default "1GiB"; use less for a quick look)')
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per case; medians (default 5)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed repeats per case; medians (default 5)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-    sizes = [_size(s.strip()) for s in args.block_sizes.split(",") if s.strip()]
-    total = _size(args.total)
+    sizes = args.block_sizes  # parsed and checked already (positive_sizes)
+    total = args.total  # a size already (positive_size)
     rows: list[dict] = []
     skipped: dict[str, str] = {}
     for name in wanted:

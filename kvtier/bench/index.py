@@ -15,6 +15,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from ..commands._types import positive_int
 from ..index import BlockIndex, Tier
 from ._util import median_time, print_table, write_json
 
@@ -25,11 +26,11 @@ GOAL_BYTES_PER_ENTRY = 250.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--entries", type=int, default=1_000_000, help="index size (default 1000000)")
-    parser.add_argument("--chain", type=int, default=8192, help="prefix chain length (default 8192)")
+    parser.add_argument("--entries", type=positive_int, default=1_000_000, help="index size (default 1000000)")
+    parser.add_argument("--chain", type=positive_int, default=8192, help="prefix chain length (default 8192)")
     parser.add_argument("--key-size", type=int, default=32, choices=(16, 32),
                         help="key bytes: 32 = sha256_cbor, 16 = xxh3_128 (default 32)")
-    parser.add_argument("--repeats", type=int, default=21, help="timed repeats, median reported")
+    parser.add_argument("--repeats", type=positive_int, default=21, help="timed repeats, median reported")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a goal is missed")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 

@@ -16,6 +16,7 @@ from typing import Any
 import cbor2
 import numpy as np
 
+from ..commands._types import positive_int
 from ..keys import BlockHasher, sha256_cbor
 from ._util import median_time, print_table, write_json
 
@@ -23,10 +24,10 @@ HELP = "block hashing tokens/s: sha256_cbor (vs vLLM's construction, byte-identi
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=128 * 1024, help="prompt length (default 131072)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=128_256, help="token ids drawn from [0, vocab)")
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--tokens", type=positive_int, default=128 * 1024, help="prompt length (default 131072)")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--vocab", type=positive_int, default=128_256, help="token ids drawn from [0, vocab)")
+    p.add_argument("--repeats", type=positive_int, default=9)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..commands._types import positive_int, positive_size, positive_sizes
 from ._util import print_table, write_json
 
 if TYPE_CHECKING:
@@ -76,14 +77,13 @@ def lmcache_missing() -> str | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stores", default=",".join(STORES), help=f"comma-separated (default: {','.join(STORES)})")
-    p.add_argument("--block-sizes", default="2MiB,256KiB", help='comma-separated (default "2MiB,256KiB")')
-    p.add_argument("--total", default="1GiB", help='bytes moved per contender and round (default "1GiB")')
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds after a warm-up; medians (default 3)")
+    p.add_argument("--block-sizes", type=positive_sizes, default="2MiB,256KiB", help='comma-separated (default "2MiB,256KiB")')
+    p.add_argument("--total", type=positive_size, default="1GiB", help='bytes moved per contender and round (default "1GiB")')
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds after a warm-up; medians (default 3)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..units import parse_size
 
     missing = lmcache_missing()
     if missing:
@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("--repeats: must be at least 1")
         return 2
-    sizes = [parse_size(s.strip()) for s in args.block_sizes.split(",") if s.strip()]
-    total = parse_size(args.total)
+    sizes = args.block_sizes  # parsed and checked already (positive_sizes)
+    total = args.total  # a size already (positive_size)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     rows: list[dict] = []
     skipped: dict[str, str] = {}

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..commands._types import positive_int
 from ._util import print_table, write_json
 
 if TYPE_CHECKING:
@@ -32,12 +33,12 @@ HELP = "load a 4k-token prefix from each backend vs recomputing it with the same
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--tokens", type=positive_int, default=4096)
     p.add_argument("--backends", default="disk,redis,s3")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, default=4)
+    p.add_argument("--head-dim", type=positive_int, default=32)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--block-tokens", default="16,256",
                    help="storage.block_tokens values to compare (tokens per stored value; default 16,256)")
     p.add_argument("--json", metavar="PATH")
@@ -178,6 +179,15 @@ def _raw_read(stack: TierStack, hashes: list[bytes]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        sizes = [int(x) for x in args.block_tokens.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--block-tokens: expected comma-separated token counts, got {args.block_tokens!r}") from None
+    if not sizes or min(sizes) < 16 or any(bt % 16 for bt in sizes):
+        raise ValueError(f"--block-tokens: each value must be a multiple of the 16-token block, got {args.block_tokens!r}")
+    if args.tokens < max(sizes):
+        raise ValueError(f"--tokens {args.tokens}: the prefix must hold at least one stored value of the largest "
+                         f"--block-tokens ({max(sizes)} tokens)")
     rows = []
     for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
         with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
@@ -186,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - a missing server is a SKIP, not a crash
                 print(f"SKIP {name}: {e}")
                 continue
-            for bt in [int(x) for x in args.block_tokens.split(",") if x.strip()]:
+            for bt in sizes:
                 rows.append(bench_one(args, backend, bt))
     print(f"prefix of {args.tokens} tokens, model {args.layers} layers x {args.kv_heads} kv heads x "
           f"{args.head_dim} head dim (float32), medians of {args.repeats}")

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..commands._types import positive_int
 from ..device import DeviceTier, memcpy2d_available
 from ..host import HostTier
 from ..layout import KVLayout
@@ -38,20 +39,20 @@ GiB = float(1 << 30)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the KV cache lives (auto = cuda when available)")
-    parser.add_argument("--num-blocks", type=int, default=None,
+    parser.add_argument("--num-blocks", type=positive_int, default=None,
                         help="blocks in the KV cache (default 256 on CPU, 1024 on CUDA)")
-    parser.add_argument("--batch", type=int, default=64, help="blocks per transfer (default 64 = 128 MiB)")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batch", type=positive_int, default=64, help="blocks per transfer (default 64 = 128 MiB)")
+    parser.add_argument("--layers", type=positive_int, default=32)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--layout", choices=("flash_attn", "cpu_attn", "cpu_attn_amx"), default="flash_attn",
                         help="KV layout of the cache: cpu_attn / cpu_attn_amx (vLLM CPU's head-major cache as "
                              "its vec / amx kernels write it) copies rearrange elements")
     parser.add_argument("--payload", choices=("canonical", "engine"), default="canonical",
                         help="storage.payload: engine moves a cpu_attn / cpu_attn_amx block as the engine keeps it")
-    parser.add_argument("--repeats", type=int, default=9, help="timed repeats, median reported")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=9, help="timed repeats, median reported")
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads (default: torch's); 1 gives steadier figures on a busy host")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a ratio misses the goal")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

@@ -45,6 +45,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from ..commands._types import positive_int
 from ._util import print_table, write_json
 from .prefix import backend_section
 
@@ -52,12 +53,12 @@ HELP = "TTFT inside a real vLLM: recompute, vLLM's own cache, kvtier host / disk
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=3, help="distinct prompts per row (median)")
+    p.add_argument("--tokens", type=positive_int, default=4096)
+    p.add_argument("--repeats", type=positive_int, default=3, help="distinct prompts per row (median)")
     p.add_argument("--backends", default="disk,redis,s3")
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=positive_int, default=32)
     p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector rows")
-    p.add_argument("--block-tokens", type=int, default=None,
+    p.add_argument("--block-tokens", type=positive_int, default=None,
                    help="storage.block_tokens for kvtier's backends (tokens per stored value; default: one "
                         "vLLM block)")
     p.add_argument("--load-mode", choices=["async", "sync", "auto"], default="async",

@@ -25,3 +25,30 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+def positive_size(text: str) -> int:
+    """An argparse ``type``: a size of at least one byte (``"1GiB"``, ``"4096"``)."""
+    from ..units import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
+    return value
+
+
+positive_size.__name__ = "size"
+
+
+def positive_sizes(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated sizes of at least one byte each (``"2MiB,256KiB"``)."""
+    sizes = [positive_size(part.strip()) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes, got {text!r}")
+    return sizes
+
+
+positive_sizes.__name__ = "sizes"
