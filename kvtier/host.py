@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import heapq
+import os
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
@@ -105,7 +106,7 @@ class HostTier:
         self.block_nbytes = block_nbytes
         self.num_slots = num_slots
         self.pin_memory = resolve_pin_memory(pinned)
-        self.slab = _alloc_slab(num_slots, block_nbytes, self.pin_memory)
+        self.slab = _checked_slab(num_slots, block_nbytes, self.pin_memory)
         if prefault and not self.pin_memory:
             # Touch every page now: the kernel's first-touch faults and zeroing cost ~0.2 s a GiB here,
             # which would otherwise land on the first loads into each slot (measured: a 512 MiB load
@@ -242,6 +243,36 @@ class HostTier:
             if s in seen:
                 raise ValueError(f"{what}: slot {s} given twice")
             seen.add(s)
+
+
+class HostMemoryUnavailable(ValueError):
+    """The host tier's capacity cannot be had on this machine: more than its memory, or the allocation
+    failed.  A ValueError: the configured value (``host.capacity``) is what must change."""
+
+
+def memory_total() -> int | None:
+    """Physical memory of this machine in bytes (None where unknown)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def _checked_slab(num_slots: int, block_nbytes: int, pin: bool) -> torch.Tensor:
+    """The slab, or :class:`HostMemoryUnavailable` naming ``host.capacity``.  Checked against physical
+    memory first: where the kernel overcommits, a slab bigger than the machine is granted, and the
+    prefault that touches it then gets the process killed, with no error to report."""
+    from .units import format_size
+
+    want = num_slots * block_nbytes
+    total = memory_total()
+    what = f"host.capacity: {format_size(want)} of host memory ({num_slots} slots of {block_nbytes} B)"
+    if total is not None and want > total:
+        raise HostMemoryUnavailable(f"{what} is more than this machine has ({format_size(total)})")
+    try:
+        return _alloc_slab(num_slots, block_nbytes, pin)
+    except (RuntimeError, MemoryError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise HostMemoryUnavailable(f"{what} could not be allocated: {first}") from None
 
 
 def _alloc_slab(num_slots: int, block_nbytes: int, pin: bool) -> torch.Tensor:

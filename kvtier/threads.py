@@ -16,12 +16,15 @@ threads first apply the process-wide CPU setting (``transfer.cpus``, see :func:`
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _cpus: str = "all"  # one str: assigning it is atomic
+_warned: set[str] = set()  # CPU lists already reported as (partly) unavailable
+log = logging.getLogger("kvtier.threads")
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -47,9 +50,34 @@ def check_cpus(spec: str) -> str:
 
 
 def configure(spec: str) -> None:
-    """Set the CPUs for kvtier threads started from now on in this process."""
+    """Set the CPUs for kvtier threads started from now on in this process.  A CPU list naming CPUs this
+    process may not use is logged once (a config may be written for another machine): the threads use
+    the listed ones it may, or, if none, keep the CPUs they inherit."""
     global _cpus
     _cpus = check_cpus(spec)
+    if spec in ("all", "inherit") or spec in _warned:
+        return
+    have, want = allowed_cpus(), parse_cpus(spec)
+    if want <= have:
+        return
+    _warned.add(spec)
+    if want & have:
+        log.warning("transfer.cpus %r: CPUs %s are not available to this process (it may use %s); "
+                    "kvtier threads run on %s", spec, _show(want - have), _show(have), _show(want & have))
+    else:
+        log.warning("transfer.cpus %r: none of these CPUs is available to this process (it may use %s); "
+                    "kvtier threads keep the CPUs they inherit", spec, _show(have))
+
+
+def _show(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def allowed_cpus() -> set[int]:

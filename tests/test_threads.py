@@ -62,6 +62,29 @@ def test_pool_threads_leave_the_core_their_starter_was_pinned_to():
         threads.configure("all")
 
 
+@needs_affinity
+def test_cpus_this_process_may_not_use_are_logged_once_and_skipped(monkeypatch, caplog):
+    """A CPU list written for a bigger machine: the CPUs missing here are named once, and the threads run
+    on the listed ones this process may use, or keep their inherited CPUs when there are none."""
+    have = threads.allowed_cpus()
+    beyond = max(have) + 100
+    monkeypatch.setattr(threads, "_warned", set())
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.threads"):
+            assert _mask_of_pool_thread_started_from_core0(f"1,{beyond}") == {1}
+            assert _mask_of_pool_thread_started_from_core0(f"{beyond}-{beyond + 1}") == {0}
+            threads.configure(f"1,{beyond}")  # again: already said
+        msgs = [r.getMessage() for r in caplog.records]
+        assert msgs == [
+            f"transfer.cpus '1,{beyond}': CPUs {beyond} are not available to this process (it may use "
+            f"{threads._show(have)}); kvtier threads run on 1",
+            f"transfer.cpus '{beyond}-{beyond + 1}': none of these CPUs is available to this process (it may "
+            f"use {threads._show(have)}); kvtier threads keep the CPUs they inherit"]
+        assert threads._show({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    finally:
+        threads.configure("all")
+
+
 def test_pool_runs_the_extra_initializer():
     seen = []
     with threads.pool(1, "kvtier-test", lambda: seen.append(threading.current_thread().name)) as pool:

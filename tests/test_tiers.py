@@ -186,6 +186,27 @@ def test_host_capacity_and_pinned_resolution():
             HostTier(10, num_slots=1, pinned=True)
 
 
+def test_host_memory_the_machine_cannot_give_is_an_error_naming_host_capacity(monkeypatch):
+    """More than the machine's memory is refused before allocating (where the kernel overcommits, the
+    prefault would get the process killed); an allocation that fails is the same error, not torch's."""
+    import kvtier.host as host_mod
+
+    total = host_mod.memory_total()
+    assert total is not None and total > 0
+    with pytest.raises(host_mod.HostMemoryUnavailable,
+                       match=r"host\.capacity: .* of host memory \(\d+ slots of 1048576 B\) is more than "
+                             r"this machine has"):
+        HostTier(1 << 20, capacity_bytes=2 * total)
+
+    def refuse(num_slots, block_nbytes, pin):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore detail")
+
+    monkeypatch.setattr(host_mod, "_alloc_slab", refuse)
+    with pytest.raises(ValueError, match=r"^host\.capacity: 4MiB of host memory \(4 slots of 1048576 B\) could "
+                                         r"not be allocated: DefaultCPUAllocator: can't allocate memory$"):
+        HostTier(1 << 20, capacity_bytes=4 << 20)
+
+
 def test_host_full_allocate_returns_fewer_and_never_blocks():
     h = HostTier(64, num_slots=4, pinned=False)
     a = h.allocate(3)
