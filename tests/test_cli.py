@@ -89,3 +89,21 @@ def test_bench_prefix_refuses_a_prefix_it_cannot_measure(argv, message, capsys):
 
     assert main(["bench", "prefix", "--backends", "disk", "--repeats", "1", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("second, message", [
+    ('{"tokens": [1, 2, 3], "max_new_tokens": "abc"}', "max_new_tokens must be a positive int, got 'abc'"),
+    ('{"tokens": [1, -2, 3]}', "tokens[1] = -2: token ids must be non-negative"),
+])
+def test_pd_requests_errors_name_the_file_line(second, message, tmp_path, capsys):
+    """Errors name the line of the requests file (a blank line before it included), whether found while
+    reading it or when the request is served; a string max_new_tokens was a TypeError traceback."""
+    from kvtier.cli import main
+
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text('{"tokens": [1, 2, 3]}\n\n' + second + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {id: m, num_layers: 1, num_kv_heads: 1, head_dim: 8}\nhost: {capacity: 0}\n"
+                   "backends: []\n")
+    assert main(["pd", "prefill", "--config", str(cfg), "--requests", str(reqs)]) == 2
+    assert f"{reqs}, line 3: {message}" in capsys.readouterr().err

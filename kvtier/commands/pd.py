@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def read_requests(path: str) -> list[dict]:
+@dataclass
+class PDRequest:
+    """One line of a ``--requests`` file."""
+
+    line: int
+    tokens: Any
+    mm: list[Any]
+    cache_salt: str | None
+    lora: Any
+    max_new_tokens: int | None
+
+
+def read_requests(path: str) -> list[PDRequest]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -50,7 +63,10 @@ def read_requests(path: str) -> list[dict]:
         unknown = set(r) - {"tokens", "mm", "cache_salt", "lora", "max_new_tokens"}
         if unknown:
             raise UserError(f"{path}, line {i}: unknown field(s) {sorted(unknown)}")
-        reqs.append(r)
+        mnt = r.get("max_new_tokens")
+        if mnt is not None and (type(mnt) is not int or mnt < 1):
+            raise UserError(f"{path}, line {i}: max_new_tokens must be a positive int, got {mnt!r}")
+        reqs.append(PDRequest(i, r["tokens"], r.get("mm") or [], r.get("cache_salt"), r.get("lora"), mnt))
     return reqs
 
 
@@ -67,13 +83,13 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         for i, r in enumerate(reqs):
-            mnt = args.max_new_tokens or r.get("max_new_tokens") or (1 if prefill else 32)
+            mnt = args.max_new_tokens or r.max_new_tokens or (1 if prefill else 32)
             try:
-                res = engine.run_request(r["tokens"], mm=r.get("mm") or (), cache_salt=r.get("cache_salt"),
-                                         lora=r.get("lora"), max_new_tokens=mnt, store=prefill,
+                res = engine.run_request(r.tokens, mm=r.mm, cache_salt=r.cache_salt,
+                                         lora=r.lora, max_new_tokens=mnt, store=prefill,
                                          keep_logits=not prefill, use_cache=not args.no_cache)
             except ValueError as e:
-                raise UserError(f"request {i}: {e}") from None
+                raise UserError(f"{args.requests}, line {r.line}: {e}") from None
             out.append({"request": i, "prompt_tokens": res.num_prompt_tokens,
                         "prompt_blocks": res.num_prompt_blocks, "device_blocks": res.device_blocks,
                         "loaded_blocks": res.loaded_blocks, "cached_blocks": res.cached_blocks,
