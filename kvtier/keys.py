@@ -133,6 +133,8 @@ def _int64_tokens(tokens: Sequence[Any], what: str) -> np.ndarray:
 
 def validate_mm_items(items: Sequence[Any], num_tokens: int | None) -> tuple[MMItem, ...]:
     """Normalise and check multimodal items: sorted by offset, non-overlapping, inside the tokens."""
+    if isinstance(items, str | bytes | dict):  # iterable, but not a list of items
+        raise ValueError(f"mm: expected a list of {{identifier, offset, length}} items, got {items!r}")
     out: list[MMItem] = []
     for i, it in enumerate(items or ()):
         if isinstance(it, MMItem):
@@ -286,6 +288,8 @@ class BlockHasher:
             raise ValueError(f"block_size: expected an integer >= 1, got {block_size!r}")
         if not known_algo(algo):
             raise ValueError(_algo_problem("algo", algo))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, str | int)):
+            raise ValueError(f"seed: expected a string, an integer or None, got {seed!r}")
         self.block_size = block_size
         self.algo = algo
         self.seed = none_hash_seed(algo, seed)

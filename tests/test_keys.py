@@ -163,6 +163,7 @@ def test_bad_tokens_name_the_position(tokens, message):
     ([("a", -1, 1)], "mm[0].offset = -1: must be >= 0"),
     ([("a", 0, 0)], "mm[0].length = 0: must be >= 1"),
     ([{"identifier": "a", "offset": 0}], "mm[0]: missing field(s) ['length']"),
+    ({"identifier": "a", "offset": 0, "length": 1}, "mm: expected a list of {identifier, offset, length} items"),
 ])
 def test_bad_mm_items(mm, message):
     with pytest.raises(ValueError) as e:
@@ -188,6 +189,14 @@ def test_bad_lora_names_the_field(lora, message):
 def test_bad_block_size(bs):
     with pytest.raises(ValueError, match="block_size: expected an integer >= 1"):
         BlockHasher(bs)
+
+
+@pytest.mark.parametrize("seed", [[1], 1.5, True, b"s"])
+def test_bad_seed(seed):
+    """A seed is a string, an int or None, as keys.seed in a config (a list or a float was accepted and
+    hashed)."""
+    with pytest.raises(ValueError, match="seed: expected a string, an integer or None, got "):
+        BlockHasher(16, seed=seed)
 
 
 def test_bad_algo():
