@@ -262,6 +262,19 @@ def test_idle_wait_ms_from_extra_config_names_the_key_and_the_range():
             idle_wait_ms({"idle_wait_ms": bad})
 
 
+def test_extra_config_refuses_a_key_the_connector_does_not_read():
+    """A misspelt kvtier_config ran the instance on the embedded default config, silently."""
+    from kvtier.integrations.vllm.facts import check_extra_config
+
+    check_extra_config(None)
+    check_extra_config({"kvtier_config": "x.yaml", "load_mode": "sync", "idle_wait_ms": 0})
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config: unknown key\(s\) \['kvtier_confg'\]; did you "
+                                         r"mean 'kvtier_config'\? \(known: kvtier_config, load_mode, idle_wait_ms\)"):
+        check_extra_config({"kvtier_confg": "x.yaml"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['shared_storage_path'\] \(known: "):
+        check_extra_config({"kvtier_config": "x.yaml", "shared_storage_path": "/tmp/x"})
+
+
 def test_load_mode_from_extra_config_names_the_key_and_the_choices():
     assert LoadMode.from_extra_config(None) is LoadMode.ASYNC
     assert LoadMode.from_extra_config({"kvtier_config": "x.yaml"}) is LoadMode.ASYNC

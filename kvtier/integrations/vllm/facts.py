@@ -7,6 +7,8 @@ knows: the scheduler probes rank 0's namespace).
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from typing import Any
 
 from ...config import KvtierConfig, load_engine_config
@@ -102,11 +104,27 @@ def cpu_kv_layout(vllm_config: Any) -> str | None:
     return "cpu_attn_amx" if isa == "amx" else "cpu_attn"
 
 
+# What the connector reads from kv_connector_extra_config (the YAML, scheduler.LoadMode, worker.idle_wait_ms).
+EXTRA_CONFIG_KEYS = ("kvtier_config", "load_mode", "idle_wait_ms")
+
+
+def check_extra_config(extra: Mapping[str, Any] | None) -> None:
+    """``kv_connector_extra_config`` holds the connector's keys only: a misspelt ``kvtier_confg`` would
+    otherwise run the instance on the embedded default config (its own disk, not the shared one)."""
+    unknown = sorted(set(extra or {}) - set(EXTRA_CONFIG_KEYS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], EXTRA_CONFIG_KEYS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"kvtier: kv_connector_extra_config: unknown key(s) {unknown}{hint} "
+                         f"(known: {', '.join(EXTRA_CONFIG_KEYS)})")
+
+
 def kvtier_config(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_rank: int = 0,
                   layout: str | None = None) -> KvtierConfig:
     """The deployment's kvtier config: the YAML named by ``kv_connector_extra_config.kvtier_config``
     (the embedded default's tiers when absent), its ``model`` section filled from vLLM."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    check_extra_config(extra)
     facts = model_facts(vllm_config, num_layers, tp_rank=tp_rank, pp_rank=pp_rank)
     return load_engine_config(extra.get("kvtier_config"), facts, engine="vLLM",
                               device={"layout": layout} if layout else None)
