@@ -352,6 +352,10 @@ def test_config_mistakes_fail_startup_naming_the_key(tmp_path):
         h.make_engine(bad)
     with pytest.raises(ValueError, match="backends\\[0\\].type: unknown backend 'nfs'"):
         h.make_engine(write_yaml(tmp_path, {"type": "nfs"}, "nfs.yaml"))
+    # A misspelt key of ours ran on the embedded default config; SGLang's own keys pass through.
+    with pytest.raises(ValueError, match="extra-config: unknown key\\(s\\) \\['kvtier_confg'\\]; kvtier reads "
+                                         "kvtier_config"):
+        h.make_engine(None, extra={"kvtier_confg": str(tmp_path / "x.yaml")})
 
 
 def test_read_only_backend_stores_nothing_and_loads(tmp_path):

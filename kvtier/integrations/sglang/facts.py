@@ -87,6 +87,12 @@ def kvtier_config(storage_config: Any, geo: PageGeometry) -> KvtierConfig:
     """The deployment's kvtier config: the YAML named by ``extra_config["kvtier_config"]`` (the embedded
     default's backends when absent), its ``model`` section filled from SGLang, keys ``sglang_sha256``."""
     extra = storage_config.extra_config or {}
+    # SGLang's own keys share this dict, so only ours can be judged: a misspelt kvtier_config would
+    # otherwise run the instance on the embedded default config.
+    ours = sorted(k for k in extra if str(k).startswith("kvtier") and k not in EXTRA_KEYS)
+    if ours:
+        raise ConfigError([f"--hicache-storage-backend-extra-config: unknown key(s) {ours}; kvtier reads "
+                           f"{', '.join(EXTRA_KEYS)}"], "<extra config>")
     path = extra.get("kvtier_config")
     facts = model_facts(storage_config, geo)
     cfg = load_engine_config(path, facts, engine="SGLang")
