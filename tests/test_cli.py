@@ -107,3 +107,26 @@ def test_pd_requests_errors_name_the_file_line(second, message, tmp_path, capsys
                    "backends: []\n")
     assert main(["pd", "prefill", "--config", str(cfg), "--requests", str(reqs)]) == 2
     assert f"{reqs}, line 3: {message}" in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
+    """An output that cannot be written is refused naming the flag before anything runs (it was a
+    FileNotFoundError traceback after the whole workload had run)."""
+    from kvtier.cli import main
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for argv, message in (
+        (["run", "--record-trace", str(tmp_path / "no" / "t.jsonl")], f"argument --record-trace: "
+                                                                      f"'{tmp_path}/no/t.jsonl': no directory"),
+        (["simulate", "--out", str(a_file / "sub")], f"argument --out: '{a_file}/sub': '{a_file}' is not a directory"),
+        (["pd", "prefill", "--config", "c.yaml", "--requests", "r.jsonl", "--out", str(tmp_path)],
+         f"argument --out: '{tmp_path}' is a directory"),
+        (["bench", "index", "--json", str(tmp_path / "no" / "x.json")], "argument --json: "),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert message in capsys.readouterr().err
+    # What only the system can refuse: the directory is created before the work, and refused there.
+    assert main(["simulate", "--out", "/proc/kvtier-test/o", "--users", "1", "--turns", "1"]) == 2
+    assert "--out /proc/kvtier-test/o: cannot create the directory" in capsys.readouterr().err

@@ -36,6 +36,9 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
+        try:
+            with open(path, "w") as f:
+                json.dump(payload, f, indent=2, sort_keys=True)
+        except OSError as e:  # the figures were printed above; say why the file is missing
+            raise ValueError(f"--json {path}: {e.strerror or e}") from None
         print(f"wrote {path}")

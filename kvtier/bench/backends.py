@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from ..commands._types import positive_int, positive_size, positive_sizes
+from ..commands._types import out_file, positive_int, positive_size, positive_sizes
 from ._util import print_table, write_json
 
 HELP = "storage backends put/get GiB/s beside each one's ceiling (disk: raw files; redis: wire; s3: boto3)"
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total", type=positive_size, default="1GiB",
                    help='bytes moved per case and repeat (default "1GiB"; use less for a quick look)')
     p.add_argument("--repeats", type=positive_int, default=5, help="timed repeats per case; medians (default 5)")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--json", type=out_file, metavar="PATH", help="write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import time
 import tracemalloc
 from typing import Any
 
-from ..commands._types import positive_int
+from ..commands._types import out_file, positive_int
 from ..index import BlockIndex, Tier
 from ._util import median_time, print_table, write_json
 
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="key bytes: 32 = sha256_cbor, 16 = xxh3_128 (default 32)")
     parser.add_argument("--repeats", type=positive_int, default=21, help="timed repeats, median reported")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a goal is missed")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--json", type=out_file, metavar="PATH", help="also write the figures as JSON")
 
 
 def _build(n: int, key_size: int, chain_len: int) -> tuple[BlockIndex, list[bytes], float, float, float]:

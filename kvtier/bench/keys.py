@@ -16,7 +16,7 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from ..commands._types import positive_int
+from ..commands._types import out_file, positive_int
 from ..keys import BlockHasher, sha256_cbor
 from ._util import median_time, print_table, write_json
 
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--vocab", type=positive_int, default=128_256, help="token ids drawn from [0, vocab)")
     p.add_argument("--repeats", type=positive_int, default=9)
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--json", type=out_file, metavar="PATH", help="write the figures as JSON")
 
 
 # ----- the reference: vLLM's per-block construction, kept in vLLM's shape (one call per step) -------

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..commands._types import positive_int, positive_size, positive_sizes
+from ..commands._types import out_file, positive_int, positive_size, positive_sizes
 from ._util import print_table, write_json
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-sizes", type=positive_sizes, default="2MiB,256KiB", help='comma-separated (default "2MiB,256KiB")')
     p.add_argument("--total", type=positive_size, default="1GiB", help='bytes moved per contender and round (default "1GiB")')
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds after a warm-up; medians (default 3)")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--json", type=out_file, metavar="PATH", help="write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

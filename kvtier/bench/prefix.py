@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..commands._types import positive_int
+from ..commands._types import out_file, positive_int
 from ._util import print_table, write_json
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--block-tokens", default="16,256",
                    help="storage.block_tokens values to compare (tokens per stored value; default 16,256)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", type=out_file, metavar="PATH")
 
 
 def backend_section(name: str, stack: ExitStack, tmp: str, *, capacity: str = "4GiB",

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..commands._types import positive_int
+from ..commands._types import out_file, positive_int
 from ..device import DeviceTier, memcpy2d_available
 from ..host import HostTier
 from ..layout import KVLayout
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads (default: torch's); 1 gives steadier figures on a busy host")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a ratio misses the goal")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--json", type=out_file, metavar="PATH", help="also write the figures as JSON")
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None]) -> dict[str, float]:

@@ -45,7 +45,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from ..commands._types import positive_int
+from ..commands._types import out_file, positive_int
 from ._util import print_table, write_json
 from .prefix import backend_section
 
@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payloads", default="canonical,engine",
                    help="storage.payload values to run kvtier's rows with (comma-separated): canonical "
                         "(token-major, any engine reads it) and engine (vLLM CPU's own arrangement)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", type=out_file, metavar="PATH")
 
 
 def _model(d: Path, layers: int) -> str:

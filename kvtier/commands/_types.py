@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -52,3 +53,41 @@ def positive_sizes(text: str) -> list[int]:
 
 
 positive_sizes.__name__ = "sizes"
+
+
+def out_dir(text: str) -> str:
+    """An argparse ``type``: a directory to write into, there already or creatable (the nearest existing
+    ancestor is a directory), checked before the work whose results it receives."""
+    path = Path(text).expanduser()
+    here = path
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(here)!r} is not a directory")
+    return text
+
+
+def out_file(text: str) -> str:
+    """An argparse ``type``: a file to write, in an existing directory (checked before the work)."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
+    return text
+
+
+out_dir.__name__, out_file.__name__ = "directory", "file"
+
+
+def make_out_dir(flag: str, text: str) -> Path:
+    """Create the output directory now, before the work that fills it; a ``UserError`` naming the flag
+    when the system refuses (what :func:`out_dir` cannot see: permissions, read-only mounts)."""
+    from ..cli import UserError
+
+    path = Path(text).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{flag} {text}: cannot create the directory: {e.strerror or e}") from None
+    return path

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import UserError
-from ._types import non_negative_int, positive_int
+from ._types import non_negative_int, out_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,8 +24,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("role", choices=["prefill", "decode"])
     p.add_argument("--config", required=True, metavar="FILE", help="deployment YAML (pd-prefill.yaml ...)")
     p.add_argument("--requests", required=True, metavar="FILE", help="JSONL requests")
-    p.add_argument("--out", metavar="FILE", help="per-request results as JSON")
-    p.add_argument("--logits", metavar="FILE", help="decode: save every step's logits (torch.save)")
+    p.add_argument("--out", type=out_file, metavar="FILE", help="per-request results as JSON")
+    p.add_argument("--logits", type=out_file, metavar="FILE", help="decode: save every step's logits (torch.save)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: per request, else 32 "
                    "(decode) / 1 (prefill)")
     p.add_argument("--no-cache", action="store_true", help="decode: recompute everything (the baseline)")
@@ -107,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
     blocks = sum(o["prompt_blocks"] for o in out)
     print(f"{args.role}: {len(out)} requests in {wall:.2f} s; prefix blocks reused {hits} of {blocks}; "
           f"stored {sum(o['stored_blocks'] for o in out)}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
-    if args.logits:
-        torch.save(logits, args.logits)
+    for flag, path, write in (("--out", args.out, lambda p: Path(p).write_text(json.dumps(out, indent=1))),
+                              ("--logits", args.logits, lambda p: torch.save(logits, p))):
+        if path:
+            try:
+                write(path)
+            except OSError as e:
+                raise UserError(f"{flag} {path}: {e.strerror or e}") from None
     return 0

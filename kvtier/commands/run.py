@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..cli import UserError
-from ._types import non_negative_int, positive_int
+from ._types import make_out_dir, non_negative_int, out_dir, out_file, positive_int
 
 if TYPE_CHECKING:
     from ..integrations.engine import RequestResult
@@ -38,8 +38,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--device-blocks", type=positive_int, default=None,
                    help="device block pool size (default: device.num_blocks from the config); smaller "
                         "than the working set to make the host and storage tiers work")
-    p.add_argument("--out", default="kvtier-run", help="output directory (default ./kvtier-run)")
-    p.add_argument("--record-trace", metavar="FILE",
+    p.add_argument("--out", type=out_dir, default="kvtier-run", help="output directory (default ./kvtier-run)")
+    p.add_argument("--record-trace", type=out_file, metavar="FILE",
                    help="also write the requests served as a JSONL trace (prompts as sent, with the answers "
                         "of earlier turns; arrival times t) that `kvtier simulate --trace` replays")
     p.add_argument("--wait-writes", action="store_true",
@@ -58,12 +58,17 @@ def run(args: argparse.Namespace) -> int:
     from ..workload import ChatWorkload, TraceRecorder, load_trace
 
     cfg = load_config(args.config)
+    out = make_out_dir("--out", args.out)
     engine = CachedEngine.from_config(cfg, num_blocks=args.device_blocks, seed=args.seed)
     engine.wait_writes = args.wait_writes
     vocab = engine.model.spec.vocab_size
     results: list[dict] = []
     t_start = time.perf_counter()
-    recorder = TraceRecorder(args.record_trace) if args.record_trace else None
+    try:
+        recorder = TraceRecorder(args.record_trace) if args.record_trace else None
+    except OSError as e:
+        engine.close()
+        raise UserError(f"--record-trace {args.record_trace}: {e.strerror or e}") from None
 
     def serve(req: Request) -> list[int]:
         if req.hashes is not None:
@@ -99,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
         stats = engine.stack.stats()
     finally:
         engine.close()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     print(summarize(results, stats, wall, engine.stack))
     _write_parquet(results, out / "requests.parquet")
     _plot(results, out / "hit_rate.png")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cli import UserError
-from ._types import non_negative_int, positive_int
+from ._types import make_out_dir, non_negative_int, out_dir, positive_int
 
 if TYPE_CHECKING:
     from ..simulate import SimResult
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--rate", type=float, default=10.0,
                    help="arrivals per second for requests without a timestamp (default 10)")
     p.add_argument("--jobs", type=non_negative_int, default=0, help="grid points simulated at once (default: CPU cores)")
-    p.add_argument("--out", default="kvtier-simulate", help="output directory (default ./kvtier-simulate)")
+    p.add_argument("--out", type=out_dir, default="kvtier-simulate", help="output directory (default ./kvtier-simulate)")
     p.set_defaults(func=run)
 
 
@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.trace:
         _workload(args)  # the chat's parameters, checked now
     jobs = min(len(points), args.jobs or os.cpu_count() or 1)
+    out = make_out_dir("--out", args.out)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvtier-simulate-") as tmp:
         hashed, hash_s = _hash_once(args, points, Path(tmp))
@@ -127,8 +128,6 @@ def run(args: argparse.Namespace) -> int:
             results = [_point(args, i, hashed[i]) for i in range(len(points))]
     wall = time.perf_counter() - t0
     recs = rows([p.values for p in points], results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     r0 = results[0]
     ops = sum(r.block_ops for r in results)
     sim_s = sum(r.sim_s for r in results)
