@@ -39,7 +39,7 @@ class Ledger:
 
     @property
     def total(self) -> int:
-        return self.bytes + sum(h[0] for h in self.held.values())
+        return self.bytes + sum(int(h[0]) for h in self.held.values())
 
     def hold(self, writer: str, nbytes: int) -> None:
         """Reserve (``nbytes`` > 0) or release (< 0) room for a writer's temp files."""

@@ -275,8 +275,8 @@ class LocalDiskBackend(StorageBackend):
         blocks), so that a recount could find something to evict.  When it knows every byte and all of
         it is held, a put is refused without a scan of the directory."""
         with self._idx_lock:
-            known = sum(self._index.values())
-        return led.bytes > known
+            known: int = sum(self._index.values())
+        return bool(led.bytes > known)
 
     def _writer(self) -> str:
         return f"{HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own

@@ -285,7 +285,8 @@ class S3Backend(StorageBackend):
     def _get_object(self, key: str) -> dict | None:
         """GetObject's response, or None when the object does not exist (any other error raises)."""
         try:
-            return self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
+            resp: dict = self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
+            return resp
         except Exception as e:
             if _is_missing(e):
                 return None
@@ -297,9 +298,11 @@ class S3Backend(StorageBackend):
             if resp is None:
                 return None
             with contextlib.closing(resp["Body"]) as body:
-                return body.read()
+                data: bytes = body.read()
+            return data
 
-        return self._batch([key], lambda i: get(), None)[0]
+        got: bytes | None = self._batch([key], lambda i: get(), None)[0]
+        return got
 
     def _write_small(self, key: str, data: bytes) -> None:
         self._batch([key], lambda i: self._client.put_object(
@@ -464,7 +467,8 @@ def _is_missing(e: BaseException) -> bool:
 def _shutdown_of(raw: Any) -> Callable[[], None] | None:
     """How to wake a thread blocked reading ``raw`` (a urllib3 response): shut its socket down."""
     if callable(getattr(raw, "_sock_shutdown", None)):  # urllib3 >= 2.3 keeps it for this purpose
-        return raw.shutdown
+        shutdown: Callable[[], None] = raw.shutdown
+        return shutdown
     sock = getattr(getattr(raw, "connection", None), "sock", None)
     return (lambda: sock.shutdown(socket.SHUT_RDWR)) if sock is not None else None
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from .index import Tier, TierNames
 
@@ -130,7 +130,12 @@ class StoreResult:
         return self.count(FAILED)
 
 
-class _Handle:
+R = TypeVar("R")
+
+
+class _Handle(Generic[R]):
+    """An operation in flight whose ``wait()`` returns its result, an ``R``."""
+
     def __init__(self, what: str):
         self._what = what
         self._done = threading.Event()
@@ -149,10 +154,10 @@ class _Handle:
                 return
         fn()
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> R:
         if not self._done.wait(timeout):
             raise TimeoutError(f"{self._what} not done after {timeout} s")
-        return self._result
+        return cast(R, self._result)
 
     def _finish(self, result: Any) -> bool:
         """Set the result; False (and nothing changes) if it was already set."""
@@ -170,7 +175,7 @@ class _Handle:
         return True
 
 
-class StoreHandle(_Handle):
+class StoreHandle(_Handle["StoreResult"]):
     """A store in flight.  ``wait()`` returns the :class:`StoreResult` once the device blocks have been
     copied out (the engine may then reuse them); writes to the backends go on behind it
     (``TierStack.flush`` waits for those)."""
@@ -178,11 +183,8 @@ class StoreHandle(_Handle):
     def __init__(self, n: int):
         super().__init__(f"store of {n} blocks")
 
-    def wait(self, timeout: float | None = None) -> StoreResult:
-        return super().wait(timeout)
 
-
-class LoadHandle(_Handle):
+class LoadHandle(_Handle["LoadResult"]):
     """A load in flight.  ``wait()`` returns the :class:`LoadResult`; ``wait_layer(i)`` returns once
     layer ``i`` of the host -> device copy has landed (True) or failed (False), so the engine can run
     layer ``i`` while later layers are still copying (pass ``layerwise=True`` to ``TierStack.load``).
@@ -194,9 +196,6 @@ class LoadHandle(_Handle):
         self.layerwise = layerwise
         self._staged = threading.Event()  # backend fetches done; the host -> device copy is submitted
         self._xfer: TransferHandle | TransferGroup | None = None
-
-    def wait(self, timeout: float | None = None) -> LoadResult:
-        return super().wait(timeout)
 
     def wait_layer(self, layer: int, timeout: float | None = None, *, sync: bool = False) -> bool:
         if not 0 <= layer < self.num_layers:

@@ -77,7 +77,7 @@ def check_header(header: Buffer, namespace_digest: bytes, block_hash: bytes, lay
 
 
 def stored_checksum(header: Buffer) -> int:
-    return _HEADER.unpack_from(bytes(header))[8]
+    return int(_HEADER.unpack_from(bytes(header))[8])
 
 
 class Segments:

@@ -437,7 +437,8 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {describe(key)} (first at line {first + 1})", key_node.start_mark)
         seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
+    mapping: dict = loader.construct_mapping(node, deep=deep)
+    return mapping
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)

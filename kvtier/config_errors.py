@@ -175,7 +175,7 @@ def _message(err: Mapping[str, Any], owner: type[BaseModel] | None, field: Any, 
         key = err["loc"][-1]
         return "unknown key" + (suggest(key, keys) or f"; allowed keys: {', '.join(keys)}")
     if kind in ("size", "kvtier"):
-        return err["msg"]
+        return str(err["msg"])
     if kind == "invalid_key":
         return f"keys must be strings, got {describe(got)}"
     if kind == "literal_error":

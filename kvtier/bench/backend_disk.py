@@ -203,7 +203,7 @@ def startup_seconds(root: str, blocks: int) -> float:
         times.append(b.startup_seconds)
         b.close()
     shutil.rmtree(path, ignore_errors=True)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def _best(times: dict[str, list[list[float]]], *names: str) -> float:

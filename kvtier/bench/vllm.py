@@ -92,7 +92,8 @@ def _run(tmp: Path, tag: str, model: str, prompts: list, steps: list, kv_transfe
     if rc != 0:
         raise RuntimeError(f"vLLM run {tag!r} failed ({rc}); see {tmp / (tag + '.log')}:\n"
                            + (tmp / f"{tag}.log").read_text()[-3000:])
-    return json.loads((tmp / f"{tag}.json").read_text())
+    rows: list[dict] = json.loads((tmp / f"{tag}.json").read_text())
+    return rows
 
 
 def _kvtier(role: str, cfg_path: Path, load_mode: str) -> dict:

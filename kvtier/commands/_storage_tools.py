@@ -188,7 +188,7 @@ def namespace_info(backend: StorageBackend, ns_id: str) -> NamespaceInfo:
 
 def header_layout_id(header: bytes | bytearray | memoryview) -> int:
     """The layout id a stored header claims (checked later against the header checksum)."""
-    return _LAYOUT_FIELD.unpack_from(header, _LAYOUT_OFFSET)[0]
+    return int(_LAYOUT_FIELD.unpack_from(header, _LAYOUT_OFFSET)[0])
 
 
 assert _LAYOUT_OFFSET + _LAYOUT_FIELD.size <= HEADER_SIZE

@@ -126,7 +126,8 @@ class PagedLlama:
             # [1, heads, seq, dim] -> the new positions as [n, heads, dim]
             for i, t in enumerate((lay.keys, lay.values)):
                 kv[i].view(-1, *kv.shape[3:])[slots] = t[0, :, start:end].transpose(0, 1).to(self.dtype)
-        return out.logits[0].float()
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
 
     def _read_pages(self, kv: torch.Tensor, table: torch.Tensor,
                     length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,7 @@ def free_port() -> int:
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            port: int = s.getsockname()[1]
         if port < 55535 and _port_free(port + 10000):
             return port
     raise RuntimeError("no free loopback port found")
