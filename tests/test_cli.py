@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -127,6 +128,7 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
         assert message in capsys.readouterr().err
+    assert build_parser().parse_args(["simulate", "--out", "~/o"]).out == os.path.expanduser("~/o")
     # What only the system can refuse: the directory is created before the work, and refused there.
     assert main(["simulate", "--out", "/proc/kvtier-test/o", "--users", "1", "--turns", "1"]) == 2
     assert "--out /proc/kvtier-test/o: cannot create the directory" in capsys.readouterr().err

@@ -57,24 +57,25 @@ positive_sizes.__name__ = "sizes"
 
 def out_dir(text: str) -> str:
     """An argparse ``type``: a directory to write into, there already or creatable (the nearest existing
-    ancestor is a directory), checked before the work whose results it receives."""
+    ancestor is a directory), checked before the work whose results it receives; ``~`` expanded."""
     path = Path(text).expanduser()
     here = path
     while not here.exists() and here != here.parent:
         here = here.parent
     if not here.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(here)!r} is not a directory")
-    return text
+    return str(path)
 
 
 def out_file(text: str) -> str:
-    """An argparse ``type``: a file to write, in an existing directory (checked before the work)."""
+    """An argparse ``type``: a file to write, in an existing directory (checked before the work); ``~``
+    expanded."""
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
-    return text
+    return str(path)
 
 
 out_dir.__name__, out_file.__name__ = "directory", "file"

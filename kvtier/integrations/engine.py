@@ -120,9 +120,9 @@ class CachedEngine:
             self.pool.touch(dev)
         res.device_blocks = len(dev)
         rest = reusable[len(dev):]
-        found = self.stack.lookup(rest, start=len(dev)) if rest else None
-        res.lookup_s = time.perf_counter() - t0
         try:
+            found = self.stack.lookup(rest, start=len(dev)) if rest else None
+            res.lookup_s = time.perf_counter() - t0
             new = self.pool.allocate(total_blocks - len(dev))
         except BaseException:
             self.pool.free(list(reversed(dev)))  # the prefix hit's references, taken above
