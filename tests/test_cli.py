@@ -118,17 +118,20 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
     a_file = tmp_path / "f"
     a_file.write_text("x")
     for argv, message in (
-        (["run", "--record-trace", str(tmp_path / "no" / "t.jsonl")], f"argument --record-trace: "
-                                                                      f"'{tmp_path}/no/t.jsonl': no directory"),
+        (["run", "--record-trace", str(a_file / "t.jsonl")], f"argument --record-trace: '{a_file}/t.jsonl': "
+                                                             f"'{a_file}' is not a directory"),
         (["simulate", "--out", str(a_file / "sub")], f"argument --out: '{a_file}/sub': '{a_file}' is not a directory"),
         (["pd", "prefill", "--config", "c.yaml", "--requests", "r.jsonl", "--out", str(tmp_path)],
          f"argument --out: '{tmp_path}' is a directory"),
-        (["bench", "index", "--json", str(tmp_path / "no" / "x.json")], "argument --json: "),
+        (["bench", "index", "--json", str(a_file / "x.json")], "argument --json: "),
     ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
         assert message in capsys.readouterr().err
     assert build_parser().parse_args(["simulate", "--out", "~/o"]).out == os.path.expanduser("~/o")
+    # A file in a directory not made yet is fine: its writer makes the directory (as --record-trace did).
+    new = tmp_path / "new" / "sub" / "t.jsonl"
+    assert build_parser().parse_args(["run", "--record-trace", str(new)]).record_trace == str(new)
     # What only the system can refuse: the directory is created before the work, and refused there.
     assert main(["simulate", "--out", "/proc/kvtier-test/o", "--users", "1", "--turns", "1"]) == 2
     assert "--out /proc/kvtier-test/o: cannot create the directory" in capsys.readouterr().err

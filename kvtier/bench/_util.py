@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..commands._types import write_out
+
 
 def median_time(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds."""
@@ -36,9 +38,5 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
-        try:
-            with open(path, "w") as f:
-                json.dump(payload, f, indent=2, sort_keys=True)
-        except OSError as e:  # the figures were printed above; say why the file is missing
-            raise ValueError(f"--json {path}: {e.strerror or e}") from None
+        write_out("--json", path, lambda p: p.write_text(json.dumps(payload, indent=2, sort_keys=True)))
         print(f"wrote {path}")

@@ -55,26 +55,30 @@ def positive_sizes(text: str) -> list[int]:
 positive_sizes.__name__ = "sizes"
 
 
-def out_dir(text: str) -> str:
-    """An argparse ``type``: a directory to write into, there already or creatable (the nearest existing
-    ancestor is a directory), checked before the work whose results it receives; ``~`` expanded."""
-    path = Path(text).expanduser()
+def _creatable_dir(text: str, path: Path) -> None:
+    """``path`` is a directory, or can be made one: its nearest existing ancestor is a directory."""
     here = path
     while not here.exists() and here != here.parent:
         here = here.parent
     if not here.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(here)!r} is not a directory")
+
+
+def out_dir(text: str) -> str:
+    """An argparse ``type``: a directory to write into, there already or creatable, checked before the
+    work whose results it receives; ``~`` expanded."""
+    path = Path(text).expanduser()
+    _creatable_dir(text, path)
     return str(path)
 
 
 def out_file(text: str) -> str:
-    """An argparse ``type``: a file to write, in an existing directory (checked before the work); ``~``
-    expanded."""
+    """An argparse ``type``: a file to write, not a directory, in a directory there already or creatable
+    (the writer makes it: :func:`write_out`), checked before the work; ``~`` expanded."""
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
+    _creatable_dir(text, path.parent)
     return str(path)
 
 
@@ -92,3 +96,14 @@ def make_out_dir(flag: str, text: str) -> Path:
     except OSError as e:
         raise UserError(f"{flag} {text}: cannot create the directory: {e.strerror or e}") from None
     return path
+
+
+def write_out(flag: str, text: str, write: Callable[[Path], object]) -> None:
+    """``write(path)`` for an :func:`out_file` argument, its directory made first; a ``ValueError`` naming
+    the flag when the system refuses."""
+    path = Path(text).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as e:
+        raise ValueError(f"{flag} {text}: {e.strerror or e}") from None

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import UserError
-from ._types import non_negative_int, out_file, positive_int
+from ._types import non_negative_int, out_file, positive_int, write_out
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -107,11 +107,8 @@ def run(args: argparse.Namespace) -> int:
     blocks = sum(o["prompt_blocks"] for o in out)
     print(f"{args.role}: {len(out)} requests in {wall:.2f} s; prefix blocks reused {hits} of {blocks}; "
           f"stored {sum(o['stored_blocks'] for o in out)}")
-    for flag, path, write in (("--out", args.out, lambda p: Path(p).write_text(json.dumps(out, indent=1))),
-                              ("--logits", args.logits, lambda p: torch.save(logits, p))):
-        if path:
-            try:
-                write(path)
-            except OSError as e:
-                raise UserError(f"{flag} {path}: {e.strerror or e}") from None
+    if args.out:
+        write_out("--out", args.out, lambda p: p.write_text(json.dumps(out, indent=1)))
+    if args.logits:
+        write_out("--logits", args.logits, lambda p: torch.save(logits, p))
     return 0
