@@ -154,13 +154,13 @@ def iter_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_toke
             if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
                 raise ValueError(f"{where}: tokens must be a list of ints in [0, {vocab_size})")
         elif "length" in row:
-            n = _count(row, "length", where, low=1, default=0)  # present (this branch), never the default
+            n = count_field(row, "length", where, low=1, default=0)  # present (this branch), never the default
             tokens = rng.integers(0, vocab_size, n).tolist()
             pid = row.get("prefix_id")
             if pid is not None:
                 if not isinstance(pid, str | int) or isinstance(pid, bool):
                     raise ValueError(f"{where}: prefix_id must be a string or an int, got {pid!r}")
-                plen = _count(row, "prefix_length", where, low=0, default=0)
+                plen = count_field(row, "prefix_length", where, low=0, default=0)
                 plen = min(plen, n)
                 shared = prefixes.setdefault(pid, rng.integers(0, vocab_size, plen).tolist())
                 tokens[: len(shared[:plen])] = shared[:plen]
@@ -174,8 +174,8 @@ def iter_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_toke
         t = row.get("t")
         if t is not None and (not isinstance(t, int | float) or isinstance(t, bool) or t < 0):
             raise ValueError(f"{where}: t must be a number of seconds >= 0, got {t!r}")
-        nt = _count(row, "num_tokens", where, low=1, default=None)
-        mnt = _count(row, "max_new_tokens", where, low=1, default=default_max_new_tokens)
+        nt = count_field(row, "num_tokens", where, low=1, default=None)
+        mnt = count_field(row, "max_new_tokens", where, low=1, default=default_max_new_tokens)
         try:  # checked here, where the row is known (the hasher names only the field)
             Extras.checked(row.get("mm") or [], row.get("lora"), row.get("cache_salt"),
                            nt if hashes is not None else len(tokens))
@@ -187,10 +187,10 @@ def iter_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_toke
 
 
 @overload
-def _count(row: dict[str, Any], field: str, where: str, *, low: int, default: int) -> int: ...
+def count_field(row: dict[str, Any], field: str, where: str, *, low: int, default: int) -> int: ...
 @overload
-def _count(row: dict[str, Any], field: str, where: str, *, low: int, default: None) -> int | None: ...
-def _count(row: dict[str, Any], field: str, where: str, *, low: int, default: int | None) -> int | None:
+def count_field(row: dict[str, Any], field: str, where: str, *, low: int, default: None) -> int | None: ...
+def count_field(row: dict[str, Any], field: str, where: str, *, low: int, default: int | None) -> int | None:
     """``row[field]``, an int >= ``low`` (``default`` when absent); ValueError naming the row otherwise."""
     v = row.get(field)
     if v is None:

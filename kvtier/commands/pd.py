@@ -46,6 +46,8 @@ class PDRequest:
 
 
 def read_requests(path: str) -> list[PDRequest]:
+    from ..workload import count_field  # here: every CLI start imports this module
+
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -63,9 +65,10 @@ def read_requests(path: str) -> list[PDRequest]:
         unknown = set(r) - {"tokens", "mm", "cache_salt", "lora", "max_new_tokens"}
         if unknown:
             raise UserError(f"{path}, line {i}: unknown field(s) {sorted(unknown)}")
-        mnt = r.get("max_new_tokens")
-        if mnt is not None and (type(mnt) is not int or mnt < 1):
-            raise UserError(f"{path}, line {i}: max_new_tokens must be a positive int, got {mnt!r}")
+        try:  # the trace reader's check: the same rule and message
+            mnt = count_field(r, "max_new_tokens", f"{path}, line {i}", low=1, default=None)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         reqs.append(PDRequest(i, r["tokens"], r.get("mm") or [], r.get("cache_salt"), r.get("lora"), mnt))
     return reqs
 
