@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._stack_results import FAILED, PRESENT, SKIPPED, STORED, StoreHandle, StoreResult
+from ._stack_results import FAILED, PRESENT, SKIPPED, STORED, StoreHandle, StoreResult, StoreStatus
 from .groups import whole_groups
 from .index import Tier
 
@@ -182,7 +182,7 @@ class Downward:
         return handle
 
     def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                        status: list[str], slots: list[int], wb: list[Victim], ev: Any, start: int) -> None:
+                        status: list[StoreStatus], slots: list[int], wb: list[Victim], ev: Any, start: int) -> None:
         try:
             more = self.s.room.write_back(wb)
             if ev is not None:
@@ -194,7 +194,7 @@ class Downward:
         self._store_submit(handle, hashes, ids, new, status, slots + more, start)
 
     def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                      status: list[str], slots: list[int], start: int = 0) -> None:
+                      status: list[StoreStatus], slots: list[int], start: int = 0) -> None:
         s = self.s
         take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
         if skip:
@@ -217,7 +217,7 @@ class Downward:
         xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status, hashes, start))
 
     def _on_stored(self, handle: StoreHandle, r: TransferResult, take: list[int], keys: list[bytes],
-                   status: list[str], hashes: Sequence[bytes] = (), start: int = 0) -> None:
+                   status: list[StoreStatus], hashes: Sequence[bytes] = (), start: int = 0) -> None:
         s = self.s
         down: list[bytes] = []
         try:
@@ -253,7 +253,7 @@ class Downward:
             self._finish(handle, status)
 
     def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                      status: list[str], start: int) -> None:
+                      status: list[StoreStatus], start: int) -> None:
         """No host tier: copy the stored values' blocks out of the device now (this thread, so the copy is
         ordered after the engine's work), then write them to the writable backends in a worker.  With
         values of several blocks, a value is a whole group of the store holding a new block; a new block
@@ -323,7 +323,7 @@ class Downward:
                             report.left_backend.discard((key, b))
         return ok
 
-    def _abandon(self, handle: StoreHandle, hashes: list[bytes], new: list[int], status: list[str],
+    def _abandon(self, handle: StoreHandle, hashes: list[bytes], new: list[int], status: list[StoreStatus],
                  slots: list[int], wb: list[Victim]) -> None:
         s = self.s
         s.room.release(slots)
@@ -343,7 +343,7 @@ class Downward:
                 s._storing.discard(key)
                 s.index.release(key)
 
-    def _finish(self, handle: StoreHandle, status: list[str]) -> None:
+    def _finish(self, handle: StoreHandle, status: list[StoreStatus]) -> None:
         if handle._finish(StoreResult(tuple(status))):
             self.s._pending.done()
 

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from .index import Tier, TierNames
@@ -99,18 +100,26 @@ class LoadResult:
         return all(self.ok)
 
 
-STORED, PRESENT, SKIPPED, FAILED = "stored", "present", "skipped", "failed"
+class StoreStatus(StrEnum):
+    """What a store did with one block.  A ``str`` enum: each member equals its value (``"stored"``...),
+    the strings these statuses were before the enum, so callers comparing with those keep working."""
+
+    STORED = "stored"    # copied into host memory, or, without a host tier, into a backend
+    PRESENT = "present"  # already held, or already on its way
+    SKIPPED = "skipped"  # no room, nothing evictable, no backend took it: counted in stores_skipped
+    FAILED = "failed"    # the copy failed
+
+
+STORED, PRESENT, SKIPPED, FAILED = StoreStatus.STORED, StoreStatus.PRESENT, StoreStatus.SKIPPED, StoreStatus.FAILED
 
 
 @dataclass(frozen=True)
 class StoreResult:
-    """Per block: ``stored`` (copied into host memory, or, without a host tier, into a backend),
-    ``present`` (already held or already on its way), ``skipped`` (no room, nothing evictable, no
-    backend took it: counted in ``stores_skipped``), ``failed`` (the copy failed)."""
+    """Per block of a store, in order, its :class:`StoreStatus`."""
 
-    status: tuple[str, ...]
+    status: tuple[StoreStatus, ...]
 
-    def count(self, what: str) -> int:
+    def count(self, what: StoreStatus) -> int:
         return self.status.count(what)
 
     @property
@@ -286,5 +295,5 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-__all__ = ["FAILED", "PRESENT", "SKIPPED", "STORED", "LoadHandle", "LoadResult", "LookupResult",
+__all__ = ["FAILED", "PRESENT", "SKIPPED", "STORED", "StoreStatus", "LoadHandle", "LoadResult", "LookupResult",
            "PrefetchHandle", "StoreHandle", "StoreResult"]

@@ -56,6 +56,7 @@ from ._stack_results import (
     PrefetchHandle,
     StoreHandle,
     StoreResult,
+    StoreStatus,
 )
 from ._stack_up import Upward
 from .backend_api import StorageBackend
@@ -429,4 +430,4 @@ def _logged(fn: Any, *args: Any) -> None:
 
 
 __all__ = ["LoadHandle", "LoadResult", "LookupResult", "PrefetchHandle", "StoreHandle", "StoreResult",
-           "TierStack"]
+           "StoreStatus", "TierStack"]

@@ -18,7 +18,7 @@ from kvtier.blockformat import HEADER_SIZE
 from kvtier.groups import load_chunks
 from kvtier.index import Tier
 from kvtier.layout import LayoutError
-from kvtier.stack import TierStack
+from kvtier.stack import StoreStatus, TierStack
 from kvtier.testing.faults import FaultyBackend
 
 
@@ -478,7 +478,9 @@ def test_store_of_a_held_block_is_present_and_a_hit(stack_fb):
     fill(st, [0, 1], seed=17)
     st.store(hs, [0, 1]).wait(TIMEOUT)
     res = st.store(hs + hs[:1], [2, 3, 4]).wait(TIMEOUT)
-    assert res.status == ("present", "present", "present")
+    assert res.status == (StoreStatus.PRESENT,) * 3
+    assert res.status == ("present", "present", "present")  # the strings statuses were before the enum
+    assert all(type(s) is StoreStatus for s in res.status)
     assert st.index.get(hs[0]).hits == 1
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .._load_plan import Source
 from .._stack_backends import BackendSet
-from .._stack_results import PRESENT, SKIPPED, STORED, LoadResult, LookupResult, StoreResult
+from .._stack_results import PRESENT, SKIPPED, STORED, LoadResult, LookupResult, StoreResult, StoreStatus
 from ..config import KvtierConfig, direct_loads
 from ..groups import group_of, load_chunks, whole_groups
 from ..index import BlockIndex, Tier
@@ -450,7 +450,7 @@ class SimulatedStack:
             return None
         return members
 
-    def _store_direct(self, hashes: Sequence[bytes], start: int, new: list[int], status: list[str]) -> None:
+    def _store_direct(self, hashes: Sequence[bytes], start: int, new: list[int], status: list[StoreStatus]) -> None:
         """``Downward._store_direct``: no host tier, every stored value holding a new block (a block, or a
         whole group of the store) is read from the device and written to every writable backend."""
         fresh = set(new)
