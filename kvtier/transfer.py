@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -87,11 +88,19 @@ class LayerDoneCounter:
             return layer < self._ok_upto, self._events[layer]
 
 
+class Direction(StrEnum):
+    """Which way a batch copies.  A ``str`` enum: members equal ``"store"`` / ``"load"``, the strings a
+    ``layer_hook`` and ``TransferResult.direction`` gave before the enum."""
+
+    STORE = "store"  # device -> host
+    LOAD = "load"    # host -> device
+
+
 @dataclass(frozen=True)
 class TransferResult:
     """Per-block outcome of one batch.  ``ok[i]`` is for ``block_ids[i]`` / ``slots[i]``."""
 
-    direction: str  # "store" (device -> host) or "load" (host -> device)
+    direction: Direction
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
     ok: tuple[bool, ...]
@@ -125,7 +134,7 @@ class TransferHandle:
     """A batch in flight: poll ``done()``, ``wait()`` for the :class:`TransferResult`, or
     ``wait_layer(i)`` to use layer ``i`` of a load while later layers are still copying."""
 
-    def __init__(self, direction: str, block_ids: Sequence[int], slots: Sequence[int], num_layers: int,
+    def __init__(self, direction: Direction, block_ids: Sequence[int], slots: Sequence[int], num_layers: int,
                  device: torch.device):
         self.direction = direction
         # Callers pass Python ints (``ndarray.tolist()``): a tuple of them, not an int() per element.
@@ -221,7 +230,7 @@ class TransferGroup:
                 return
             rs = [h.result() for h in self.handles]
             self._result = TransferResult(
-                rs[0].direction if rs[0] else "load",
+                rs[0].direction if rs[0] else Direction.LOAD,
                 tuple(b for r in rs if r for b in r.block_ids), tuple(x for r in rs if r for x in r.slots),
                 tuple(k for r in rs if r for k in r.ok), tuple(e for r in rs if r for e in r.errors),
                 max((r.seconds for r in rs if r), default=0.0), sum(r.nbytes for r in rs if r))
@@ -262,6 +271,21 @@ class TransferGroup:
         _call(fn, self._result)
 
 
+@dataclass
+class _Batch:
+    """One submitted batch, as the issuing and completion threads pass it on."""
+
+    handle: TransferHandle
+    ids: np.ndarray         # device block ids (int64)
+    slots: np.ndarray       # host slots, same length
+    ok: np.ndarray          # bool, per block: passed the submission checks
+    errors: list[str]       # what failed, appended to as the batch goes
+    layerwise: bool
+    keys: Sequence[Hashable] | None  # with a store: commit the ok slots with these; with a load: checked
+    ready: Any              # CUDA: the event after the caller's queued compute; None on CPU
+    t0: float               # perf_counter at submission
+
+
 class TransferEngine:
     """Moves blocks between a :class:`DeviceTier` and a :class:`HostTier`.
 
@@ -271,7 +295,7 @@ class TransferEngine:
     """
 
     def __init__(self, device: DeviceTier, host: HostTier, *, num_workers: int = 2,
-                 layer_hook: Callable[[str, int], None] | None = None, max_staging_bytes: int = 256 << 20):
+                 layer_hook: Callable[[Direction, int], None] | None = None, max_staging_bytes: int = 256 << 20):
         if device.block_nbytes != host.block_nbytes:
             raise ValueError(f"device blocks are {device.block_nbytes} B but host slots are "
                              f"{host.block_nbytes} B: build the host tier from the same layout")
@@ -282,12 +306,12 @@ class TransferEngine:
         if self._cuda:
             # One issuing thread and one stream per direction keeps each direction's batches in order;
             # a completion thread per direction waits on the events so issuing never stalls.
-            self._streams = {d: torch.cuda.Stream(device.device) for d in ("load", "store")}
-            self._issue = {d: kvthreads.pool(1, f"kvtier-{d}") for d in ("load", "store")}
-            self._complete = {d: kvthreads.pool(1, f"kvtier-{d}-done") for d in ("load", "store")}
+            self._streams = {d: torch.cuda.Stream(device.device) for d in Direction}
+            self._issue = {d: kvthreads.pool(1, f"kvtier-{d.value}") for d in Direction}
+            self._complete = {d: kvthreads.pool(1, f"kvtier-{d.value}-done") for d in Direction}
         else:
             pool = kvthreads.pool(num_workers, "kvtier-xfer")
-            self._issue = {"load": pool, "store": pool}
+            self._issue = dict.fromkeys(Direction, pool)
         self._lock = threading.Lock()
         self._stats = {"loads": 0, "stores": 0, "blocks_ok": 0, "blocks_failed": 0, "bytes_loaded": 0,
                        "bytes_stored": 0}
@@ -302,7 +326,7 @@ class TransferEngine:
         a failed store is never visible; without, the caller commits ``result.ok_slots`` itself."""
         if keys is not None and len(keys) != len(block_ids):
             raise ValueError(f"store: {len(block_ids)} block ids but {len(keys)} keys")
-        return self._submit("store", block_ids, slots, False, keys)
+        return self._submit(Direction.STORE, block_ids, slots, False, keys)
 
     def load(self, slots: Sequence[int], block_ids: BlockIds, *, layerwise: bool = True,
              keys: Sequence[Hashable] | None = None) -> TransferHandle:
@@ -311,7 +335,7 @@ class TransferEngine:
         and refilled since the lookup) fails its block instead of loading someone else's KV."""
         if keys is not None and len(keys) != len(block_ids):
             raise ValueError(f"load: {len(block_ids)} block ids but {len(keys)} keys")
-        return self._submit("load", block_ids, slots, layerwise, keys)
+        return self._submit(Direction.LOAD, block_ids, slots, layerwise, keys)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -335,7 +359,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _submit(self, direction: str, block_ids: BlockIds, slots: Sequence[int], layerwise: bool,
+    def _submit(self, direction: Direction, block_ids: BlockIds, slots: Sequence[int], layerwise: bool,
                 keys: Sequence[Hashable] | None) -> TransferHandle:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")
@@ -346,7 +370,7 @@ class TransferEngine:
         h = TransferHandle(direction, ids.tolist(), sl.tolist(), self.device.layout.num_layers,
                            self.device.device)
         ok, errors = self._validate(direction, ids, sl)
-        if direction == "load" and ok.any():
+        if direction is Direction.LOAD and ok.any():
             # A slot evicted or refilled since the caller's lookup fails its block here instead of being
             # read while it is reused.
             idx = np.flatnonzero(ok)
@@ -359,14 +383,14 @@ class TransferEngine:
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
-        batch = (h, ids, sl, ok, errors, layerwise, keys, ready, time.perf_counter())
+        batch = _Batch(h, ids, sl, ok, errors, layerwise, keys, ready, time.perf_counter())
         try:
             self._issue[direction].submit(self._run, batch)
         except RuntimeError as e:  # executor shut down
             self._fail_all(batch, f"not submitted: {e}")
         return h
 
-    def _validate(self, direction: str, ids: np.ndarray, sl: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    def _validate(self, direction: Direction, ids: np.ndarray, sl: np.ndarray) -> tuple[np.ndarray, list[str]]:
         ok = self.device.valid_block_ids(ids)
         errors = []
         if not ok.all():
@@ -375,14 +399,14 @@ class TransferEngine:
         if not in_range.all():
             errors.append(f"slots out of range [0, {self.host.num_slots}): {sl[~in_range].tolist()}")
         ok &= in_range
-        if direction == "store":  # (a load's slots are checked against their keys in _submit)
+        if direction is Direction.STORE:  # (a load's slots are checked against their keys in _submit)
             states = np.array(self.host.in_state(sl.tolist(), WRITING), dtype=bool)
             if (in_range & ~states).any():
                 errors.append(f"slots not {WRITING.value}: {sl[in_range & ~states].tolist()}")
             ok &= states
         # The destination of each block must be unique, or which copy wins is undefined: the first
         # valid occurrence is kept.
-        dst = sl if direction == "store" else ids
+        dst = sl if direction is Direction.STORE else ids
         cand = np.flatnonzero(ok)
         keep = np.zeros_like(ok)
         keep[cand[np.unique(dst[cand], return_index=True)[1]]] = True
@@ -390,18 +414,18 @@ class TransferEngine:
             errors.append(f"duplicate destinations: {dst[ok & ~keep].tolist()}")
         return ok & keep, errors
 
-    def _run(self, batch: tuple) -> None:
-        h, ids, sl, ok, errors, layerwise, keys, ready, t0 = batch
-        good_ids, good_sl = ids[ok], sl[ok]
+    def _run(self, batch: _Batch) -> None:
+        h, ok, errors = batch.handle, batch.ok, batch.errors
+        good_ids, good_sl = batch.ids[ok], batch.slots[ok]
         try:
             if self._cuda:
-                final = self._issue_cuda(h, good_ids, good_sl, layerwise, ready)
+                final = self._issue_cuda(h, good_ids, good_sl, batch.layerwise, batch.ready)
                 try:
                     self._complete[h.direction].submit(self._complete_cuda, batch, final)
                 except RuntimeError:  # closing: complete here
                     self._complete_cuda(batch, final)
                 return
-            self._copy(h, good_ids, good_sl, layerwise)
+            self._copy(h, good_ids, good_sl, batch.layerwise)
         except Exception as e:  # noqa: BLE001 - a worker fault fails blocks, never the caller
             log.warning("%s of %d blocks failed: %s", h.direction, len(good_ids), e)
             errors.append(f"{type(e).__name__}: {e}")
@@ -424,7 +448,7 @@ class TransferEngine:
         for layers in self._layers(h, layerwise):
             if h._cancel.is_set():
                 raise RuntimeError("cancelled")
-            if h.direction == "load":
+            if h.direction is Direction.LOAD:
                 self.device.scatter(self.host.slab, ids, sl, layers=layers, plan=plan)
             else:
                 self.device.gather(ids, self.host.slab, sl, layers=layers, plan=plan)
@@ -452,7 +476,7 @@ class TransferEngine:
                 if h._cancel.is_set():
                     raise RuntimeError("cancelled")
                 for p in plans:
-                    if h.direction == "load":
+                    if h.direction is Direction.LOAD:
                         self.device.scatter(self.host.slab, None, layers=layers, plan=p)
                     else:
                         self.device.gather(None, self.host.slab, layers=layers, plan=p)
@@ -463,8 +487,8 @@ class TransferEngine:
             final.record(stream)
             return final
 
-    def _complete_cuda(self, batch: tuple, final: Any) -> None:
-        ok, errors = batch[3], batch[4]
+    def _complete_cuda(self, batch: _Batch, final: Any) -> None:
+        ok, errors = batch.ok, batch.errors
         try:
             final.synchronize()
         except Exception as e:  # noqa: BLE001 - a CUDA fault fails the batch
@@ -472,14 +496,16 @@ class TransferEngine:
             ok = np.zeros_like(ok)
         self._finish(batch, ok, errors)
 
-    def _fail_all(self, batch: tuple, why: str) -> None:
-        batch[4].append(why)
-        self._finish(batch, np.zeros_like(batch[3]), batch[4])
+    def _fail_all(self, batch: _Batch, why: str) -> None:
+        batch.errors.append(why)
+        self._finish(batch, np.zeros_like(batch.ok), batch.errors)
 
-    def _finish(self, batch: tuple, ok: np.ndarray, errors: list[str]) -> None:
-        h, ids, sl, _, _, _, keys, _, t0 = batch
+    def _finish(self, batch: _Batch, ok: np.ndarray, errors: list[str]) -> None:
+        """The batch's outcome: ``ok`` and ``errors`` are its final ones (a fault after submission may
+        have replaced the submitted ``batch.ok`` with all False)."""
+        h, ids, sl, keys = batch.handle, batch.ids, batch.slots, batch.keys
         try:
-            if keys is not None and h.direction == "store":
+            if keys is not None and h.direction is Direction.STORE:
                 good = np.flatnonzero(ok).tolist()
                 self.host.commit([int(sl[i]) for i in good], [keys[i] for i in good])
                 # Free the failed slots this batch was filling (still WRITING); a slot that was in another
@@ -494,12 +520,12 @@ class TransferEngine:
         nbytes = n_ok * self.device.block_nbytes
         with self._lock:
             s = self._stats
-            s["loads" if h.direction == "load" else "stores"] += 1
+            s["loads" if h.direction is Direction.LOAD else "stores"] += 1
             s["blocks_ok"] += n_ok
             s["blocks_failed"] += len(ids) - n_ok
-            s["bytes_loaded" if h.direction == "load" else "bytes_stored"] += nbytes
+            s["bytes_loaded" if h.direction is Direction.LOAD else "bytes_stored"] += nbytes
         h._finish(TransferResult(h.direction, h.block_ids, h.slots, tuple(bool(x) for x in ok),
-                                 tuple(errors), time.perf_counter() - t0, nbytes))
+                                 tuple(errors), time.perf_counter() - batch.t0, nbytes))
 
 
 def _wait_event(event: Any, deadline: float | None, what: str) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.tiers import FREE, READY, WRITING, DeviceTier, HostTier
-from kvtier.transfer import LayerDoneCounter, TransferEngine
+from kvtier.transfer import Direction, LayerDoneCounter, TransferEngine
 
 
 def random_tensors(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:
@@ -45,7 +45,7 @@ def test_store_then_load_round_trip_bit_exact(tiers):
     with TransferEngine(dev, host) as eng:
         slots = host.allocate(4).slots
         r = eng.store([3, 7, 1, 12], slots).wait(10)
-        assert r.all_ok and r.direction == "store" and r.nbytes == 4 * LAYOUT.block_nbytes
+        assert r.all_ok and r.direction is Direction.STORE and r.direction == "store" and r.nbytes == 4 * LAYOUT.block_nbytes
         assert [host.state(s) for s in slots] == [WRITING] * 4  # no keys: the caller commits
         host.commit(r.ok_slots, ["a", "b", "c", "d"])
         assert torch.equal(host.slab[slots], want)
@@ -116,9 +116,9 @@ def test_layer_by_layer_first_layer_usable_before_last(tiers):
     release = threading.Event()
     seen: list[int] = []
 
-    def hook(direction: str, layer: int) -> None:
+    def hook(direction: Direction, layer: int) -> None:
         seen.append(layer)
-        if direction == "load" and layer == 0:
+        if direction is Direction.LOAD and layer == 0:
             release.wait(10)  # hold the worker after layer 0 has landed
 
     eng = TransferEngine(dev, host, layer_hook=hook)
