@@ -31,7 +31,7 @@ class Ledger:
     """The directory's usage, shared by every process using it (see the module docstring)."""
 
     bytes: int = 0  # sum of the sizes of the block files
-    held: dict[str, list] = field(default_factory=dict)  # "<host tag>:<pid>" -> [reserved bytes, time]
+    held: dict[str, list[float]] = field(default_factory=dict)  # "<host tag>:<pid>" -> [reserved bytes, time]
     file_size: int = 0
     changed: bool = False
     fd: int = -1  # the descriptor of the session that read it (the flock holder)

@@ -27,7 +27,7 @@ from ._resp import Connection, NoProgress, Pool, ReplyError, key_slot
 log = logging.getLogger("kvtier.backends.redis")
 Addr = tuple[str, int]
 # run(conn, idxs, asking) -> replies aligned with idxs; asking: the idxs to send with ASKING first.
-Run = Callable[[Connection, list[int], "set[int] | tuple"], list]
+Run = Callable[[Connection, list[int], "set[int] | tuple[()]"], list[object]]
 _T = TypeVar("_T")
 
 
@@ -152,7 +152,7 @@ class Router:
 
     # ------------------------------------------------------------------ batches
 
-    def batch(self, rkeys: Sequence[bytes], run: Run, failed: object, stripes: int = 1) -> list:
+    def batch(self, rkeys: Sequence[bytes], run: Run, failed: object, stripes: int = 1) -> list[object]:
         """Route ``rkeys`` to their nodes and ``run`` each node's share (in parallel threads when there
         are several), following MOVED / ASK redirects for a few rounds.  One reply per key.
 
@@ -204,12 +204,12 @@ class Router:
         return [failed if i in lost else results[i] for i in range(len(rkeys))]
 
     def _fan_out(self, groups: dict[Addr, list[int]], asking: dict[Addr, set[int]], run: Run,
-                 stripes: int = 1) -> list[tuple[Addr, list | BaseException]]:
+                 stripes: int = 1) -> list[tuple[Addr, list[object] | BaseException]]:
         """``[(addr, replies aligned with groups[addr] | the exception)]``, one per node."""
         tasks = [(addr, j, idxs[j::stripes]) for addr, idxs in groups.items()
                  for j in range(max(1, min(stripes, len(idxs))))]
 
-        def one(task: tuple[Addr, int, list[int]]) -> list | Exception:
+        def one(task: tuple[Addr, int, list[int]]) -> list[object] | Exception:
             addr, _, idxs = task
             try:
                 return self.on_node(addr, lambda c: run(c, idxs, asking.get(addr, ())))
@@ -223,7 +223,7 @@ class Router:
                     if self._executor is None:
                         self._executor = kvthreads.pool(16, "kvtier-redis")
             outs = list(self._executor.map(one, tasks))
-        merged: dict[Addr, list | BaseException] = {}
+        merged: dict[Addr, list[object] | BaseException] = {}
         for (addr, j, _), out in zip(tasks, outs):
             got = merged.setdefault(addr, [None] * len(groups[addr]))
             if isinstance(got, BaseException):

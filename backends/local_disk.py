@@ -50,6 +50,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from operator import itemgetter
+from typing import Any, TypeVar, cast
 
 from pydantic import Field, field_validator
 
@@ -62,6 +63,7 @@ from kvtier.keys import invalid_key, show_key
 from kvtier.units import ByteSize
 
 log = logging.getLogger("kvtier.backends.local_disk")
+_T = TypeVar("_T")
 
 _NS = re.compile(r"[0-9a-f]{32}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -96,7 +98,7 @@ class LocalDiskBackend(StorageBackend):
 
     options: Options
 
-    def __init__(self, options: Options | dict | None = None, *, name: str | None = None):
+    def __init__(self, options: Options | dict[str, Any] | None = None, *, name: str | None = None):
         super().__init__(options, name=name or "local_disk")
         o = self.options
         self.root = o.path
@@ -172,7 +174,7 @@ class LocalDiskBackend(StorageBackend):
 
     def _list_blocks(self, now: float) -> list[tuple[float, str, int]]:
         """(last use, key, size) of every block file, oldest first; dead writers' temp files removed."""
-        shards: list[tuple[str, os.DirEntry]] = []
+        shards: list[tuple[str, os.DirEntry[str]]] = []
         for ns in _scandir(self.root):
             if not (_NS.fullmatch(ns.name) and ns.is_dir(follow_symlinks=False)):
                 continue
@@ -188,7 +190,7 @@ class LocalDiskBackend(StorageBackend):
         found.sort(key=itemgetter(0))
         return found
 
-    def _scan_shard(self, ns: str, shard: os.DirEntry, now: float) -> list[tuple[float, str, int]]:
+    def _scan_shard(self, ns: str, shard: os.DirEntry[str], now: float) -> list[tuple[float, str, int]]:
         found = []
         prefix = shard.name
         for f in _scandir(shard.path):
@@ -206,7 +208,7 @@ class LocalDiskBackend(StorageBackend):
                     found.append((max(st.st_atime, st.st_mtime), f"{ns}/{name}", st.st_size))
         return found
 
-    def _maybe_remove_tmp(self, entry: os.DirEntry, m: re.Match[str], now: float) -> None:
+    def _maybe_remove_tmp(self, entry: os.DirEntry[str], m: re.Match[str], now: float) -> None:
         """Remove a temp file (``m``: its name matched by ``_TMP``) if its writer is dead or it is too old."""
         try:
             age = now - entry.stat(follow_symlinks=False).st_mtime
@@ -462,7 +464,7 @@ class LocalDiskBackend(StorageBackend):
 
     # ------------------------------------------------------------------ batches
 
-    def _batch(self, n: int, nbytes: int, work: Callable[[range], list]) -> list:
+    def _batch(self, n: int, nbytes: int, work: Callable[[range], list[_T]]) -> list[_T]:
         """Run ``work`` over index ranges: inline for small batches, else split across the pool's threads
         (one task per thread, not per block, so per-block overhead stays a few microseconds)."""
         k = min(self.options.threads, n, max(1, nbytes // _MIN_CHUNK_BYTES))
@@ -473,18 +475,18 @@ class LocalDiskBackend(StorageBackend):
                 if self._pool is None:
                     self._pool = kvthreads.pool(self.options.threads, "kvtier-disk")
         futures = [self._pool.submit(work, range(j, n, k)) for j in range(1, k)]
-        out: list = [None] * n
+        out: list[_T | None] = [None] * n
         out[0::k] = work(range(0, n, k))  # the caller's thread does one share itself
         for j, f in enumerate(futures, 1):
             out[j::k] = f.result()
-        return out
+        return cast("list[_T]", out)  # every slot is filled now
 
-    def _per_key(self, keys: Sequence[str], nbytes: int, one: Callable[[int], bool], what: str) -> list:
+    def _per_key(self, keys: Sequence[str], nbytes: int, one: Callable[[int], bool], what: str) -> list[bool]:
         """Apply ``one(i)`` to every key; an OSError is that key's failure (logged), unless every key
         failed, in which case the first error is raised (the disk, not one file, is at fault)."""
         errors: list[OSError] = []
 
-        def work(idx: range) -> list:
+        def work(idx: range) -> list[bool]:
             res = []
             for i in idx:
                 try:
@@ -664,7 +666,7 @@ class LocalDiskBackend(StorageBackend):
         with self._idx_lock:
             return [StoredBlock(k, n) for k, n in self._index.items() if k not in self._inflight]
 
-    def _usage(self) -> dict:
+    def _usage(self) -> dict[str, Any]:
         """``blocks``: those this process knows; ``bytes``: the directory's (every process's blocks and
         in-flight writes), from the ledger."""
         if not self._closed:  # refresh; if the ledger cannot be read (read-only root): the last value seen
@@ -685,7 +687,7 @@ _FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "cha
                stat.S_IFBLK: "block device", stat.S_IFDIR: "directory"}
 
 
-def _scandir(path: str) -> list[os.DirEntry]:
+def _scandir(path: str) -> list[os.DirEntry[str]]:
     """Entries of ``path``; empty if it vanished (another process may prune it)."""
     try:
         with os.scandir(path) as it:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import Any, cast
 from urllib.parse import quote, unquote, urlsplit
 
 from pydantic import Field, SecretStr, model_validator
@@ -126,7 +126,7 @@ class RedisBackend(StorageBackend):
 
     options: RedisOptions
 
-    def __init__(self, options: RedisOptions | dict | None = None, *, name: str | None = None):
+    def __init__(self, options: RedisOptions | dict[str, Any] | None = None, *, name: str | None = None):
         super().__init__(options, name=name or "redis")
         o = self.options
         u = urlsplit(o.url)
@@ -164,12 +164,12 @@ class RedisBackend(StorageBackend):
         return [p + k.encode() for k in keys]
 
     def _pipelined(self, rkeys: list[bytes], build: Callable[[int], tuple[list[Buf], int]],
-                   read: Callable[[Connection, int], object], failed: object, stripes: int = 1) -> list:
+                   read: Callable[[Connection, int], object], failed: object, stripes: int = 1) -> list[object]:
         """One pipelined command per key over the nodes that own the keys; replies in key order.
         ``stripes``: connections per node the keys are spread over (data path only)."""
         window = self.options.window_bytes
 
-        def run(conn: Connection, idxs: list[int], asking: set[int] | tuple) -> list:
+        def run(conn: Connection, idxs: list[int], asking: set[int] | tuple[()]) -> list[object]:
             if asking:
                 def b(i: int) -> tuple[list[Buf], int]:
                     bufs, n = build(i)
@@ -183,7 +183,7 @@ class RedisBackend(StorageBackend):
             return _checked(pipeline(conn, idxs, build, read, window), conn)
         return self._router.batch(rkeys, run, failed, stripes)
 
-    def _simple(self, keys: Sequence[str], name: bytes, failed: object) -> list:
+    def _simple(self, keys: Sequence[str], name: bytes, failed: object) -> list[object]:
         """A one-key command (EXISTS / UNLINK / GET) per key, pipelined."""
         rkeys = self._rkeys(keys)
         return self._pipelined(
@@ -281,7 +281,7 @@ class RedisBackend(StorageBackend):
                 if cursor == b"0":
                     break
 
-    def _usage(self) -> dict:
+    def _usage(self) -> dict[str, int]:
         """Keys (all of the database, not only kvtier's) and used memory summed over the masters."""
         self._router.ensure()
         keys = used = cap = down = 0
@@ -321,7 +321,7 @@ class RedisBackend(StorageBackend):
 # ---------------------------------------------------------------------- helpers
 
 
-def _checked(replies: list, conn: Connection) -> list:
+def _checked(replies: list[object], conn: Connection) -> list[object]:
     """Replies of a pipeline; raise if the node itself refused (loading, cluster down) - after reading
     every reply, so the connection is still in sync."""
     for r in replies:

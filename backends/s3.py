@@ -194,7 +194,7 @@ class S3Backend(StorageBackend):
     prefix_probe = "bisect"  # each HEAD is a request: probe O(log n) keys of a chain, not all of them
     options: S3Options
 
-    def __init__(self, options: S3Options | dict | None = None, *, name: str | None = None):
+    def __init__(self, options: S3Options | dict[str, Any] | None = None, *, name: str | None = None):
         super().__init__(options, name=name or "s3")
         import boto3
         from botocore.config import Config
@@ -282,10 +282,10 @@ class S3Backend(StorageBackend):
             for obj in page.get("Contents", ()):
                 yield StoredBlock(obj["Key"][cut:], obj["Size"])
 
-    def _get_object(self, key: str) -> dict | None:
+    def _get_object(self, key: str) -> dict[str, Any] | None:
         """GetObject's response, or None when the object does not exist (any other error raises)."""
         try:
-            resp: dict = self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
+            resp: dict[str, Any] = self._client.get_object(Bucket=self._bucket, Key=self._prefix + key)
             return resp
         except Exception as e:
             if _is_missing(e):

@@ -227,7 +227,7 @@ class LoadHandle(_Handle["LoadResult"]):
         return super()._finish(result)
 
 
-class PrefetchHandle(_Handle):
+class PrefetchHandle(_Handle[int]):
     """A prefetch (backends -> host) in flight, or one that was never started (below the threshold, no
     backend hit, no host tier): then it is done at once.
 

@@ -155,7 +155,7 @@ class StorageBackend(ABC):
     #: straight into its KV tensors, with no copy through host memory.
     reads_segments: ClassVar[bool] = False
 
-    def __init__(self, options: BackendOptions | dict | None = None, *, name: str | None = None):
+    def __init__(self, options: BackendOptions | dict[str, Any] | None = None, *, name: str | None = None):
         if options is None or isinstance(options, dict):
             options = strict_options(self.Options).model_validate(options or {})
         self.options = options
@@ -442,7 +442,7 @@ class StorageBackend(ABC):
         self._refuse_invalid([key], manifest=True)
         self._call(self._write_small, key, data)
 
-    def get_manifest(self, namespace_id: str) -> dict | None:
+    def get_manifest(self, namespace_id: str) -> dict[str, Any] | None:
         import json
 
         key = f"{namespace_id}/{MANIFEST_NAME}"

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from importlib import resources
 from typing import Annotated, Any, ClassVar, Literal, cast, get_args, get_origin
 
@@ -355,7 +355,8 @@ def _env_value(text: str) -> Any:
         return text  # not YAML (e.g. "a: b: c"): the literal text is what the user meant
 
 
-def apply_env_overrides(data: dict, env: Mapping[str, str]) -> tuple[dict, dict[str, str], list[str]]:
+def apply_env_overrides(data: dict[str, Any],
+                        env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """``data`` (not modified) with every ``KVTIER_...`` override applied.
 
     Returns (new data, {dotted path: variable name}, problems).  Keys are checked against the schema,
@@ -378,7 +379,7 @@ def apply_env_overrides(data: dict, env: Mapping[str, str]) -> tuple[dict, dict[
     return data, sources, problems
 
 
-def _set_path(data: dict, segs: list[str], value: Any) -> tuple[str | None, str]:
+def _set_path(data: dict[str, Any], segs: list[str], value: Any) -> tuple[str | None, str]:
     """Set ``value`` at ``segs`` inside ``data``, creating missing mappings; (problem or None, path)."""
     node: Any = data
     tp: Any = KvtierConfig
@@ -425,7 +426,7 @@ class _Loader(yaml.SafeLoader):
     """Safe YAML, but a key repeated in one mapping is an error (PyYAML silently keeps the last)."""
 
 
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
@@ -437,7 +438,7 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {describe(key)} (first at line {first + 1})", key_node.start_mark)
         seen[key] = key_node.start_mark.line
-    mapping: dict = loader.construct_mapping(node, deep=deep)
+    mapping: dict[Hashable, Any] = loader.construct_mapping(node, deep=deep)
     return mapping
 
 
@@ -559,7 +560,7 @@ def _blame(line: str, sources: dict[str, str]) -> str:
     return line
 
 
-def _config_text(path: str | os.PathLike | None) -> tuple[str, str]:
+def _config_text(path: str | os.PathLike[str] | None) -> tuple[str, str]:
     """(source name, text) of a config file, or of the embedded default for None."""
     if path is None:
         source = f"kvtier.configs/{DEFAULT_CONFIG}"
@@ -573,7 +574,7 @@ def _config_text(path: str | os.PathLike | None) -> tuple[str, str]:
         raise ConfigError([f"{source}: cannot read the file: {why}"], source) from None
 
 
-def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
+def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                 resolve_plugins: bool = True) -> KvtierConfig:
     """Read, override from ``env`` (default ``os.environ``; ``{}`` for none) and validate a config file.
     ``None`` reads the embedded default, ``configs/local.yaml``."""
@@ -582,7 +583,7 @@ def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str]
                         env=os.environ if env is None else env, resolve_plugins=resolve_plugins)
 
 
-def load_engine_config(path: str | os.PathLike | None, facts: Mapping[str, Any], *, engine: str,
+def load_engine_config(path: str | os.PathLike[str] | None, facts: Mapping[str, Any], *, engine: str,
                        device: Mapping[str, Any] | None = None,
                        env: Mapping[str, str] | None = None) -> KvtierConfig:
     """A deployment's config inside an engine that already knows the model: ``facts`` (``model``

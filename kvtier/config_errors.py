@@ -106,7 +106,7 @@ def is_model(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
-def _walk(root: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel] | None, Any, Any]:
+def _walk(root: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | None, Any, Any]:
     """Follow a pydantic error location through the model classes.
 
     Returns (path parts, model owning the last key, its FieldInfo or None, the annotation there).

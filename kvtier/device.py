@@ -526,7 +526,7 @@ _POOL_SIZE = 8
 _PARALLEL_MIN_BYTES = 1 << 20
 
 
-def _parallel(fn: Any, work: list, nbytes: int) -> None:
+def _parallel(fn: Any, work: list[tuple[int, int]], nbytes: int) -> None:
     """``fn(chunk)`` over ``work`` (layer-components) split across as many threads as torch uses for
     intra-op work, in kvtier's own pool whose threads run torch ops single-threaded.
 

@@ -38,7 +38,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import cbor2
 import numpy as np
@@ -66,6 +66,13 @@ class MMItem:
 class LoRA:
     name: str
     path: str = ""
+
+
+#: A block's extra keys, tagged: ``("lora", name, path)``, ``("mm", identifier, offset - block_start)``,
+#: ``("cache_salt", salt)``.
+LoraKey: TypeAlias = tuple[str, str, str]
+SaltKey: TypeAlias = tuple[str, str]
+ExtraKey: TypeAlias = LoraKey | tuple[str, str, int] | SaltKey
 
 
 # --------------------------------------------------------------------------- input validation
@@ -317,7 +324,7 @@ class BlockHasher:
         tokens: Any,
         *,
         mm: Sequence[Any] = (),
-        lora: LoRA | tuple[str, str] | dict | None = None,
+        lora: LoRA | tuple[str, str] | dict[str, Any] | None = None,
         cache_salt: str | None = None,
     ) -> list[bytes]:
         """Hashes of every full block of ``tokens`` (a partial trailing block is ignored)."""
@@ -326,7 +333,7 @@ class BlockHasher:
         self._refuse_sglang_extras(ex.items, ex.lora_key)
         return self._hash_range(arr, 0, None, ex.items, ex.lora_key, ex.salt_key)
 
-    def _refuse_sglang_extras(self, items: tuple[MMItem, ...], lora_key: tuple | None) -> None:
+    def _refuse_sglang_extras(self, items: tuple[MMItem, ...], lora_key: LoraKey | None) -> None:
         if self.algo != SGLANG_SHA256:
             return
         if items:
@@ -336,12 +343,12 @@ class BlockHasher:
             raise ValueError("lora: sglang_sha256 page keys carry no LoRA; SGLang appends the LoRA id to "
                              "extra_key: pass extra_key + lora_id as the seed")
 
-    def extra_keys(self, block_index: int, items: Sequence[MMItem], lora_key: tuple | None,
-                   salt_key: tuple | None) -> tuple | None:
+    def extra_keys(self, block_index: int, items: Sequence[MMItem], lora_key: LoraKey | None,
+                   salt_key: SaltKey | None) -> tuple[ExtraKey, ...] | None:
         """Extra keys of one block, in the documented order; ``None`` when there are none."""
         start = block_index * self.block_size
         end = start + self.block_size
-        extra: list[tuple] = []
+        extra: list[ExtraKey] = []
         if lora_key is not None:
             extra.append(lora_key)
         if items:
@@ -359,7 +366,7 @@ class BlockHasher:
     # -- internals ----------------------------------------------------------------------------
 
     def _hash_range(self, arr: np.ndarray, first_block: int, parent: bytes | None,
-                    items: tuple[MMItem, ...], lora_key: tuple | None, salt_key: tuple | None) -> list[bytes]:
+                    items: tuple[MMItem, ...], lora_key: LoraKey | None, salt_key: SaltKey | None) -> list[bytes]:
         """Hash full blocks of ``arr`` (tokens of blocks first_block, first_block+1, ...)."""
         B = self.block_size
         nblocks = arr.size // B
@@ -378,7 +385,7 @@ class BlockHasher:
         return self._xxh3_chain(arr, parent, extras)
 
     def _extras_for(self, first_block: int, nblocks: int, items: tuple[MMItem, ...],
-                    lora_key: tuple | None, salt_key: tuple | None) -> list[bytes] | None:
+                    lora_key: LoraKey | None, salt_key: SaltKey | None) -> list[bytes] | None:
         """CBOR of each block's extra keys, or None when every block has none (the common case)."""
         if not items and lora_key is None and (salt_key is None or first_block > 0):
             return None
@@ -476,7 +483,7 @@ def sglang_sha256_chain(arr: np.ndarray, block_size: int, parent: bytes | None) 
     return out
 
 
-def _lora_key(lora: LoRA | tuple | dict | None) -> tuple | None:
+def _lora_key(lora: LoRA | tuple[str, str] | dict[str, Any] | None) -> LoraKey | None:
     if lora is None:
         return None
     if isinstance(lora, dict):
@@ -495,7 +502,7 @@ def _lora_key(lora: LoRA | tuple | dict | None) -> tuple | None:
     return ("lora", lora.name, lora.path)
 
 
-def _salt_key(salt: str | None) -> tuple | None:
+def _salt_key(salt: str | None) -> SaltKey | None:
     if salt is None:
         return None
     if not isinstance(salt, str) or not salt:
@@ -509,11 +516,11 @@ class Extras:
     and its LoRA and salt keys (None when absent)."""
 
     items: tuple[MMItem, ...]
-    lora_key: tuple | None
-    salt_key: tuple | None
+    lora_key: LoraKey | None
+    salt_key: SaltKey | None
 
     @classmethod
-    def checked(cls, mm: Sequence[Any], lora: LoRA | tuple | dict | None, cache_salt: str | None,
+    def checked(cls, mm: Sequence[Any], lora: LoRA | tuple[str, str] | dict[str, Any] | None, cache_salt: str | None,
                 num_tokens: int | None) -> Extras:
         """ValueError naming the field (``mm[2].offset``, ``lora.name``, ``cache_salt``) that is wrong;
         ``num_tokens``: the prompt length the items must lie in (None: not checked)."""
@@ -528,7 +535,7 @@ class SequenceHasher:
     """
 
     def __init__(self, hasher: BlockHasher, tokens: Any = (), *, mm: Sequence[Any] = (),
-                 lora: LoRA | tuple | dict | None = None, cache_salt: str | None = None):
+                 lora: LoRA | tuple[str, str] | dict[str, Any] | None = None, cache_salt: str | None = None):
         self.hasher = hasher
         arr = as_token_array(tokens)
         # Multimodal items belong to the prompt: they must lie inside the tokens given up front.
@@ -653,8 +660,8 @@ class Namespace:
     @functools.cached_property
     def layout_id(self) -> int:
         """A u32 naming dtype + layout, stored in the block header (a second check beside the digest)."""
-        spec: tuple = (self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                       self.attention)
+        spec: tuple[str | int, ...] = (self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim,
+                                       self.block_size, self.attention)
         if self.payload != CANONICAL_PAYLOAD:
             spec += (self.payload,)
         return int.from_bytes(hashlib.sha256(cbor2.dumps(spec, canonical=True)).digest()[:4], "little")

@@ -291,10 +291,10 @@ class KVLayout:
         return self.num_layers * self.layer_nbytes
 
     @property
-    def payload_signature(self) -> tuple:
+    def payload_signature(self) -> tuple[str | int, ...]:
         """Two layouts with equal signatures produce identical payload bytes for identical KV."""
-        sig: tuple = (dtype_name(self.dtype), self.num_layers, self.num_components, self.block_size,
-                      self.num_kv_heads, self.head_dim)
+        sig: tuple[str | int, ...] = (dtype_name(self.dtype), self.num_layers, self.num_components,
+                                      self.block_size, self.num_kv_heads, self.head_dim)
         return (*sig, self.kind) if self.engine_payload else sig
 
     def compatible(self, other: KVLayout) -> bool:
@@ -363,7 +363,7 @@ class KVLayout:
                                   f"have strides {want}, found strides {tuple(t.stride())} "
                                   "(register a .contiguous() tensor)")
 
-    def _shape_hint(self, got: tuple, want: tuple) -> str:
+    def _shape_hint(self, got: tuple[int, ...], want: tuple[int, ...]) -> str:
         if len(got) != len(want):
             return f": {len(got)} dims, expected {len(want)}"
         off = 1 if self.kind == "stacked" else 0
@@ -506,7 +506,7 @@ class HeadView:
 # ---------------------------------------------------------------------- helpers
 
 
-def _as_list(tensors: Any) -> list:
+def _as_list(tensors: Any) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         return [tensors]
     return list(tensors)

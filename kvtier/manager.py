@@ -86,7 +86,8 @@ class TierManager:
         self._lock = lock or threading.Lock()
         # (first hash, length, its chain position mod the group size) -> (future, finished-at, the hashes
         # probed: an answer is stale once a block it counted is known gone)
-        self._probes: OrderedDict[tuple[bytes, int, int], tuple[Future, float, tuple[bytes, ...]]] = OrderedDict()
+        self._probes: OrderedDict[tuple[bytes, int, int],
+                                  tuple[Future[tuple[int, int]], float, tuple[bytes, ...]]] = OrderedDict()
         self._probe_threads = probe_threads
         threads.configure(config.transfer.cpus)
         self._pool: ThreadPoolExecutor | None = None  # started by the first asynchronous probe
@@ -216,7 +217,7 @@ class TierManager:
             found, _ = self._lookup(hashes, start)
         return found
 
-    def _lookup(self, hashes: Sequence[bytes], start: int) -> tuple[Lookup, Future | None]:
+    def _lookup(self, hashes: Sequence[bytes], start: int) -> tuple[Lookup, Future[tuple[int, int]] | None]:
         """The answer, and the probe still running when it is PENDING."""
         n = len(hashes)
         with self._lock:
@@ -302,7 +303,7 @@ class TierManager:
         groups, who = self.backends.longest_prefix([keys[e] for e in ends])
         return (ends[groups - 1] - p + 1 if groups else 0), who
 
-    def _probe_result(self, hashes: Sequence[bytes], pos: int) -> tuple[int, int] | Future:
+    def _probe_result(self, hashes: Sequence[bytes], pos: int) -> tuple[int, int] | Future[tuple[int, int]]:
         """The finished probe's (blocks found, backend), or the running probe's future; ``pos`` is the
         chain position of ``hashes[0]``."""
         key = (hashes[0], len(hashes), pos % self.storage_blocks)

@@ -167,7 +167,8 @@ class TierStack:
             self.metrics_port = self.metrics.serve(config.metrics.prometheus_port)
 
     @classmethod
-    def from_config(cls, path_or_config: str | os.PathLike | KvtierConfig | None = None, **kw: Any) -> TierStack:
+    def from_config(cls, path_or_config: str | os.PathLike[str] | KvtierConfig | None = None,
+                    **kw: Any) -> TierStack:
         """A stack from a config object, a YAML path, or None (the embedded default config)."""
         cfg = path_or_config if isinstance(path_or_config, KvtierConfig) else load_config(path_or_config)
         return cls(cfg, **kw)

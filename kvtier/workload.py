@@ -109,7 +109,7 @@ def load_trace(path: str | Path, *, vocab_size: int = 2048, default_max_new_toke
                            seed=seed))
 
 
-def _rows(path: Path) -> Iterator[dict]:
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
     """The rows of a trace, one at a time (JSONL line by line, Parquet a row group batch at a time)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq

@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -169,7 +170,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict]:
+def run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict[str, Any]]:
     root = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=os.environ.get("KVTIER_BENCH_DIR"))
     try:
         rows = [row for block in block_sizes for cold in MODES
@@ -222,7 +223,7 @@ def _check_full(full: LocalDiskBackend, keys: list[str], filler_keys: list[str])
                            f"the newest {fill}")
 
 
-def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = False) -> list[dict]:
+def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = False) -> list[dict[str, Any]]:
     from kvtier.keys import Namespace
 
     ns = Namespace("bench/disk", "bfloat16", 32, 8, 128, 16)
@@ -262,7 +263,7 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
             raw["raw"].put(slice(0, 1), payloads)
             direct = direct_io_works(raw["raw"].paths[0], block)
 
-        def contenders(op: str, sl: slice) -> dict:
+        def contenders(op: str, sl: slice) -> dict[str, Callable[[], None]]:
             if op == "put full":
                 def bf() -> None:
                     if full is None or not all(full.put(keys[sl], payloads[sl], lid)):

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     return run_all(args)
 
 
-def run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict]:
+def run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict[str, Any]]:
     from kvtier.testing.redis_server import redis_available, start_redis
 
     why = redis_available()
@@ -100,7 +100,7 @@ class Wire:
                 raise ConnectionError("redis closed the connection")
             got += k
 
-    def _sendv(self, parts: list) -> None:
+    def _sendv(self, parts: list[bytes | memoryview]) -> None:
         i = 0
         while i < len(parts):  # scatter-gather, up to 510 buffers per call
             sent = self.sock.sendmsg(parts[i:i + 510])
@@ -121,7 +121,7 @@ class Wire:
         wins = self._windows(len(keys), len(payloads[0]) if payloads else 0, window)
 
         def send(lo: int, hi: int) -> None:
-            parts: list = []
+            parts: list[bytes | memoryview] = []
             for k, p in zip(keys[lo:hi], payloads[lo:hi]):
                 parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, len(p)), p, b"\r\n"]
             self._sendv(parts)
@@ -221,7 +221,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _case(srv: RedisServer, block: int, total_bytes: int, repeats: int) -> list[dict]:
+def _case(srv: RedisServer, block: int, total_bytes: int, repeats: int) -> list[dict[str, Any]]:
     redis_py: Any
     try:  # context rows only; the backend itself does not use redis-py
         import redis as redis_py

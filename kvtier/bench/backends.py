@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Any
 
 from ..commands._types import out_file, positive_int, positive_size, positive_sizes
 from ._util import print_table, write_json
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     sizes = args.block_sizes  # parsed and checked already (positive_sizes)
     total = args.total  # a size already (positive_size)
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for name in wanted:
         t0 = time.perf_counter()

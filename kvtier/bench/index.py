@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     tiers_s = median_time(lambda: ix.prefix_tiers(chain), repeats=args.repeats, warmup=2)
     get = ix._slots.get  # the ceiling: the same probes into the same dict, nothing else
 
-    def bare() -> list:
+    def bare() -> list[int | None]:
         return [get(k) for k in chain]
 
     ceiling_s = median_time(bare, repeats=args.repeats, warmup=2)

@@ -42,7 +42,7 @@ def _vllm_sha256_cbor(obj: Any) -> bytes:
 def _vllm_extra_keys(start: int, end: int, mm_idx: int, lora: Any = None, mm: Sequence[Any] = (),
                      salt: str | None = None) -> tuple[tuple[Any, ...] | None, int]:
     lora_keys = [lora] if lora else []
-    mm_keys: list = []
+    mm_keys: list[Any] = []
     for it in mm[mm_idx:]:  # empty in this benchmark, as for a text-only request
         mm_keys.append(it)
     salt_keys = [salt] if start == 0 and salt else []

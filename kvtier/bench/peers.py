@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = args.block_sizes  # parsed and checked already (positive_sizes)
     total = args.total  # a size already (positive_size)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for store in stores:
         for block in sizes:
@@ -149,7 +149,7 @@ def kv_shape(block_bytes: int, *, heads: int = 8, head_dim: int = 128, tokens: i
 
 
 def summarize(store: str, op: str, block: int, gib: float, times: dict[str, list[float]],
-              kvtier: str, peers: list[str], ceilings: list[str]) -> list[dict]:
+              kvtier: str, peers: list[str], ceilings: list[str]) -> list[dict[str, Any]]:
     """One row per peer: medians over the timed rounds (round 0, the warm-up, dropped); the ceiling is
     the fastest of ``ceilings`` (none: no ceiling columns)."""
     med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
@@ -165,7 +165,7 @@ def summarize(store: str, op: str, block: int, gib: float, times: dict[str, list
     return rows
 
 
-def _row_name(r: dict) -> str:
+def _row_name(r: dict[str, Any]) -> str:
     return f"{r['store']} {r['op']} {fmt_block(r['block_bytes'])} vs {r['peer']} ({r['ratio']:.2f}x)"
 
 
@@ -231,7 +231,7 @@ class _Payloads:
         self.sample = list(range(0, n, max(1, n // 16)))
 
 
-def _case(store: str, block: int, total: int, repeats: int) -> list[dict]:
+def _case(store: str, block: int, total: int, repeats: int) -> list[dict[str, Any]]:
     n = max(1, total // block)
     data = _Payloads(n, block)
     gib = n * block / 2**30
@@ -330,7 +330,7 @@ def _s3_contenders(data: _Payloads,
 
 
 class _KvtierBackend(Contender):
-    def __init__(self, name: str, data: _Payloads, plugin: str, options: dict, *,
+    def __init__(self, name: str, data: _Payloads, plugin: str, options: dict[str, Any], *,
                  reset: Callable[[], None] | None = None, files: str | None = None):
         from kvtier.keys import Namespace
         from kvtier.plugins import load
@@ -381,7 +381,7 @@ class _LMCacheBackend(Contender):
 
     def __init__(self, name: str, data: _Payloads, kind: str, url: str, *,
                  reset: Callable[[], None] | None = None, odirect: bool = False, files: str | None = None,
-                 extra: dict | None = None):
+                 extra: dict[str, Any] | None = None):
         import torch
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.memory_management import MemoryFormat
@@ -433,8 +433,8 @@ class _LMCacheBackend(Contender):
                 raise RuntimeError(f"{name}: LMCache's allocator is full")
             obj.byte_array.cast("B")[:] = view
             self.objs.append(obj)
-        self.keys: list = []
-        self.got: list = []
+        self.keys: list[Any] = []  # LMCache's CacheEngineKeys
+        self.got: list[Any] = []  # its MemoryObjs
         self._round = 0
 
     def _key(self, i: int) -> Any:

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def backend_section(name: str, stack: ExitStack, tmp: str, *, capacity: str = "4GiB",
-                    bucket_prefix: str = "prefix") -> dict:
+                    bucket_prefix: str = "prefix") -> dict[str, Any]:
     """A backend's config section, starting its server (redis-server, moto in a child process) on
     ``stack``: the benchmarks that drive a whole engine share it."""
     if name == "disk":
@@ -71,7 +71,7 @@ def backend_section(name: str, stack: ExitStack, tmp: str, *, capacity: str = "4
     raise ValueError(f"--backends: unknown backend {name!r}; expected disk, redis, s3")
 
 
-def _config(args: argparse.Namespace, backend: dict, block_tokens: int = 16) -> KvtierConfig:
+def _config(args: argparse.Namespace, backend: dict[str, Any], block_tokens: int = 16) -> KvtierConfig:
     from ..config import parse_config
 
     blocks = args.tokens // 16 + 8
@@ -85,7 +85,7 @@ def _config(args: argparse.Namespace, backend: dict, block_tokens: int = 16) -> 
     })
 
 
-def bench_one(args: argparse.Namespace, backend: dict, block_tokens: int = 16) -> dict:
+def bench_one(args: argparse.Namespace, backend: dict[str, Any], block_tokens: int = 16) -> dict[str, Any]:
     from ..integrations.engine import CachedEngine
 
     prompt = torch.randint(0, 2048, (args.tokens + 1,), generator=torch.Generator().manual_seed(0)).tolist()

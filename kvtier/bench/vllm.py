@@ -44,6 +44,7 @@ import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from ..commands._types import out_file, positive_int
 from ._util import print_table, write_json
@@ -82,7 +83,8 @@ def _model(d: Path, layers: int) -> str:
     return str(d)
 
 
-def _run(tmp: Path, tag: str, model: str, prompts: list, steps: list, kv_transfer: dict | None) -> list[dict]:
+def _run(tmp: Path, tag: str, model: str, prompts: list[list[int]], steps: list[list[Any]],
+         kv_transfer: dict[str, Any] | None) -> list[dict[str, Any]]:
     spec = {"model": model, "prompts": prompts, "steps": steps, "kv_transfer": kv_transfer,
             "out": str(tmp / f"{tag}.json"), "kv_space_gib": 2}
     (tmp / f"{tag}.spec.json").write_text(json.dumps(spec))
@@ -92,11 +94,11 @@ def _run(tmp: Path, tag: str, model: str, prompts: list, steps: list, kv_transfe
     if rc != 0:
         raise RuntimeError(f"vLLM run {tag!r} failed ({rc}); see {tmp / (tag + '.log')}:\n"
                            + (tmp / f"{tag}.log").read_text()[-3000:])
-    rows: list[dict] = json.loads((tmp / f"{tag}.json").read_text())
+    rows: list[dict[str, Any]] = json.loads((tmp / f"{tag}.json").read_text())
     return rows
 
 
-def _kvtier(role: str, cfg_path: Path, load_mode: str) -> dict:
+def _kvtier(role: str, cfg_path: Path, load_mode: str) -> dict[str, Any]:
     return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path), "load_mode": load_mode}}
 
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [[rng.randrange(1, 1000) for _ in range(args.tokens + 2)] for _ in range(per * len(payloads))]
     rows: dict[str, list[float]] = {}
     reads: dict[str, list[float]] = {}  # disk row -> raw read of its prompts' files in the same state
-    itl: list[dict] = []
+    itl: list[dict[str, Any]] = []
     with ExitStack() as stack, tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = _model(tmp / "model", args.layers)

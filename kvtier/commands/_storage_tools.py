@@ -149,10 +149,10 @@ class NamespaceInfo:
     (``problem`` says why)."""
 
     id: str
-    manifest: dict | None = None
+    manifest: dict[str, Any] | None = None
     namespace: Namespace | None = None
     problem: str | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layout_id(self) -> int | None:
@@ -194,7 +194,7 @@ def header_layout_id(header: bytes | bytearray | memoryview) -> int:
 assert _LAYOUT_OFFSET + _LAYOUT_FIELD.size <= HEADER_SIZE
 
 
-def progress(args: argparse.Namespace, iterable: Iterable | None = None, **kw: Any) -> Any:
+def progress(args: argparse.Namespace, iterable: Iterable[object] | None = None, **kw: Any) -> Any:
     """A tqdm bar on stderr; hidden with ``--no-progress`` or ``--json``, and when stderr is not a terminal."""
     from tqdm import tqdm
 
@@ -202,7 +202,7 @@ def progress(args: argparse.Namespace, iterable: Iterable | None = None, **kw: A
     return tqdm(iterable, file=sys.stderr, disable=disable, leave=False, dynamic_ncols=True, **kw)
 
 
-def emit_json(doc: dict) -> None:
+def emit_json(doc: dict[str, Any]) -> None:
     sys.stdout.write(mask_secrets(json.dumps(doc, indent=2, sort_keys=False, default=str)) + "\n")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from typing import Any
 
 from ..backend_api import BackendError, StoredBlock
 from ..units import format_size
@@ -45,7 +46,7 @@ def _usage(ob: st.OpenedBackend) -> tuple[int, int]:
     return n, nbytes
 
 
-def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict:
+def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]:
     entry = ob.header()
     if ob.backend is None:
         return entry

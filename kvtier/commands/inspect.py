@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from typing import Any
 
 from ..backend_api import BackendError
 from ..keys import Namespace
@@ -23,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def inspect_backend(ob: st.OpenedBackend, own_ns: str) -> dict:
+def inspect_backend(ob: st.OpenedBackend, own_ns: str) -> dict[str, Any]:
     entry = ob.header()
     if ob.backend is None:
         return entry
@@ -51,7 +52,7 @@ def inspect_backend(ob: st.OpenedBackend, own_ns: str) -> dict:
     return entry
 
 
-def _fields(manifest: dict | None) -> list[str]:
+def _fields(manifest: dict[str, Any] | None) -> list[str]:
     """A manifest's fields, one per line, in the order Namespace declares them (unknown ones last)."""
     if not manifest:
         return []

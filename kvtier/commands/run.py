@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     engine = CachedEngine.from_config(cfg, num_blocks=args.device_blocks, seed=args.seed)
     engine.wait_writes = args.wait_writes
     vocab = engine.model.spec.vocab_size
-    results: list[dict] = []
+    results: list[dict[str, float]] = []
     t_start = time.perf_counter()
     try:
         recorder = TraceRecorder(args.record_trace) if args.record_trace else None
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(i: int, req: Request, r: RequestResult, block_size: int) -> dict:
+def _row(i: int, req: Request, r: RequestResult, block_size: int) -> dict[str, float]:
     row = {"request": i, "user": req.user, "turn": req.turn, "prompt_tokens": r.num_prompt_tokens,
            "prompt_blocks": r.num_prompt_blocks, "device_blocks": r.device_blocks,
            "computed_tokens": r.computed_tokens, "saved_tokens": r.saved_tokens,
@@ -124,7 +124,7 @@ def _row(i: int, req: Request, r: RequestResult, block_size: int) -> dict:
     return row
 
 
-def _tiers(results: list[dict]) -> list[str]:
+def _tiers(results: list[dict[str, float]]) -> list[str]:
     """Columns of per-tier hit blocks, fastest tier first (device, host, then backends in config order)."""
     seen: list[str] = []
     for r in results:
@@ -136,7 +136,7 @@ def _tiers(results: list[dict]) -> list[str]:
     return first + [t for t in seen if t not in first]
 
 
-def summarize(results: list[dict], stats: dict, wall: float, stack: TierStack) -> str:
+def summarize(results: list[dict[str, float]], stats: dict[str, Any], wall: float, stack: TierStack) -> str:
     if not results:
         raise UserError("the workload had no requests")
     tiers = _tiers(results)
@@ -161,7 +161,7 @@ def summarize(results: list[dict], stats: dict, wall: float, stack: TierStack) -
     return "\n".join(lines)
 
 
-def _write_parquet(results: list[dict], path: Path) -> None:
+def _write_parquet(results: list[dict[str, float]], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -169,7 +169,7 @@ def _write_parquet(results: list[dict], path: Path) -> None:
     pq.write_table(pa.table({c: [r.get(c, 0) for r in results] for c in cols}), path)
 
 
-def _plot(results: list[dict], path: Path) -> None:
+def _plot(results: list[dict[str, float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

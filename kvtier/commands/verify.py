@@ -18,6 +18,7 @@ import argparse
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..backend_api import BackendError, StorageBackend, StoredBlock, verify
 from ..blockformat import HEADER_SIZE
@@ -106,7 +107,7 @@ def _batches(blocks: list[StoredBlock]) -> Iterator[list[StoredBlock]]:
         yield batch
 
 
-def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict:
+def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]:
     entry = ob.header()
     if ob.backend is None:
         return entry

@@ -43,7 +43,7 @@ def _hex(key: bytes) -> str:
     return key.hex() if isinstance(key, (bytes, bytearray)) else repr(key)
 
 
-def _filled(typecode: str, value: float, n: int) -> array.array:
+def _filled(typecode: str, value: float, n: int) -> array.array[float]:
     return array.array(typecode, [value]) * n
 
 

@@ -69,7 +69,7 @@ class CachedEngine:
 
     @classmethod
     def from_config(cls, config: Any = None, *, num_blocks: int | None = None, seed: int = 0,
-                    stack_kwargs: dict | None = None) -> CachedEngine:
+                    stack_kwargs: dict[str, Any] | None = None) -> CachedEngine:
         """Build model, pool and stack from a kvtier config (path, KvtierConfig or None = default)."""
         from ..config import KvtierConfig, load_config
         from ..stack import TierStack

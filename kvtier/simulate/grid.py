@@ -65,7 +65,7 @@ class GridPoint:
         return " ".join(f"{k}={v}" for k, v in self.values.items()) or "(config as written)"
 
 
-def grid_points(config_path: str | os.PathLike | None, axes: Sequence[GridAxis],
+def grid_points(config_path: str | os.PathLike[str] | None, axes: Sequence[GridAxis],
                 env: Mapping[str, str] | None = None) -> list[GridPoint]:
     """Every point of the grid over ``config_path`` (None: the embedded default config), validated.
     ``env``: the environment's ``KVTIER_*`` overrides apply under the grid's (default ``os.environ``)."""

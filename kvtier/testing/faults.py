@@ -253,7 +253,7 @@ class FaultyBackend(StorageBackend):
         self._before("manifest", [])
         self.inner.put_manifest(namespace)
 
-    def get_manifest(self, namespace_id: str) -> dict | None:
+    def get_manifest(self, namespace_id: str) -> dict[str, Any] | None:
         self._before("manifest", [])
         return self.inner.get_manifest(namespace_id)
 

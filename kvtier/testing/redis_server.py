@@ -77,7 +77,7 @@ class RedisServer:
         self.extra_args = list(extra_args)
         self._own_dir = directory is None
         self.dir = directory or tempfile.mkdtemp(prefix=f"kvtier-redis-{self.port}-")
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
         self.ca_file = _make_certs(self.dir) if tls else None
 

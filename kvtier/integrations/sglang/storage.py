@@ -35,7 +35,7 @@ class KvtierStorage(HiCacheStorage):
     """kvtier's backends (local disk, Redis, S3, plugins), integrity checks and metrics behind SGLang's
     ``HiCacheStorage`` API."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
         refuse_unsupported(storage_config)
         self.storage_config = storage_config
         self.store: PageStore | None = None

@@ -23,6 +23,7 @@ import os
 import re
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ log = logging.getLogger("kvtier.vllm")
 IDLE_WAIT_MS = 20.0  # kv_connector_extra_config.idle_wait_ms's default: see WorkerSide.finished
 
 
-def idle_wait_ms(extra: dict | None) -> float:
+def idle_wait_ms(extra: dict[str, Any] | None) -> float:
     """``kv_connector_extra_config.idle_wait_ms``: a number >= 0 (0: never wait)."""
     value = (extra or {}).get("idle_wait_ms", IDLE_WAIT_MS)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10_000:
