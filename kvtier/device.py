@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,14 @@ import torch
 from . import threads as kvthreads
 from .blockformat import Segments
 from .layout import HeadView, KVLayout, LayoutError, _as_list, _layers
+
+
+class Direction(StrEnum):
+    """Which way blocks are copied.  A ``str`` enum: members equal ``"store"`` / ``"load"``, the strings
+    ``TransferEngine`` gave before the enum (``layer_hook``, ``TransferResult.direction``)."""
+
+    STORE = "store"  # device -> host
+    LOAD = "load"    # host -> device
 
 
 @dataclass
@@ -67,7 +76,7 @@ class DeviceTier:
         self.copy_dtype = self._codec.copy_dtype
         # Tests set this to run the host<->CUDA staging logic (runs, per-layer rows) on a CPU cache.
         self._force_staging = False
-        self._copy_streams: dict[str, Any] = {}  # "d2h" / "h2d": the DMA side of pipelined copies
+        self._copy_streams: dict[Direction, Any] = {}  # per direction: the DMA side of pipelined copies
 
     @classmethod
     def allocate(cls, layout: KVLayout, device: Any = "cpu") -> DeviceTier:
@@ -150,7 +159,7 @@ class DeviceTier:
             for pos, first, length in p.runs:
                 self._rows_copy(dst[first:first + length], staging[pos:pos + length], group)
 
-        self._pipelined(self._layer_groups(layers, len(p.runs), dst), kernels, dma, "d2h")
+        self._pipelined(self._layer_groups(layers, len(p.runs), dst), kernels, dma, Direction.STORE)
         return dst
 
     def scatter(self, src: torch.Tensor, block_ids: Any, slots: Any = None, *,
@@ -174,7 +183,7 @@ class DeviceTier:
             def kernels(group: Sequence[int]) -> None:
                 self._codec.scatter(staging, p.ids, None, group, [(0, 0, p.n)])
 
-            self._pipelined(self._layer_groups(None, len(p.runs), src), dma, kernels, "h2d")
+            self._pipelined(self._layer_groups(None, len(p.runs), src), dma, kernels, Direction.LOAD)
             return
         # Layer-wise: only the requested layers cross the bus, each as its own staging rows, so a
         # layer is complete in device memory before the next one's bytes have been sent.
@@ -221,7 +230,7 @@ class DeviceTier:
         step = -(-len(todo) // k)
         return [todo[a:a + step] for a in range(0, len(todo), step)]
 
-    def _pipelined(self, groups: list[Sequence[int]], first: Any, second: Any, direction: str) -> None:
+    def _pipelined(self, groups: list[Sequence[int]], first: Any, second: Any, direction: Direction) -> None:
         """``first(g)`` then ``second(g)`` for each group, two streams deep on CUDA: the KV kernels run
         on the current stream and the DMA on this tier's copy stream for ``direction``, each group's
         second stage waiting only for its own first stage.  Why: on one stream the bus sat idle until
@@ -235,8 +244,8 @@ class DeviceTier:
             return
         cur = torch.cuda.current_stream(self.device)
         side = self._copy_stream(direction)
-        # d2h: kernels (current) feed DMA (side); h2d: DMA (side) feeds kernels (current).
-        s1, s2 = (cur, side) if direction == "d2h" else (side, cur)
+        # A store: kernels (current) feed DMA (side); a load: DMA (side) feeds kernels (current).
+        s1, s2 = (cur, side) if direction is Direction.STORE else (side, cur)
         if s1 != cur:
             s1.wait_stream(cur)  # the staging buffer and the KV: after the work already queued
         for g in groups:
@@ -248,7 +257,7 @@ class DeviceTier:
         if s2 != cur:
             cur.wait_stream(s2)
 
-    def _copy_stream(self, direction: str) -> Any:
+    def _copy_stream(self, direction: Direction) -> Any:
         with _STREAMS_LOCK:
             stream = self._copy_streams.get(direction)
             if stream is None:

@@ -26,14 +26,13 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import threads as kvthreads
-from .device import DeviceTier, int_array
+from .device import DeviceTier, Direction, int_array
 from .host import READY, WRITING, HostTier
 
 # Device block ids as callers have them: a list, a numpy array or a CPU tensor (device.int_array reads all).
@@ -86,14 +85,6 @@ class LayerDoneCounter:
             if not self._cond.wait_for(lambda: self._done > layer, timeout):
                 raise TimeoutError(f"layer {layer} not done after {timeout} s ({self._done} layers done)")
             return layer < self._ok_upto, self._events[layer]
-
-
-class Direction(StrEnum):
-    """Which way a batch copies.  A ``str`` enum: members equal ``"store"`` / ``"load"``, the strings a
-    ``layer_hook`` and ``TransferResult.direction`` gave before the enum."""
-
-    STORE = "store"  # device -> host
-    LOAD = "load"    # host -> device
 
 
 @dataclass(frozen=True)
