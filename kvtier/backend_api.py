@@ -443,15 +443,18 @@ class StorageBackend(ABC):
         self._call(self._write_small, key, data)
 
     def get_manifest(self, namespace_id: str) -> dict[str, Any] | None:
+        """The namespace's manifest as :meth:`put_manifest` wrote it; None when there is none, or when
+        what is stored is not a JSON object (unreadable: no manifest to trust)."""
         import json
 
         key = f"{namespace_id}/{MANIFEST_NAME}"
         self._refuse_invalid([key], manifest=True)
         raw = self._call(self._read_small, key)
         try:
-            return json.loads(raw) if raw else None
+            m = json.loads(raw) if raw else None
         except ValueError:
             return None
+        return m if isinstance(m, dict) else None
 
     def evict_to(self, capacity_bytes: int, *, dry_run: bool = False,
                  on_evict: Callable[[list[StoredBlock]], None] | None = None) -> list[StoredBlock]:

@@ -13,7 +13,7 @@ from kvtier import blockformat, plugins
 from kvtier.backend_api import BackendError
 from kvtier.backends._disk_ledger import HOST_TAG
 from kvtier.backends.local_disk import LocalDiskBackend
-from kvtier.keys import Namespace
+from kvtier.keys import MANIFEST_NAME, Namespace
 
 NS = Namespace("m", "bfloat16", 2, 2, 64, 16)
 LID = NS.layout_id
@@ -257,6 +257,15 @@ def test_manifests_are_not_evicted(tmp_path):
     b.put_manifest(NS)
     for _ in range(10):
         b.put(newkeys(1), [os.urandom(100)], LID)
+    assert b.get_manifest(NS.id) == NS.manifest()
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'"model"', b"{not json"])
+def test_a_stored_manifest_that_is_not_a_json_object_is_no_manifest(tmp_path, raw):
+    b = mk(tmp_path)
+    b._write_small(f"{NS.id}/{MANIFEST_NAME}", raw)  # what another writer, or a torn copy, left
+    assert b.get_manifest(NS.id) is None
+    b.put_manifest(NS)
     assert b.get_manifest(NS.id) == NS.manifest()
 
 

@@ -175,8 +175,6 @@ def namespace_info(backend: StorageBackend, ns_id: str) -> NamespaceInfo:
     m = backend.get_manifest(ns_id)
     if m is None:
         return NamespaceInfo(ns_id, problem="no manifest")
-    if not isinstance(m, dict):
-        return NamespaceInfo(ns_id, problem="manifest is not a JSON object")
     try:
         ns = Namespace.from_manifest(m)
     except (TypeError, ValueError) as e:
