@@ -56,10 +56,10 @@ from pydantic import Field, field_validator
 
 from kvtier import blockformat
 from kvtier import threads as kvthreads
-from kvtier.backend_api import MANIFEST_NAME, BackendOptions, StorageBackend, StoredBlock, frame
+from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame
 from kvtier.backends._disk_ledger import HOST_TAG, Ledger, pid_alive, shared_ledger
 from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
-from kvtier.keys import invalid_key, show_key
+from kvtier.keys import MANIFEST_NAME, invalid_key, show_key
 from kvtier.units import ByteSize
 
 log = logging.getLogger("kvtier.backends.local_disk")

@@ -28,6 +28,9 @@ from . import threads as kvthreads
 from .blockformat import Segments
 from .layout import HeadView, KVLayout, LayoutError, _as_list, _layers
 
+#: Block ids or host slots as callers hold them: a list or range, a 1-D numpy array, a tensor.
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
 
 class Direction(StrEnum):
     """Which way blocks are copied.  A ``str`` enum: members equal ``"store"`` / ``"load"``, the strings
@@ -99,7 +102,7 @@ class DeviceTier:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def valid_block_ids(self, block_ids: Any) -> np.ndarray:
+    def valid_block_ids(self, block_ids: BlockIds) -> np.ndarray:
         """A bool array: which ids are in ``[0, num_blocks)``."""
         # An array is compared as it is: list() of one made a numpy scalar per id (a transfer's submission
         # checks every batch here).
@@ -108,7 +111,7 @@ class DeviceTier:
                           dtype=np.int64)).reshape(-1)
         return (ids >= 0) & (ids < self.num_blocks)
 
-    def plan(self, block_ids: Any, buf: torch.Tensor, slots: Any = None) -> CopyPlan:
+    def plan(self, block_ids: BlockIds, buf: torch.Tensor, slots: BlockIds | None = None) -> CopyPlan:
         """Check ``block_ids`` / ``slots`` against this tier and ``buf`` once, and precompute the index
         tensors, so a batch copied layer by layer pays for it once (pass ``plan=`` to gather/scatter)."""
         ids = as_index(block_ids, "cpu")
@@ -139,10 +142,19 @@ class DeviceTier:
 
     # ------------------------------------------------------------------ copies
 
-    def gather(self, block_ids: Any, dst: torch.Tensor, slots: Any = None, *,
+    def _plan_of(self, block_ids: BlockIds | None, buf: torch.Tensor, slots: BlockIds | None,
+                 plan: CopyPlan | None) -> CopyPlan:
+        if plan is not None:
+            return plan
+        if block_ids is None:
+            raise TypeError("block_ids is None and no plan was given: one of them says which blocks to copy")
+        return self.plan(block_ids, buf, slots)
+
+    def gather(self, block_ids: BlockIds | None, dst: torch.Tensor, slots: BlockIds | None = None, *,
                layers: Sequence[int] | None = None, plan: CopyPlan | None = None) -> torch.Tensor:
-        """Blocks -> payload rows of ``dst``.  Returns ``dst``."""
-        p = plan or self.plan(block_ids, dst, slots)
+        """Blocks -> payload rows of ``dst``.  Returns ``dst``.  With ``plan`` (from :meth:`plan`),
+        ``block_ids`` and ``slots`` are the plan's and may be None."""
+        p = self._plan_of(block_ids, dst, slots, plan)
         if p.n == 0:
             return dst
         if p.rows is not None:
@@ -162,10 +174,10 @@ class DeviceTier:
         self._pipelined(self._layer_groups(layers, len(p.runs), dst), kernels, dma, Direction.STORE)
         return dst
 
-    def scatter(self, src: torch.Tensor, block_ids: Any, slots: Any = None, *,
+    def scatter(self, src: torch.Tensor, block_ids: BlockIds | None, slots: BlockIds | None = None, *,
                 layers: Sequence[int] | None = None, plan: CopyPlan | None = None) -> None:
-        """Payload rows of ``src`` -> blocks."""
-        p = plan or self.plan(block_ids, src, slots)
+        """Payload rows of ``src`` -> blocks.  With ``plan``, ``block_ids`` and ``slots`` may be None."""
+        p = self._plan_of(block_ids, src, slots, plan)
         if p.n == 0:
             return
         if p.rows is not None:
@@ -199,12 +211,14 @@ class DeviceTier:
             for c, view in enumerate(self._codec.views[li]):
                 view.index_copy_(0, p.ids, rows[:, c])
 
-    def gather_layer(self, layer: int, block_ids: Any, dst: torch.Tensor, slots: Any = None, *,
+    def gather_layer(self, layer: int, block_ids: BlockIds | None, dst: torch.Tensor,
+                     slots: BlockIds | None = None, *,
                      plan: CopyPlan | None = None) -> torch.Tensor:
         """Layer ``layer`` of each block -> its byte range in the payload rows (a layer-wise save)."""
         return self.gather(block_ids, dst, slots, layers=[layer], plan=plan)
 
-    def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: Any, slots: Any = None, *,
+    def scatter_layer(self, layer: int, src: torch.Tensor, block_ids: BlockIds | None,
+                      slots: BlockIds | None = None, *,
                       plan: CopyPlan | None = None) -> None:
         """Layer ``layer``'s byte range of each payload row -> the blocks (a layer-wise load)."""
         self.scatter(src, block_ids, slots, layers=[layer], plan=plan)
@@ -296,7 +310,7 @@ class DeviceTier:
             raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
         return Segments([memoryview(v[block_id]) for comps in views for v in comps])
 
-    def read_blocks(self, block_ids: Any) -> torch.Tensor:
+    def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
         """The payloads of ``block_ids`` as a new CPU ``[n, block_nbytes]`` tensor (synchronous)."""
         ids = as_index(block_ids, "cpu")
         out = torch.empty((ids.numel(), self.block_nbytes), dtype=torch.uint8)
@@ -305,7 +319,7 @@ class DeviceTier:
             torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def write_blocks(self, payloads: torch.Tensor, block_ids: Any) -> None:
+    def write_blocks(self, payloads: torch.Tensor, block_ids: BlockIds) -> None:
         """Write CPU payload rows into ``block_ids`` (synchronous)."""
         self.scatter(payloads, block_ids)
         if self.is_cuda:
@@ -350,7 +364,7 @@ class _Codec:
         self.np_views = ([[v.detach().numpy() for v in comps] for comps in self.views]
                          if self.device.type == "cpu" else None)
 
-    def rows(self, n: int, slots: Any, nrows: int) -> Rows:
+    def rows(self, n: int, slots: BlockIds | None, nrows: int) -> Rows:
         """Where ``n`` payloads sit in a ``nrows``-row buffer: runs of consecutive rows
         ``[(position in batch, first row, length)]`` when they are long enough to copy in place
         (8 rows on average), else one index tensor of rows."""
@@ -363,7 +377,7 @@ class _Codec:
             raise IndexError(f"payload rows (slots) out of range [0, {nrows})")
         return runs if len(runs) <= max(1, n // 8) else as_index(slots, self.device)
 
-    def gather(self, block_ids: Any, out: torch.Tensor, slots: Any, layers: Sequence[int] | None,
+    def gather(self, block_ids: BlockIds, out: torch.Tensor, slots: BlockIds | None, layers: Sequence[int] | None,
                rows: Rows | None = None) -> None:
         ids = as_index(block_ids, self.device)
         dst = self.layout.payload_view(out, self.copy_dtype)
@@ -394,7 +408,7 @@ class _Codec:
 
         self._run(run, layers, ids.numel())
 
-    def scatter(self, payload: torch.Tensor, block_ids: Any, slots: Any, layers: Sequence[int] | None,
+    def scatter(self, payload: torch.Tensor, block_ids: BlockIds, slots: BlockIds | None, layers: Sequence[int] | None,
                 rows: Rows | None = None) -> None:
         ids = as_index(block_ids, self.device)
         src = self.layout.payload_view(payload, self.copy_dtype)
@@ -593,7 +607,7 @@ def _omp_set_num_threads() -> Any:
     return None
 
 
-def int_array(values: Any, what: str) -> np.ndarray:
+def int_array(values: BlockIds, what: str) -> np.ndarray:
     """Block ids / slots (list, range, numpy array or tensor) as a 1-D int64 numpy array; anything else
     (floats, bools, nested lists) is a ``ValueError`` naming ``what``.  The one normaliser of ids on the
     host side (``as_index`` is its tensor twin)."""
@@ -607,7 +621,7 @@ def int_array(values: Any, what: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def as_index(ids: Any, device: torch.device | str) -> torch.Tensor:
+def as_index(ids: BlockIds, device: torch.device | str) -> torch.Tensor:
     """Block ids / slots (list, range, numpy array or tensor) as a 1-D int64 tensor on ``device``."""
     if isinstance(ids, torch.Tensor):
         t = ids.reshape(-1)
@@ -628,7 +642,7 @@ def _check_range(idx: np.ndarray, n: int, what: str) -> None:
         raise IndexError(f"{what} {bad} out of range [0, {n})")
 
 
-def contiguous_runs(values: Any) -> list[tuple[int, int, int]]:
+def contiguous_runs(values: BlockIds) -> list[tuple[int, int, int]]:
     """``values`` split into maximal runs ``v, v+1, ...``: a list of (position, first value, length)."""
     if isinstance(values, torch.Tensor):
         values = values.cpu().numpy()

@@ -32,11 +32,8 @@ import numpy as np
 import torch
 
 from . import threads as kvthreads
-from .device import DeviceTier, Direction, int_array
+from .device import BlockIds, DeviceTier, Direction, int_array
 from .host import READY, WRITING, HostTier
-
-# Device block ids as callers have them: a list, a numpy array or a CPU tensor (device.int_array reads all).
-BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
 log = logging.getLogger("kvtier.transfer")
 _POLL_S = 0.0001  # CUDA event polling step of a host wait with a timeout

@@ -338,6 +338,8 @@ def test_device_tier_registers_and_copies_into_host_slots():
         dev.gather([1], host.slab, [6])
     with pytest.raises(ValueError, match="2 block ids but 1 slots"):
         dev.scatter(host.slab, [1, 2], [0])
+    with pytest.raises(TypeError, match="block_ids is None and no plan was given"):
+        dev.gather(None, host.slab)
 
 
 def test_device_tier_rejects_mismatched_tensors():
