@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +33,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.stack")
 
 Group = tuple[int, int]  # (first, last) indices into a chain slice; first may be < 0
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """What :meth:`Grouped._read` brought up for the values it was given (value ``j`` = ``todo[j]``)."""
+
+    rows: list[list[Any]]                 # per value, one numpy uint8 row per block (a host slot or a temporary)
+    slot_of: dict[tuple[int, int], int]   # (value, block offset) -> the host slot it was read into
+    src: list[int]                        # per value, the backend it came from (-1: from none)
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A group claimed for writing (:meth:`Grouped._claim_locked`)."""
+
+    members: tuple[bytes, ...]   # its blocks' keys, in chain order
+    slots: list[int]             # their host slots
+    targets: list[int]           # the writable backends lacking it
+    added: list[bytes]           # the blocks this claim put in ``_writing`` (released by it alone)
 
 
 class Grouped:
@@ -96,12 +116,13 @@ class Grouped:
         slots: list[int] = []
         try:
             slots = s.room.reserve(sum(map(len, need))) if host is not None else []
-            rows, slot_of, src = self._read(todo, need, strs, slots, where)
+            reads = self._read(todo, need, strs, slots, where)
         except BaseException:
             s.room.release(slots)  # never left WRITING
             raise
         finally:
             s._backends.release(strs)
+        rows, slot_of, src = reads.rows, reads.slot_of, reads.src
         unused = [slot_of[(j, off)] for j, blocks in enumerate(need) for _, off in blocks
                   if src[j] < 0 and (j, off) in slot_of]
         with s._lock:
@@ -134,11 +155,9 @@ class Grouped:
         return out
 
     def _read(self, todo: list[int], need: list[list[tuple[int, int]]], strs: list[str], slots: list[int],
-              where: Sequence[int]) -> tuple[list[list[Any]], dict[tuple[int, int], int], list[int]]:
+              where: Sequence[int]) -> _Reads:
         """Read values ``todo`` (``need[j]``: value j's wanted blocks, as (position, offset)), each block
-        into its reserved slot (``slots`` in ``need`` order while they last) or a temporary row: per value
-        the rows of its blocks (numpy uint8), the slot of each (value, offset) given one, and the backend
-        each value came from (-1: from none)."""
+        into its reserved slot (``slots`` in ``need`` order while they last) or a temporary row."""
         s, k, nb, host = self.s, self.k, self.s.layout.block_nbytes, self.s.host
         rows: list[list[Any]] = []
         slot_of: dict[tuple[int, int], int] = {}
@@ -165,7 +184,7 @@ class Grouped:
             self._get(b, [j for j, g in enumerate(todo) if where[g] == b], strs, rows, need, src)
         for b in range(len(s._backends)):
             self._get(b, [j for j, g in enumerate(todo) if src[j] < 0 and where[g] != b], strs, rows, need, src)
-        return rows, slot_of, src
+        return _Reads(rows, slot_of, src)
 
     def _get(self, b: int, want: list[int], strs: list[str], rows: list[list[Any]],
              need: list[list[tuple[int, int]]], src: list[int]) -> None:
@@ -192,9 +211,6 @@ class Grouped:
 
     # ------------------------------------------------------------------ the way down
 
-    # Claimed groups: (blocks, their host slots, target backends, the blocks this claim put in _writing).
-    Claim = tuple[tuple[bytes, ...], list[int], list[int], list[bytes]]
-
     def remember(self, members: tuple[bytes, ...]) -> None:
         """Record a whole group (its blocks' keys in chain order) for the blocks of it in host memory, so a
         later write of one of them (write-back on eviction, a selective write on a hit) writes the group.
@@ -216,12 +232,13 @@ class Grouped:
             return None
         return members
 
-    def _claim_locked(self, groups: Sequence[tuple[bytes, ...]], mine: frozenset[bytes] = frozenset()) -> list[Claim]:
+    def _claim_locked(self, groups: Sequence[tuple[bytes, ...]],
+                      mine: frozenset[bytes] = frozenset()) -> list[_Claim]:
         """Claim each group that is whole in host memory, not being written, and missing from a writable
         backend: its blocks go into ``_writing`` (so none is evicted while the group is written);
         ``mine``: blocks the caller already holds for writing (a write-back victim)."""
         s = self.s
-        todo: list[Grouped.Claim] = []
+        todo: list[_Claim] = []
         for members in dict.fromkeys(groups):
             slots = [s.index.host_slot(key) for key in members]
             if any(slot is None for slot in slots) or any(k in s._writing and k not in mine for k in members):
@@ -232,7 +249,7 @@ class Grouped:
                 continue
             added = [k for k in members if k not in s._writing]
             s._writing.update(added)
-            todo.append((members, have, targets, added))
+            todo.append(_Claim(members, have, targets, added))
         return todo
 
     def write_from_host(self, groups: Sequence[tuple[bytes, ...]]) -> None:
@@ -257,32 +274,32 @@ class Grouped:
         finally:
             self._release(todo)
 
-    def _write_job(self, todo: list[Claim]) -> None:
+    def _write_job(self, todo: list[_Claim]) -> None:
         try:
             self._put(todo)
         finally:
             self._release(todo)
             self.s._pending.done()
 
-    def _put(self, todo: list[Claim]) -> set[bytes]:
+    def _put(self, todo: list[_Claim]) -> set[bytes]:
         s = self.s
         written: set[bytes] = set()
         for b in s._backends.writable:
-            part = [(members, slots) for members, slots, targets, _ in todo if b in targets]
+            part = [c for c in todo if b in c.targets]
             if not part:
                 continue
             host = s.host_tier()
-            payloads = [np.concatenate([host.slot_view(slot) for slot in slots]) for _, slots in part]
-            ok = s._down.put_values(b, [members for members, _ in part], payloads)
+            payloads = [np.concatenate([host.slot_view(slot) for slot in c.slots]) for c in part]
+            ok = s._down.put_values(b, [c.members for c in part], payloads)
             s.metrics.add("host", bytes_out=sum(ok) * self.k * s.layout.block_nbytes)
-            written.update(members[-1] for (members, _), good in zip(part, ok) if good)
+            written.update(c.members[-1] for c, good in zip(part, ok) if good)
         return written
 
-    def _release(self, todo: list[Claim]) -> None:
+    def _release(self, todo: list[_Claim]) -> None:
         s = self.s
         with s._lock:
-            for _, _, _, added in todo:
-                s._writing.difference_update(added)
+            for c in todo:
+                s._writing.difference_update(c.added)
 
 
 __all__ = ["Grouped"]
