@@ -21,7 +21,7 @@ import re
 import struct
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..backend_api import StorageBackend
@@ -152,7 +152,6 @@ class NamespaceInfo:
     manifest: dict[str, Any] | None = None
     namespace: Namespace | None = None
     problem: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layout_id(self) -> int | None:
