@@ -97,13 +97,17 @@ def plot(axes: Sequence[GridAxis], recs: Sequence[dict[str, Any]], results: Sequ
 
     tiers = results[0].tiers
     xi = _size_axis(axes)
-    fig, panels = plt.subplots(1, len(tiers) + 1, figsize=(4 * (len(tiers) + 1), 3.6), sharey=True)
     others = [a for i, a in enumerate(axes) if i != xi]
     curves: dict[str, list[tuple[float, dict[str, Any]]]] = {}
     for n, rec in enumerate(recs):
         name = ", ".join(f"{a.path}={rec[a.path]}" for a in others) or "as configured"
         x = parse_size(rec[axes[xi].path]) / 2**30 if xi is not None else float(n)
         curves.setdefault(name, []).append((x, rec))
+    # The legend goes under the panels, two names a row: inside a panel it hid curves or spilled out.
+    ncol = min(2, len(curves))
+    legend_h = 0.25 * -(-len(curves) // ncol) + 0.15
+    height = 3.6 + legend_h
+    fig, panels = plt.subplots(1, len(tiers) + 1, figsize=(4 * (len(tiers) + 1), height), sharey=True)
     columns = [(f"hit_pct_{t}", t) for t in tiers] + [("saved_pct", "all tiers (tokens saved)")]
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]  # curves that coincide stay visible
     for ax, (col, title) in zip(panels, columns):
@@ -119,9 +123,10 @@ def plot(axes: Sequence[GridAxis], recs: Sequence[dict[str, Any]], results: Sequ
             ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     panels[0].set_ylabel("hit rate, % of prompt blocks")
-    panels[-1].legend(fontsize="small", loc="best")
+    handles, labels = panels[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize="small", frameon=False)
     fig.suptitle("kvtier simulate: hit rate per tier")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_h / height, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
