@@ -140,7 +140,7 @@ class StoredBlock:
 class StorageBackend(ABC):
     """Base class of all storage backends.  Subclasses set ``Options`` and implement the hooks."""
 
-    Options: ClassVar[type[BackendOptions]] = BackendOptions
+    Options: ClassVar[type[BaseModel]] = BackendOptions  # or a plain BaseModel (BackendOptions says why)
     #: How ``contains_prefix`` probes a chain: "all" asks about every key in one batch (right when a batch
     #: is one round trip: files, Redis pipelines); "bisect" asks about O(log n) keys one at a time (right
     #: when every probe is a request of its own, as on S3).
@@ -155,10 +155,10 @@ class StorageBackend(ABC):
     #: straight into its KV tensors, with no copy through host memory.
     reads_segments: ClassVar[bool] = False
 
-    def __init__(self, options: BackendOptions | dict[str, Any] | None = None, *, name: str | None = None):
-        if options is None or isinstance(options, dict):
-            options = strict_options(self.Options).model_validate(options or {})
-        self.options = options
+    def __init__(self, options: BaseModel | dict[str, Any] | None = None, *, name: str | None = None):
+        # A subclass declares ``options: <its Options>`` for the precise type (backends/s3.py does).
+        self.options: BaseModel = (options if isinstance(options, BaseModel) else
+                                   strict_options(self.Options).model_validate({} if options is None else options))
         self.name = name or type(self).__name__
         self._stats = BackendStats()
         self._lock = threading.Lock()

@@ -15,11 +15,11 @@ import ctypes
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -549,8 +549,11 @@ _POOL_SIZE = 8
 _PARALLEL_MIN_BYTES = 1 << 20
 
 
-def _parallel(fn: Any, work: list[tuple[int, int]], nbytes: int) -> None:
-    """``fn(chunk)`` over ``work`` (layer-components) split across as many threads as torch uses for
+_W = TypeVar("_W")
+
+
+def _parallel(fn: Callable[[list[_W]], object], work: list[_W], nbytes: int) -> None:
+    """``fn(chunk)`` over ``work`` (layer-components, or blocks) split across as many threads as torch uses for
     intra-op work, in kvtier's own pool whose threads run torch ops single-threaded.
 
     Why: dozens of short parallel ops (one per layer-component) each pay an OpenMP fork/join, and on a

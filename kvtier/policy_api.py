@@ -28,15 +28,19 @@ class PolicyOptions(BaseModel):
 class Policy:
     """Holds validated options.  ``options`` may be an ``Options`` instance, a mapping or None."""
 
-    Options: ClassVar[type[PolicyOptions]] = PolicyOptions
+    # A plain pydantic BaseModel works too: strict_options makes its unknown keys errors all the same.
+    Options: ClassVar[type[BaseModel]] = PolicyOptions
 
-    def __init__(self, options: PolicyOptions | dict[str, Any] | None = None):
+    def __init__(self, options: BaseModel | dict[str, Any] | None = None):
         strict = strict_options(self.Options)  # unknown keys are errors even for a plain BaseModel
-        if options is None or isinstance(options, dict):
-            options = strict.model_validate(options or {})
-        elif not isinstance(options, self.Options):
-            options = strict.model_validate(options.model_dump() if isinstance(options, BaseModel) else options)
-        self.options = options
+        # A subclass declares ``options: <its Options>`` for the precise type (policies/write.py does).
+        self.options: BaseModel
+        if isinstance(options, self.Options):
+            self.options = options
+        elif isinstance(options, BaseModel):  # another model: its fields, validated as this policy's
+            self.options = strict.model_validate(options.model_dump())
+        else:
+            self.options = strict.model_validate({} if options is None else options)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"

@@ -283,7 +283,7 @@ class TransferEngine:
     """
 
     def __init__(self, device: DeviceTier, host: HostTier, *, num_workers: int = 2,
-                 layer_hook: Callable[[Direction, int], None] | None = None, max_staging_bytes: int = 256 << 20):
+                 layer_hook: Callable[[Direction, int], object] | None = None, max_staging_bytes: int = 256 << 20):
         if device.block_nbytes != host.block_nbytes:
             raise ValueError(f"device blocks are {device.block_nbytes} B but host slots are "
                              f"{host.block_nbytes} B: build the host tier from the same layout")

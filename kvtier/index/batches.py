@@ -5,19 +5,19 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 
-from .core import _ID_MAX, IndexCore, _column
+from .core import _ID_MAX, DeviceId, IndexCore, _column
 from .tiers import _check_backend
 
 
 class BatchOps(IndexCore):
     """The operations a tier stack (and its simulator) makes per request, one call per batch."""
 
-    def free_device(self, block_id: int) -> None:
+    def free_device(self, block_id: DeviceId) -> None:
         """Device block ``block_id`` is freed or about to be overwritten: the key it held, if any, loses its
         device copy (and its entry, if that leaves it nowhere and unreferenced)."""
         self.free_devices((block_id,))
 
-    def free_devices(self, block_ids: Iterable[int]) -> None:
+    def free_devices(self, block_ids: Iterable[DeviceId]) -> None:
         """:meth:`free_device` of each id in order: what an engine's block allocation evicted, in one call."""
         rev, dev, host, mask, refs, keys = self._rev[0], self._dev, self._host, self._mask, self._refs, self._keys
         count, n = self._count, len(rev)
@@ -41,7 +41,7 @@ class BatchOps(IndexCore):
     # applied to the keys in order (test_batch_operations_are_their_single_key_forms_in_order).  Their
     # common paths repeat the steps of the helpers they name (_attach, _detach, _pin_slot...) instead of
     # calling them: with the calls, a simulated replay ran 15 % more instructions (cachegrind).
-    def place_on_device_many(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+    def place_on_device_many(self, keys: Sequence[bytes], block_ids: Sequence[DeviceId]) -> None:
         """:meth:`place_on_device` of each ``(keys[i], block_ids[i])`` in order."""
         if len(keys) != len(block_ids):
             raise ValueError(f"place_on_device_many: {len(keys)} keys for {len(block_ids)} device block ids")

@@ -8,12 +8,16 @@ import array
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .tiers import MAX_BACKENDS, Tier, _bits, _check_backend, _mask_of, _tier_backend
 
 _ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
+# A device block id as engines hand them over: a Python int or a numpy integer (vLLM's block tables and
+# numpy id arrays give the latter); the index stores plain ints.
+DeviceId = int | np.integer[Any]
 _HITS_MAX = 2**32 - 1
 
 
@@ -393,7 +397,7 @@ class IndexCore:
                              f"{_hex(self._keys[owner] or b'')}")
 
     @staticmethod
-    def _check_id_type(t: int, ident: int, key: bytes) -> None:
+    def _check_id_type(t: int, ident: object, key: bytes) -> None:
         what = ("device block", "host slot")[t]
         if not isinstance(ident, (int, np.integer)) or not 0 <= ident <= _ID_MAX:
             raise ValueError(f"block {key.hex()}: {what} must be an int in [0, {_ID_MAX}], got {ident!r}")
@@ -582,7 +586,7 @@ class IndexCore:
         if not self._unpin_slot(key, s, 1):
             self._drop_if_unused(s)
 
-    def place_on_device(self, key: bytes, block_id: int) -> None:
+    def place_on_device(self, key: bytes, block_id: DeviceId) -> None:
         """``key`` is now in device block ``block_id`` (inserted if absent): whatever key the index said
         that block held loses its device copy first."""
         if type(block_id) is not int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 
@@ -16,13 +17,14 @@ class MemStoreBackend(StorageBackend):
     """Values live in a dict guarded by one lock; each value is replaced as a whole (atomic per key)."""
 
     Options = MemStoreOptions
+    options: MemStoreOptions  # the validated options, typed as this backend's own
 
-    def __init__(self, options=None, *, name=None):
+    def __init__(self, options: MemStoreOptions | dict[str, Any] | None = None, *, name: str | None = None):
         super().__init__(options, name=name)
         self._values: dict[str, bytes] = {}
         self._mu = threading.Lock()
 
-    def _write(self, keys: Sequence[str], values) -> list[bool]:
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         ok = []
         with self._mu:
             for key, (header, payload) in zip(keys, values):
@@ -33,7 +35,8 @@ class MemStoreBackend(StorageBackend):
                 ok.append(True)
         return ok
 
-    def _read_into(self, keys, headers, payloads) -> list[int | None]:
+    def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
+                   payloads: Sequence[memoryview]) -> list[int | None]:
         out: list[int | None] = []
         with self._mu:
             for key, h, p in zip(keys, headers, payloads):
@@ -62,7 +65,7 @@ class MemStoreBackend(StorageBackend):
         for k, n in items:
             yield StoredBlock(k, n)
 
-    def _usage(self) -> dict:
+    def _usage(self) -> dict[str, Any]:
         with self._mu:
             return {"blocks": len(self._values), "bytes": sum(map(len, self._values.values()))}
 
