@@ -36,13 +36,14 @@ PROMPT_BLOCKS = 8  # full blocks per prompt; the last one holds the final token,
 DECODE_TOKENS = 2
 
 
-def engine_config(backends: list[dict], *, host: Any = "4MiB", num_blocks: int = 64, **extra: Any):
+def engine_config(backends: list[dict[str, Any]], *, host: Any = "4MiB", num_blocks: int = 64, **extra: Any):
     return parse_config({"model": MODEL, "device": {"kind": "cpu", "num_blocks": num_blocks},
                          "host": {"capacity": host, "pinned": False}, "backends": backends, **extra})
 
 
-def bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
-    """``fn()``, failing the test if it has not returned within ``timeout`` seconds (a hang)."""
+def bounded(fn: Callable[..., Any], timeout: float, what: str) -> Any:
+    """``fn()``, failing the test if it has not returned within ``timeout`` seconds (a hang).  (``...``: mypy
+    cannot match a lambda that binds loop variables as defaults, ``lambda s=s: ...``, to ``Callable[[], Any]``.)"""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -104,7 +105,7 @@ class PD:
     _baseline: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, backend: dict, *, pre_host: Any = "4MiB", flush_timeout: float = 10.0) -> PD:
+    def build(cls, backend: dict[str, Any], *, pre_host: Any = "4MiB", flush_timeout: float = 10.0) -> PD:
         """``backend``: one backend entry (name, type, options) both sides share; the decode side gets it
         with ``write: false``."""
         pre = CachedEngine.from_config(engine_config([{**backend, "write": True}], host=pre_host))
@@ -119,6 +120,7 @@ class PD:
             s.prefill = self.pre.run_request(prompt, max_new_tokens=1)
             s.flushed = self.pre.stack.flush(self.flush_timeout)
             s.decode = self.dec.run_request(prompt, max_new_tokens=DECODE_TOKENS, store=False, keep_logits=True)
+            assert s.decode.step_logits is not None  # keep_logits
             s.logits = torch.stack(s.decode.step_logits)
         except Exception:  # noqa: BLE001 - counted: the figure "engine exceptions" must be 0
             s.error = traceback.format_exc()
@@ -131,6 +133,7 @@ class PD:
         if key not in self._baseline:
             r = self.base.run_request(prompt, max_new_tokens=DECODE_TOKENS, store=False, keep_logits=True,
                                       use_cache=False)
+            assert r.step_logits is not None  # keep_logits
             self._baseline[key] = torch.stack(r.step_logits)
         return self._baseline[key]
 

@@ -3,7 +3,7 @@ backend in tmp_path, random device blocks (never zeros), and a view of which tie
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -17,10 +17,10 @@ BLOCK_NBYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 4  # float32
 TIMEOUT = 10.0  # every wait in the tests is bounded
 
 
-def config(tmp_path, *, write: str = "write_through", write_options: dict | None = None,
-           prefetch: str = "best_effort", prefetch_options: dict | None = None, threshold_tokens: int = 0,
+def config(tmp_path, *, write: str = "write_through", write_options: dict[str, Any] | None = None,
+           prefetch: str = "best_effort", prefetch_options: dict[str, Any] | None = None, threshold_tokens: int = 0,
            host_slots: int = 4, num_blocks: int = 32, threads: int = 2, layout: str = "flash_attn",
-           backends: list[dict] | None = None, **extra: Any):
+           backends: list[dict[str, Any]] | None = None, **extra: Any):
     data = {
         "model": {"id": "test/tiny", "kv_dtype": "float32", "num_layers": LAYERS, "num_kv_heads": HEADS,
                   "head_dim": HEAD_DIM, "block_size": BLOCK},
@@ -35,6 +35,16 @@ def config(tmp_path, *, write: str = "write_through", write_options: dict | None
         **extra,
     }
     return parse_config(data)
+
+
+@overload
+def make_stack(tmp_path: Any, *, faulty: Literal[True] = ..., disk_path: Any = ..., segments: bool = ...,
+               **kw: Any) -> tuple[TierStack, FaultyBackend]: ...
+
+
+@overload
+def make_stack(tmp_path: Any, *, faulty: Literal[False], disk_path: Any = ..., segments: bool = ...,
+               **kw: Any) -> tuple[TierStack, None]: ...
 
 
 def make_stack(tmp_path, *, faulty: bool = True, disk_path=None, segments: bool = True,

@@ -1,11 +1,14 @@
 """local_disk specifics: atomic files, capacity + LRU, restart, shared directories, path safety."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -200,7 +203,8 @@ def test_a_put_refused_because_all_room_is_held_scans_no_directory(tmp_path, mon
     b.hold(ks[:3])
     scans = []
     real = LocalDiskBackend._list_blocks
-    monkeypatch.setattr(LocalDiskBackend, "_list_blocks", lambda self, now: scans.append(1) or real(self, now))
+    monkeypatch.setattr(LocalDiskBackend, "_list_blocks",
+                        lambda self, now: scans.append(1) or real(self, now))  # type: ignore[func-returns-value]
     for k in ks[3:5]:
         assert b.put([k], [os.urandom(size)], LID) == [False]
     assert scans == []
@@ -454,10 +458,8 @@ def test_symlinked_shard_directory_is_refused(tmp_path):
 # ------------------------------------------------------------------ special files under a block's name
 
 
-def _plant_special(path: str, kind: str, keep: list) -> None:
+def _plant_special(path: str, kind: str, keep: list[socket.socket]) -> None:
     """A FIFO, a listening unix socket or an empty directory at ``path`` (its directory made first)."""
-    import socket
-
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if kind == "fifo":
         os.mkfifo(path)
@@ -485,7 +487,7 @@ def test_special_file_under_a_block_name_is_corrupt_not_a_hang(tmp_path, kind):
     data = os.urandom(64)
     assert b.put([good], [data], LID) == [True]
     path = b._where(bad)[1]
-    sockets: list = []
+    sockets: list[socket.socket] = []
     _plant_special(path, kind, sockets)
     try:
         bufs = [bytearray(64), bytearray(64)]
@@ -530,10 +532,11 @@ def test_exists_answers_from_the_directory_not_from_what_this_instance_wrote(tmp
     b.close()
 
 
-def _ledger(root) -> dict:
+def _ledger(root) -> dict[str, Any]:
     import json
 
-    return json.loads((root / ".kvtier-usage.json").read_text())
+    ledger: dict[str, Any] = json.loads((root / ".kvtier-usage.json").read_text())
+    return ledger
 
 
 @pytest.mark.timeout(60)
@@ -656,7 +659,8 @@ def test_short_reads_are_continued_and_the_value_checked_whole(tmp_path, monkeyp
 
     def short(fd, bufs, offset):
         left, views = 100 << 10, []
-        for v in map(memoryview, bufs):
+        bufs_viewed: Iterator[memoryview] = map(memoryview, bufs)
+        for v in bufs_viewed:
             views.append(v[:left])
             left -= views[-1].nbytes
             if not left:

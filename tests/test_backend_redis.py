@@ -36,7 +36,7 @@ def get(b, ks, size=SIZE):
 @pytest.fixture(scope="module")
 def secured():
     if redis_available():
-        pytest.skip(redis_available())
+        pytest.skip(str(redis_available()))
     srv = start_redis(password=SECRET)
     yield srv
     srv.cleanup()
@@ -72,7 +72,7 @@ def test_keys_redis_evicts_or_expires_are_told_to_the_owner():
     switched on by the default ``eviction_events: auto``) and tells ``on_evicted`` exactly the kvtier
     keys that are gone; another application's keys and ``eviction_events: off`` tell nothing."""
     if redis_available():
-        pytest.skip(redis_available())
+        pytest.skip(str(redis_available()))
     srv = start_redis(extra_args=["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"])
     b = RedisBackend({"url": srv.url})
     quiet = RedisBackend({"url": srv.url, "eviction_events": "off"})
@@ -232,7 +232,7 @@ def test_wrong_or_missing_password_is_a_clear_error(secured, caplog):
 
 def test_tls():
     if redis_available():
-        pytest.skip(redis_available())
+        pytest.skip(str(redis_available()))
     try:
         srv = start_redis(tls=True, password=SECRET)
     except (RuntimeError, subprocess.SubprocessError) as e:

@@ -185,8 +185,8 @@ def test_credentials_never_in_logs_errors_or_repr(moto_server_private, caplog):
             errors.append(e)
     assert len(errors) == 2
     texts = [caplog.text, repr(kv), repr(kv.options), str(kv.options), kv.options.model_dump_json()]
-    for e in errors:
-        texts += [str(e), repr(e), "".join(traceback.format_exception(e))]
+    for err in errors:
+        texts += [str(err), repr(err), "".join(traceback.format_exception(err))]
     assert any("Signature" in r.getMessage() or "Authorization" in r.getMessage()
                for r in caplog.records), "DEBUG logging of botocore was not captured: test is void"
     for text in texts:
@@ -296,7 +296,8 @@ class socket_free_port:
 
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        self.port = port
         s.close()
         return self.port
 
@@ -318,7 +319,7 @@ def test_contains_prefix_bisects_with_few_requests(moto_server, s3_bucket):
             == [True] * 173
         probes = []
         real = be._exists
-        be._exists = lambda ks: probes.append(len(ks)) or real(ks)
+        be._exists = lambda ks: probes.append(len(ks)) or real(ks)  # type: ignore[func-returns-value]
         assert be.contains_prefix(keys) == 173
         assert len(probes) <= 10 and sum(probes) <= 10
         assert be.contains_prefix(keys[173:]) == 0

@@ -73,6 +73,8 @@ class _Source:
     """A stored value served by ``read(buffers, offset)`` (preadv's contract), recording each call; ``cap``:
     at most that many bytes a call (a short read, as a network filesystem gives)."""
 
+    calls: list[list[int]]
+
     def __init__(self, data: bytes, cap: int | None = None):
         self.data, self.cap, self.calls = data, cap, []
 
@@ -96,6 +98,7 @@ def test_read_hashed_reads_in_groups_and_takes_the_checksum_of_what_landed(segme
     hdr = header(payload)
     src = _Source(hdr + payload)
     head = memoryview(bytearray(bf.HEADER_SIZE))
+    dest: bf.Segments | memoryview
     if segmented:  # parts of uneven sizes, one larger than a group
         cuts = [0, 1000, 1000 + 2 * bf.HASH_GROUP_BYTES + 7, len(payload)]
         bufs = [bytearray(b - a) for a, b in zip(cuts, cuts[1:])]
@@ -183,7 +186,8 @@ def test_expectations_that_differ():
     hdr = header()
     assert "namespace" in check(hdr, ns=Namespace("m2", "bfloat16", 32, 8, 128, 16))
     assert "block hash" in check(hdr, h=bytes(16))
-    assert "layout id" in bf.check_block(hdr, PAYLOAD, NS.digest, HASH, NS.layout_id ^ 1)
+    reason = bf.check_block(hdr, PAYLOAD, NS.digest, HASH, NS.layout_id ^ 1)
+    assert reason is not None and "layout id" in reason
     assert "payload length" in check(hdr, PAYLOAD[:-1])
 
 

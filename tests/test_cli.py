@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
+from typing import cast
 
 import pytest
 
@@ -13,11 +15,13 @@ from kvtier.cli import build_parser
 
 def _subcommands():
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"))
     out = []
     for name, p in sub.choices.items():
         nested = [a for a in p._actions if a.__class__.__name__ == "_SubParsersAction"]
         if nested:
+            assert nested[0].choices is not None  # a subparsers action: its subcommands
             out += [[name, n] for n in nested[0].choices]
         out.append([name])
     return out

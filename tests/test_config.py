@@ -53,7 +53,7 @@ class NoOptions:
     """A plugin without an ``Options`` model: its options stay a plain dict."""
 
 
-REGISTRY = {
+REGISTRY: dict[str, dict[str, type]] = {
     "backend": {"local_disk": FakeDisk, "redis": FakeDisk, "noopts": NoOptions},
     "write_policy": {"write_through": NoOptions, "write_through_selective": FakeSelective, "write_back": NoOptions},
     "prefetch_policy": {"best_effort": NoOptions, "wait_complete": NoOptions, "timeout": NoOptions},

@@ -27,6 +27,7 @@ import os
 import random
 import re
 import string
+from typing import Any
 
 import cbor2
 import numpy as np
@@ -47,7 +48,7 @@ from kvtier.layout import KINDS, KVLayout, LayoutError
 
 # Derandomized by default, so the test command gives the same verdict every run (a random draw once failed a
 # coverage threshold and once found a real bug: run with KVTIER_FUZZ_RANDOM=1 to explore new inputs).
-FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
+FUZZ: dict[str, Any] = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
             derandomize=not os.environ.get("KVTIER_FUZZ_RANDOM"))
 YAML_EXAMPLES = int(os.environ.get("KVTIER_FUZZ_YAML_EXAMPLES", 10_000))
 
@@ -71,7 +72,9 @@ SOURCE = "fuzz.yaml"
 
 def _dump(doc) -> str:
     """YAML text of ``doc`` (libyaml's emitter when present: the fuzzers dump 10 000 documents)."""
-    return yaml.dump(doc, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False, allow_unicode=True)
+    text: str = yaml.dump(doc, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False,
+                          allow_unicode=True)
+    return text
 
 words = st.text(string.ascii_letters + string.digits + "_-./ :üé€\n\t", min_size=1, max_size=12)
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
@@ -94,9 +97,9 @@ def _names(line: str, path: str) -> bool:
     return line.startswith(" ".join((path + ": ").splitlines()))
 
 
-def _set(doc: dict, path: tuple, value) -> None:
+def _set(doc: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
     """Set ``value`` at ``path``, creating absent sections (never replacing a value that is there)."""
-    node = doc
+    node: Any = doc
     for p in path[:-1]:
         if isinstance(node, dict) and p not in node:
             node[p] = {}
@@ -104,7 +107,7 @@ def _set(doc: dict, path: tuple, value) -> None:
     node[path[-1]] = value
 
 
-def _related(a: tuple, b: tuple) -> bool:
+def _related(a: tuple[str | int, ...], b: tuple[str | int, ...]) -> bool:
     """One path is the other or inside it: a second fault there would mask or repair the first."""
     n = min(len(a), len(b))
     return a[:n] == b[:n]
@@ -113,7 +116,7 @@ def _related(a: tuple, b: tuple) -> bool:
 _ID_CHARS = string.ascii_letters + string.digits + "_-./ :üé€\n\t"
 
 
-def _valid_doc(seed: int) -> dict:
+def _valid_doc(seed: int) -> dict[str, Any]:
     """A valid config built from ``seed`` (plain ``random``: one hypothesis draw instead of thirty, which
     is what lets 10 000 examples run in well under a minute; the faults are still drawn by hypothesis)."""
     r = random.Random(seed)
@@ -123,7 +126,7 @@ def _valid_doc(seed: int) -> dict:
     if r.random() < 0.5:
         model.update(kv_dtype=r.choice(KV_DTYPES), block_size=r.randint(1, 256), attention=r.choice(["mha", "mla"]),
                      tp_size=tp, tp_rank=r.randint(0, tp - 1))
-    doc: dict = {"model": model}
+    doc: dict[str, Any] = {"model": model}
     if r.random() < 0.5:
         doc["keys"] = {"algo": r.choice(["sha256_cbor", "xxh3_128"]),
                        "seed": r.choice([None, r.randint(0, 2**32), "s" * r.randint(1, 5)])}
@@ -162,7 +165,7 @@ def _not_int(lo: int):
 
 
 @st.composite
-def faults(draw, doc: dict, taken: list[tuple]) -> tuple[str, bool] | None:
+def faults(draw, doc: dict[str, Any], taken: list[tuple[str | int, ...]]) -> tuple[str, bool] | None:
     """Inject one fault into ``doc``; return (the key path a problem line must name, whether that holds
     only when it is the only fault: cross-field checks run only on an otherwise valid config), or None
     when the fault drawn would touch a path an earlier fault (listed in ``taken``) already broke."""
@@ -238,8 +241,8 @@ def faults(draw, doc: dict, taken: list[tuple]) -> tuple[str, bool] | None:
     return _join(path), False
 
 
-def _fields_at(where: tuple) -> set[str]:
-    model = KvtierConfig
+def _fields_at(where: tuple[str | int, ...]) -> set[str]:
+    model: Any = KvtierConfig  # a pydantic model class, walked through its fields' annotations
     for p in where:
         if isinstance(p, int):
             continue
@@ -251,7 +254,8 @@ def _fields_at(where: tuple) -> set[str]:
 @st.composite
 def faulty_docs(draw):
     doc = draw(valid_docs())
-    expected, taken = [], []
+    expected: list[tuple[str, bool]] = []
+    taken: list[tuple[str | int, ...]] = []
     for _ in range(draw(st.integers(1, 3))):
         f = draw(faults(doc, taken))
         if f is not None:
@@ -260,7 +264,7 @@ def faulty_docs(draw):
 
 
 @st.composite
-def env_overrides(draw) -> dict[str, str]:
+def env_overrides(draw: st.DrawFn) -> dict[str, str]:
     """KVTIER_... variables: real paths with bad values, misspelt paths, list entries that do not exist."""
     names = ["KVTIER_HOST__CAPACITY", "KVTIER_MODEL__NUM_LAYERS", "KVTIER_HOST__CAPACTY", "KVTIER_BACKENDS__7__TYPE",
              "KVTIER_MODEL", "KVTIER_DEVICE__KIND", "KVTIER_POLICIES__WRITE__NAME", "KVTIER_MODEL____ID",
@@ -274,7 +278,7 @@ YAML_BITS = [":", ": ", "- ", "-", "{", "}", "[", "]", ",", "&a ", "*a", "!!pyth
 
 
 @st.composite
-def yaml_texts(draw) -> tuple[str, list, dict]:
+def yaml_texts(draw) -> tuple[str, list[tuple[str, bool]], dict[str, str]]:
     """(YAML text, expected (path, alone) faults, environment)."""
     mode = draw(st.sampled_from(["valid", "fault", "fault", "fault", "fault", "junk", "junk", "splice", "splice",
                                  "text"]))
@@ -350,7 +354,7 @@ _LOC = re.compile(rf"^{re.escape(SOURCE)}(?::\d+:\d+)?: \S")
 _BLAMED = re.compile(r"\(set by environment variable (\w+)\)$")
 
 
-def _check_lines(err: ConfigError, data, env: dict) -> None:
+def _check_lines(err: ConfigError, data, env: dict[str, str]) -> None:
     """Every problem line is ``path: problem`` with a path found in the input ``data``, the schema, the
     environment or the file's location."""
     assert err.problems and str(err) == "\n".join(err.problems)
@@ -417,7 +421,7 @@ def test_fuzz_yaml_configs(figures):
 @st.composite
 def plugin_docs(draw):
     """Configs whose backends' options (validated by each plugin's Options) or policy names are wrong."""
-    doc = {"model": {"id": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64}, "backends": []}
+    doc: dict[str, Any] = {"model": {"id": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64}, "backends": []}
     kinds = draw(st.lists(st.sampled_from(["local_disk", "redis", "s3"]), min_size=1, max_size=3))
     for i, kind in enumerate(kinds):
         opts = {"local_disk": {"path": "/tmp/kv"}, "redis": {"url": "redis://h:1/0"}, "s3": {"bucket": "abc"}}[kind]
@@ -527,7 +531,7 @@ def test_config_alias_bomb_and_recursion(tmp_path):
 # ======================================================================================= tokens, mm, lora
 
 
-def _reference(hasher: BlockHasher, tokens: list[int], extras: list) -> list[bytes]:
+def _reference(hasher: BlockHasher, tokens: list[int], extras: list[Any]) -> list[bytes]:
     """vLLM's construction, block by block, with the extra keys given per block."""
     B = hasher.block_size
     h = hasher.none_hash
@@ -606,10 +610,10 @@ mm_item = st.one_of(
 
 
 @st.composite
-def valid_mm(draw, n: int) -> list:
+def valid_mm(draw, n: int) -> list[dict[str, Any] | tuple[str, int, int] | MMItem]:
     """Sorted, non-overlapping items inside ``n`` tokens, as dicts, tuples or MMItems."""
     cuts = sorted(draw(st.lists(st.integers(0, n), max_size=8, unique=True)))
-    items = []
+    items: list[dict[str, Any] | tuple[str, int, int] | MMItem] = []
     for a, b in zip(cuts[0::2], cuts[1::2]):
         form = draw(st.sampled_from(["dict", "tuple", "item"]))
         ident = draw(words)
@@ -649,9 +653,9 @@ def test_fuzz_multimodal_lora_salt(figures):
         lkey = None if lora is None else ("lora", lora[0], lora[1])
         extras = []
         for i in range(n // block_size):
-            s, e = i * block_size, (i + 1) * block_size
-            ex = [lkey] if lkey else []
-            ex += [("mm", m.identifier, m.offset - s) for m in norm if m.offset < e and m.offset + m.length > s]
+            s, end = i * block_size, (i + 1) * block_size
+            ex: list[tuple[Any, ...]] = [lkey] if lkey else []
+            ex += [("mm", m.identifier, m.offset - s) for m in norm if m.offset < end and m.offset + m.length > s]
             if salt is not None and i == 0:
                 ex.append(("cache_salt", salt))
             extras.append(tuple(ex) if ex else None)

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import pickle
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -246,7 +247,7 @@ def test_backend_bits():
     assert ix.count(B(0)) == ix.count(B(31)) == 0
     for bad in (-1, MAX_BACKENDS, "0"):
         with pytest.raises(ValueError, match="backend index"):
-            ix.insert(key(1), backends=[bad])
+            ix.insert(key(1), backends=[bad])  # type: ignore[list-item]
     assert key(1) not in ix
     with pytest.raises(ValueError, match="unknown tier"):
         ix.count(Tier.MISSING)
@@ -278,7 +279,7 @@ def test_place_on_device_takes_numpy_ids_and_names_the_block_of_a_bad_one():
     assert ix.key_at_device(4) == b and a not in ix
     for bad in (4.0, "4", -1):
         with pytest.raises(ValueError, match=f"block {a.hex()}: device block must be an int in .*got {bad!r}"):
-            ix.place_on_device(a, bad)
+            ix.place_on_device(a, bad)  # type: ignore[arg-type]
     assert ix.key_at_device(4) == b
     ix.free_device(np.int32(4))
     assert ix.key_at_device(4) is None and b not in ix
@@ -314,7 +315,7 @@ class Reference:
     """The obvious implementation: a dict of dicts and one Python list per memory tier (LRU first)."""
 
     def __init__(self) -> None:
-        self.e: dict[bytes, dict] = {}
+        self.e: dict[bytes, dict[str, Any]] = {}
         self.lru: dict[int, list[bytes]] = {DEV: [], HOST: []}
         self.tick = 0
 
@@ -452,8 +453,8 @@ def check_against(ix: BlockIndex, ref: Reference, pool: list[bytes], rng: random
         assert ix.eviction_candidates(t, 3) == ref.lru[t][:3]
         assert ix.count(t) == sum(ref.loc(k, t) is not None for k in ref.e)
     for b in (0, 1, 31):
-        want = sorted((e["last"], k) for k, e in ref.e.items() if b in e["bk"] and e["refs"] == 0)
-        assert ix.eviction_candidates(B(b), 1000) == [k for _, k in want]
+        lru = sorted((e["last"], k) for k, e in ref.e.items() if b in e["bk"] and e["refs"] == 0)
+        assert ix.eviction_candidates(B(b), 1000) == [k for _, k in lru]
         assert ix.count(B(b)) == sum(b in e["bk"] for e in ref.e.values())
     # mostly present keys, so chains run long, with an occasional absent one as the hole
     chain = rng.sample(list(ref.e), min(20, len(ref.e)))
@@ -534,7 +535,7 @@ def test_short_chains_are_looked_up_exactly_as_the_vector_path_does(seed, monkey
     assert max(ix.lookup_prefix(c).length for c in chains) >= 20  # long runs were compared, not only misses
 
 
-def _state(ix: BlockIndex, ks: list[bytes]) -> tuple:
+def _state(ix: BlockIndex, ks: list[bytes]) -> tuple[object, ...]:
     """Everything observable: each key's entry, both memory tiers' LRU order, every backend's count."""
     ix.validate()
     return ([ix.get(k) for k in ks], ix.eviction_candidates(DEV, 10**6), ix.eviction_candidates(HOST, 10**6),

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import cbor2
 import numpy as np
@@ -234,7 +235,7 @@ def test_same_keys_in_separate_processes(algo):
 
 def test_namespace_digest_covers_every_field():
     base = Namespace("llama", "bfloat16", 32, 8, 128, 16)
-    variants = [
+    variants: list[dict[str, Any]] = [
         dict(model="llama2"), dict(kv_dtype="float8_e4m3fn"), dict(num_layers=31), dict(num_kv_heads=4),
         dict(head_dim=64), dict(block_size=32), dict(attention="mla"), dict(tp_rank=1, tp_size=2),
         dict(tp_size=2), dict(pp_rank=1, pp_size=2), dict(hash_algo="xxh3_128"), dict(hash_seed="x"),
@@ -280,7 +281,7 @@ def test_namespace_validation():
 def test_keys_cli(tmp_path, capsys):
     from kvtier.cli import main
 
-    req = {"tokens": list(range(40)), "block_size": 8, "algo": "sha256_cbor", "seed": None,
+    req: dict[str, Any] = {"tokens": list(range(40)), "block_size": 8, "algo": "sha256_cbor", "seed": None,
            "mm": [{"identifier": "x", "offset": 0, "length": 3}], "lora": {"name": "a", "path": "/a"},
            "cache_salt": "s"}
     f = tmp_path / "req.json"

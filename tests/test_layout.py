@@ -113,7 +113,7 @@ def test_write_payload_writes_one_block_as_scatter_does(kind, inner, dtype):
     payload = expected_payload(layout, random_tensors(layout, seed=2), [5, 6])
     dst = random_tensors(layout, seed=1)
     dev = DeviceTier(layout, dst)
-    dev.write_payload(memoryview(payload[0].numpy()), 9)
+    dev.write_payload(memoryview(payload[0].numpy()), 9)  # type: ignore[arg-type]  # numpy: a Buffer on 3.12+
     dev.write_payload(payload[1].numpy(), 0)
     assert torch.equal(layout.to_payload(dst, [9, 0]), payload)
     before = random_tensors(layout, seed=1)
@@ -176,7 +176,7 @@ def test_flash_attn_and_flashinfer_share_payload_bytes():
 def test_block_nbytes_and_copy_dtype():
     bench = KVLayout("flash_attn", 32, 4, 16, 8, 128, torch.bfloat16)
     assert bench.block_nbytes == 2 * 1024 * 1024
-    mla = KVLayout("mla", 61, 4, 64, 1, 576, "bfloat16")
+    mla = KVLayout("mla", 61, 4, 64, 1, 576, "bfloat16")  # type: ignore[arg-type]  # a dtype's name works too
     assert mla.block_nbytes == 61 * 64 * 576 * 2
     odd = KVLayout("flash_attn", 2, 5, 3, 1, 5, torch.float8_e5m2)  # 15-byte rows
     ts = random_tensors(odd)
@@ -288,7 +288,7 @@ def test_validation_messages():
     with pytest.raises(LayoutError, match=r"layer 1: not contiguous within a block: the last 3 dims must "
                                           r"have strides \(16, 8, 1\), found strides"):
         small.validate(ts)
-    ts[1] = "not a tensor"
+    ts[1] = "not a tensor"  # type: ignore[call-overload]
     with pytest.raises(LayoutError, match="layer 1: expected a torch.Tensor, got str"):
         small.validate(ts)
     st = KVLayout("stacked", 3, 4, 4, 2, 8, torch.float16)

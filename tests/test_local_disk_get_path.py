@@ -2,6 +2,7 @@
 never served (also when the batch is split across the pool's threads), and reads keep the LRU index."""
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -101,10 +102,12 @@ def test_reads_keep_lru_order_and_adopt_other_writers_blocks(tmp_path):
 
 def test_check_block_hashes_the_payload_once_and_names_the_reason():
     ns, h = NS.digest, bytes(range(16))
-    payload = np.arange(BLOCK // 4, dtype=np.uint32)
+    # Any: numpy's stubs give ndarray a __buffer__ only for Python 3.12+ (it is a buffer at runtime)
+    payload: Any = np.arange(BLOCK // 4, dtype=np.uint32)
     head = blockformat.encode_header(ns, h, LID, payload)
     assert blockformat.check_block(head, payload, ns, h, LID) is None
     assert blockformat.check_block(memoryview(bytearray(head)), memoryview(payload), ns, h, LID) is None
     payload[5] += 1
     assert blockformat.check_block(head, payload, ns, h, LID) == "payload checksum mismatch"
-    assert "header is 87 bytes" in blockformat.check_block(head[:87], payload, ns, h, LID)
+    reason = blockformat.check_block(head[:87], payload, ns, h, LID)
+    assert reason is not None and "header is 87 bytes" in reason

@@ -254,7 +254,9 @@ def test_malformed_keys_a_backend_says_it_evicted_never_break_a_lookup(tmp_path)
         ns, h = m.namespace, m.namespace.hasher().hash_blocks(list(range(8)))
         m.apply(WorkerReport(in_backend={(h[0], 0), (h[1], 0)}))
         assert m.lookup(h) == Lookup(LookupState.HIT, 2, (DISK,) * 2)
-        fb.on_evicted([f"{ns.id}/manifest.json", "../x", None, ns.keys(h[1:])[0], ns.id + "/zz"])
+        assert fb.on_evicted is not None  # the manager listens
+        fb.on_evicted([f"{ns.id}/manifest.json", "../x", None,  # type: ignore[list-item]
+                       ns.keys(h[1:])[0], ns.id + "/zz"])
         assert not m.index.in_backends(h[1], (0,)) and m.index.in_backends(h[0], (0,))
         assert m.lookup(h[:1]) == Lookup(LookupState.HIT, 1, (DISK,))
     finally:

@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def make_requests(tmp_path: Path) -> Path:
     return path
 
 
-def write_config(tmp_path: Path, role: str, backend: dict) -> Path:
+def write_config(tmp_path: Path, role: str, backend: dict[str, Any]) -> Path:
     cfg = yaml.safe_load((ROOT / "configs" / f"pd-{role}.yaml").read_text())
     be = dict(backend)
     if role == "decode":
@@ -59,7 +60,7 @@ def kvtier(*args: str) -> str:
     return r.stdout
 
 
-def run_pair(tmp_path: Path, backend: dict) -> None:
+def run_pair(tmp_path: Path, backend: dict[str, Any]) -> None:
     reqs_path = make_requests(tmp_path)
     reqs = [json.loads(x) for x in reqs_path.read_text().splitlines()]
     pre = write_config(tmp_path, "prefill", backend)

@@ -5,6 +5,7 @@ so the policies' differences are pinned down."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack, read, where
@@ -172,7 +173,7 @@ def _stored_on_disk(tmp_path, n: int = 6):
     return hs
 
 
-def _prefetch_stack(tmp_path, prefetch: str, options: dict | None = None, threshold: int = 0):
+def _prefetch_stack(tmp_path, prefetch: str, options: dict[str, Any] | None = None, threshold: int = 0):
     st, fb = make_stack(tmp_path, host_slots=8, prefetch=prefetch, prefetch_options=options,
                         threshold_tokens=threshold)
     st.prefetch_chunk_blocks = 2
@@ -331,7 +332,7 @@ def test_write_back_to_a_backend_refusing_everything_is_bounded(tmp_path):
         fb.fail("put")  # the disk refuses everything, from the start
         bound = st.max_unwritten
         assert bound == 2
-        statuses = []
+        statuses: list[str] = []  # StoreStatus members, which equal their names
         for i in range(24):
             fill(st, [i % 8], seed=i)
             statuses += st.store(chain(st, 1, start=1000 * i), [i % 8]).wait(TIMEOUT).status

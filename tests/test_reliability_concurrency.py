@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ NKEYS = 32
 SIZE = 64 << 10
 
 
-def _race(kind: str, target: str, capacity: str | None = None) -> list[dict]:
+def _race(kind: str, target: str, capacity: str | None = None) -> list[dict[str, Any]]:
     args = [sys.executable, str(WORKER), "mix", kind, target, "--keys", str(NKEYS), "--size", str(SIZE),
             "--batch", "8", "--seconds", str(SECONDS)]
     if capacity:
@@ -42,8 +43,10 @@ def _race(kind: str, target: str, capacity: str | None = None) -> list[dict]:
                               text=True) for i in (1, 2)]
     try:
         for p in procs:
+            assert p.stdout is not None and p.stdin is not None  # Popen'd with PIPEs
             assert p.stdout.readline().strip() == "ready", "worker failed to start"
-        for p in procs:  # both start together
+        for p in procs:
+            assert p.stdin is not None  # both start together
             p.stdin.write("go\n")
             p.stdin.flush()
         out = [p.communicate(timeout=60)[0] for p in procs]
@@ -56,7 +59,7 @@ def _race(kind: str, target: str, capacity: str | None = None) -> list[dict]:
     return [json.loads(o.strip().splitlines()[-1]) for o in out]
 
 
-def _check(results: list[dict], label: str, figures) -> None:
+def _check(results: list[dict[str, Any]], label: str, figures) -> None:
     reads = sum(r["reads"] for r in results)
     hits = sum(r["hits"] for r in results)
     wrong = sum(r["wrong"] for r in results)
@@ -125,8 +128,10 @@ def test_capacity_holds_for_a_directory_shared_by_four_writers(tmp_path, figures
     peak, samples = 0, 0
     try:
         for p in procs:
+            assert p.stdout is not None and p.stdin is not None  # Popen'd with PIPEs
             assert p.stdout.readline().strip() == "ready", "worker failed to start"
         for p in procs:
+            assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
         start = time.monotonic()

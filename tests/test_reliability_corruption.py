@@ -19,6 +19,7 @@ makes them hits again.
 from __future__ import annotations
 
 import os
+from typing import Any, Protocol, cast
 
 import numpy as np
 import pytest
@@ -38,10 +39,10 @@ SWAPS = 2
 K = len(FLIPS) + len(TRUNCS) + len(EXTENDS) + SWAPS
 
 
-class Medium:
+class Medium(Protocol):
     """Raw access to where a backend keeps a key's value."""
 
-    def read(self, key: str) -> bytes | None: ...
+    def read(self, key: str) -> bytes: ...  # of a key that is there
     def write(self, key: str, value: bytes) -> None: ...
     def exists(self, key: str) -> bool: ...
 
@@ -101,7 +102,7 @@ class S3Medium(Medium):
             self.c.head_object(Bucket=self.bucket, Key=key)
             return True
         except Exception as e:  # noqa: BLE001 - botocore ClientError
-            if e.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
+            if cast(Any, e).response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
 

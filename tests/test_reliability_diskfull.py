@@ -61,7 +61,8 @@ def _read_all(b, keys):
 def test_disk_full_stores_fail_cleanly(small_tmpfs, figures):
     root = small_tmpfs / "blocks"
     b = LocalDiskBackend({"path": str(root), "capacity": "1GiB", "threads": 4})
-    stored, refused = [], []
+    stored: list[str] = []
+    refused: list[str] = []
     n = 0
     while len(refused) < 3 * BATCH:  # go on well past the first ENOSPC
         keys = [key_of(n + j, tag="full") for j in range(BATCH)]

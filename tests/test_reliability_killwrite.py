@@ -42,6 +42,7 @@ class Zygote:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # Popen'd with PIPEs
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         out = self.proc.stdout.readline()
@@ -52,6 +53,7 @@ class Zygote:
         return np.frombuffer(self.progress.read_bytes(), dtype="<u8").copy()
 
     def close(self) -> None:
+        assert self.proc.stdin is not None
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=10)
@@ -60,7 +62,7 @@ class Zygote:
             self.proc.wait()
 
 
-def _kill_rounds(kind: str, target: str, tmp_path: Path, after_kill=None, after_read=None) -> dict:
+def _kill_rounds(kind: str, target: str, tmp_path: Path, after_kill=None, after_read=None) -> dict[str, int]:
     """Run the rounds; returns the figures.  ``after_kill()`` runs between the kill and the reader's
     start, ``after_read()`` once the reader has read."""
     rng = np.random.default_rng(6)
@@ -121,7 +123,7 @@ def _kill_rounds(kind: str, target: str, tmp_path: Path, after_kill=None, after_
     return figs
 
 
-def _record(figures, label: str, figs: dict) -> None:
+def _record(figures, label: str, figs: dict[str, int]) -> None:
     figures(f"kill -9 rounds ({label})", ROUNDS)
     figures(f"kills landing mid-batch ({label})", f"{figs['mid_batch']}/{ROUNDS}")
     figures(f"blocks read back after kills ({label})", f"{figs['hits']} hits, {figs['misses']} misses")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from _reliability_stack_helpers import (
     PD,
     PROMPT_BLOCKS,
     Prompts,
+    Step,
     bounded,
     counters,
     delta,
@@ -50,15 +52,18 @@ from kvtier.backends._resp import key_slot
 from kvtier.config import parse_config
 from kvtier.stack import TierStack
 
+if TYPE_CHECKING:
+    from kvtier.backends.s3 import S3Backend
+
 STEP_TIMEOUT = 30.0  # bound on one P/D request in these tests (a hang fails the test)
 REDIS_TIMEOUT = 0.5  # timeout_s of the redis backend
 
 
-def _redis(url: str) -> dict:
+def _redis(url: str) -> dict[str, Any]:
     return {"name": "redis", "type": "redis", "options": {"url": url, "timeout_s": REDIS_TIMEOUT}}
 
 
-def _steps(pd: PD, prompts: Prompts, n: int) -> list:
+def _steps(pd: PD, prompts: Prompts, n: int) -> list[Step]:
     return [bounded(lambda: pd.step(prompts()), STEP_TIMEOUT, "P/D request") for _ in range(n)]
 
 
@@ -66,10 +71,12 @@ def _prefill_only(pd: PD, prompt: list[int]) -> list[bytes]:
     """Store ``prompt`` from the prefill side only; the reusable hashes (the decode side never saw them)."""
     bounded(lambda: pd.pre.run_request(prompt, max_new_tokens=1), STEP_TIMEOUT, "prefill")
     assert pd.pre.stack.flush(10)
-    return pd.dec.hasher.hash_blocks(prompt)[:reusable(prompt)]
+    hashes: list[bytes] = pd.dec.hasher.hash_blocks(prompt)  # (CachedEngine.stack is typed Any)
+    return hashes[:reusable(prompt)]
 
 
-def _load_after_lookup_then(pd: PD, hashes: list[bytes], fault, backend: str) -> tuple[int, dict, dict]:
+def _load_after_lookup_then(pd: PD, hashes: list[bytes], fault,
+                            backend: str) -> tuple[int, dict[str, int], dict[str, int]]:
     """Decode side: look ``hashes`` up (all found), then ``fault()``, then load them.  Returns the blocks
     loaded and the counter deltas of the backend and of the device tier."""
     dec = pd.dec
@@ -261,7 +268,8 @@ def test_redis_cluster_node_stopped_under_pd(redis_cluster, figures):
                 f"{sum(h or 0 for h in hits(healed))}/{sum(reusable(s.prompt) for s in healed)}")
         assert errors == [] and wrong == []
         assert got == want, (got, want)
-        assert 0 < sum(got) < sum(reusable(s.prompt) for s in down), "the dead node must cost some hits, not all"
+        assert 0 < sum(cast("list[int]", got)) < sum(reusable(s.prompt) for s in down), \
+            "the dead node must cost some hits, not all"  # (got == want: no None)
         assert pre_d["stores_skipped"] > 0 and partial > 0, (pre_d, partial)
         assert dec_unavailable > 0 and pre_unavailable > 0, (dec_unavailable, pre_unavailable)
         figures("redis cluster, 1 of 3 nodes stopped: keys counted unavailable (decode / prefill)",
@@ -274,7 +282,7 @@ def test_redis_cluster_node_stopped_under_pd(redis_cluster, figures):
 # ---------------------------------------------------------------------------------------------- S3
 
 
-def _s3(moto, bucket: str, *, timeout_s: float = 1.0, retries: int = 0) -> dict:
+def _s3(moto, bucket: str, *, timeout_s: float = 1.0, retries: int = 0) -> dict[str, Any]:
     return {"name": "s3", "type": "s3", "options": {"bucket": bucket, "endpoint_url": moto.endpoint_url,
                                                     "region": "us-east-1", "timeout_s": timeout_s,
                                                     "retries": retries}}
@@ -333,7 +341,7 @@ BIG = {"id": "test/s3-outage", "kv_dtype": "float32", "num_layers": 2, "num_kv_h
        "block_size": 16}
 
 
-def _s3_stack(moto, bucket: str, *, prefetch: str = "best_effort", prefetch_options: dict | None = None,
+def _s3_stack(moto, bucket: str, *, prefetch: str = "best_effort", prefetch_options: dict[str, Any] | None = None,
               host_blocks: int = 16) -> TierStack:
     cfg = parse_config({
         "model": BIG, "device": {"kind": "cpu", "num_blocks": 32},
@@ -351,7 +359,7 @@ def _fill(stack: TierStack, ids: list[int], seed: int) -> torch.Tensor:
     return rows
 
 
-def _timed(fn) -> tuple[float, object]:
+def _timed(fn) -> tuple[float, Any]:
     t0 = time.monotonic()
     try:
         out = fn()
@@ -368,7 +376,7 @@ def _until(pred, timeout: float, what: str) -> None:
         time.sleep(0.005)
 
 
-def _settled(stack: TierStack, timeout: float = 5.0) -> dict:
+def _settled(stack: TierStack, timeout: float = 5.0) -> dict[str, Any]:
     """Wait (bounded) until nothing is pinned and no host slot is mid-write; the final stats."""
     deadline = time.monotonic() + timeout
     while True:
@@ -384,7 +392,7 @@ def test_s3_slow_every_call_returns_within_budget(moto_server_private, figures, 
     moto = moto_server_private
     bucket = moto.new_bucket()
     w, r = _s3_stack(moto, bucket), _s3_stack(moto, bucket)
-    budget = r.backends[0].call_budget_s
+    budget = cast("S3Backend", r.backends[0]).call_budget_s
     assert budget == 1.0
     hashes = w.namespace.hasher().hash_blocks(list(range(4 * 16)))
     rows = _fill(w, [0, 1, 2, 3], seed=1)
@@ -449,7 +457,7 @@ def test_prefetch_policies_honour_deadlines_on_slow_s3(moto_server_private, figu
     w.close(timeout=10)
     healthy = _s3_stack(moto, bucket, prefetch=policy, prefetch_options=options)
     slow = _s3_stack(moto, bucket, prefetch=policy, prefetch_options=options)
-    budget = slow.backends[0].call_budget_s
+    budget = cast("S3Backend", slow.backends[0]).call_budget_s
     try:
         # Healthy: the prefetch brings all 8 blocks up (so the slow case below is not vacuous).
         ph = healthy.prefetch(hashes)

@@ -25,11 +25,12 @@ import os
 import random
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _reliability_stack_helpers import PD, Prompts, bounded, counters, delta, hits, reusable
+from _reliability_stack_helpers import PD, Prompts, Step, bounded, counters, delta, hits, reusable
 
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.blockformat import HEADER_SIZE
@@ -63,7 +64,7 @@ def test_disk_full_under_the_stack(small_tmpfs, figures):
     fresh_dec: CachedEngine | None = None
     try:
         # Fill it: requests until the disk refuses stores, then three more on a full disk.
-        steps = []
+        steps: list[Step] = []
         while counters(pd.pre, "disk")["stores_skipped"] == 0 and len(steps) < 12:
             steps.append(bounded(lambda: pd.step(prompts()), STEP_TIMEOUT, "P/D request"))
         assert counters(pd.pre, "disk")["stores_skipped"] > 0, "the disk never filled up"
@@ -78,7 +79,7 @@ def test_disk_full_under_the_stack(small_tmpfs, figures):
         tmp_left = [p for p, _ in files if p.endswith(".tmp")]
         bad_size = [p for p, n in files if not p.endswith(".tmp") and n != HEADER_SIZE + block_nbytes]
         ns = pd.pre.stack.namespace
-        by_key = {}
+        by_key: dict[str, bytes] = {}
         for s in steps:
             hs = pd.pre.hasher.hash_blocks(s.prompt)
             by_key.update(zip(ns.keys(hs), hs))
@@ -151,7 +152,7 @@ REDIS_TIMEOUT = 0.5  # timeout_s of the redis backend
 DOCS = 16
 
 
-def _stack_config(tmp_path, *, write: str, host_slots: int, backends: list[dict]):
+def _stack_config(tmp_path, *, write: str, host_slots: int, backends: list[dict[str, Any]]):
     block_nbytes = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 4
     return parse_config({
         "model": {"id": "test/concurrency", "kv_dtype": "float32", "num_layers": LAYERS, "num_kv_heads": HEADS,
@@ -196,7 +197,8 @@ def test_stack_many_concurrent_requests(tmp_path, request, figures, case):
               for d in range(DOCS)]
     want = {h: _payload(h, nbytes) for c in chains for h in c}
     lock = threading.Lock()
-    stats = {"requests": 0, "loaded": 0, "stored": 0, "wrong": 0, "timeouts": 0, "errors": [], "max_wait": 0.0}
+    stats: dict[str, Any] = {"requests": 0, "loaded": 0, "stored": 0, "wrong": 0, "timeouts": 0, "errors": [],
+                             "max_wait": 0.0}
 
     def timed(what: str, fn):
         t0 = time.monotonic()
@@ -267,6 +269,7 @@ def test_stack_many_concurrent_requests(tmp_path, request, figures, case):
             th.start()
         kills, hits0 = 0, 0
         if faulty:  # SIGKILL and restart (or SIGSTOP and resume) Redis 3 times while the requests run
+            assert srv is not None  # a redis case
             for _ in range(3):
                 time.sleep(0.1)
                 srv.stop() if "killed" in case else srv.pause()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def prompt():
     return torch.randint(0, 2048, (10 * B + 5,), generator=torch.Generator().manual_seed(11)).tolist()
 
 
-def store_then_decode(tmp_path, stored: dict, asked: dict, **decode_model) -> int:
+def store_then_decode(tmp_path, stored: dict[str, Any], asked: dict[str, Any], **decode_model) -> int:
     """Prefill ``stored`` in one engine, decode ``asked`` in a fresh one sharing only the disk; return the
     number of prefix blocks the decode side reused."""
     p = engine(tmp_path)

@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from _reliability.common import check, payload
@@ -71,7 +73,7 @@ def _attempt(fn, texts: list[str]):
         return None
 
 
-def _cli_check(files: list[str], env: dict | None = None) -> str:
+def _cli_check(files: list[str], env: dict[str, str] | None = None) -> str:
     r = subprocess.run([sys.executable, "-m", "kvtier", "config", "check", *files], capture_output=True, text=True,
                        env={**os.environ, **(env or {})}, timeout=120)
     return r.stdout + r.stderr
@@ -90,7 +92,7 @@ def _write_yaml(path, doc) -> str:
 @pytest.fixture(scope="module")
 def secured_redis():
     if redis_available():
-        pytest.skip(redis_available())
+        pytest.skip(str(redis_available()))
     srv = start_redis(password=REDIS_PW)
     yield srv
     srv.cleanup()
@@ -106,6 +108,7 @@ def test_redis_password_never_leaks(secured_redis, tmp_path, caplog, capfd, figu
     data = [payload(k, 0, SIZE) for k in keys]
 
     # working, with the password in the URL and as an option
+    opts: dict[str, Any]
     for opts in ({"url": f"redis://:{REDIS_PW}@127.0.0.1:{port}/0"},
                  {"url": f"redis://127.0.0.1:{port}/0", "password": REDIS_PW},
                  {"url": f"redis://default:{REDIS_PW}@127.0.0.1:{port}/0"}):
@@ -126,6 +129,7 @@ def test_redis_password_never_leaks(secured_redis, tmp_path, caplog, capfd, figu
     for opts in ({"url": f"redis://:{WRONG_PW}@127.0.0.1:{port}/0"},
                  {"url": f"redis://127.0.0.1:{port}/0", "password": WRONG_PW}):
         b = RedisBackend({**opts, "timeout_s": 2})
+        op: Callable[[], object]
         for op in (lambda b=b: b.put(keys, data, NS.layout_id),
                    lambda b=b: b.get_into(keys, [bytearray(SIZE)] * 4, NS.layout_id),
                    lambda b=b: b.exists(keys), lambda b=b: list(b.scan()), lambda b=b: b.delete(keys)):
@@ -150,7 +154,7 @@ def test_redis_password_never_leaks(secured_redis, tmp_path, caplog, capfd, figu
     b.close()
 
     # config errors around a password: never echoed
-    bad_configs = [
+    bad_configs: list[dict[str, Any]] = [
         {"url": f"redis://:{REDIS_PW}@127.0.0.1:{port}/0?db=1"},
         {"url": f"redis://:{REDIS_PW}@127.0.0.1:{port}/zero"},
         {"url": f"redis://:{REDIS_PW}@127.0.0.1:{port}/0", "pasword": REDIS_PW},
@@ -310,7 +314,7 @@ def test_cache_salt_isolation_end_to_end(tmp_path):
     b.close()
 
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "kv_dtype": dict(kv_dtype="float8_e4m3fn"), "tp_rank": dict(tp_rank=1, tp_size=2), "tp_size": dict(tp_size=2),
     "model": dict(model="secrets/model-v2"), "block_size": dict(block_size=32), "num_layers": dict(num_layers=3),
     "head_dim": dict(head_dim=128), "attention": dict(attention="mla"), "pp_rank": dict(pp_rank=1, pp_size=2),

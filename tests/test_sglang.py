@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,21 +40,21 @@ def tokens(n_pages: int, seed: int) -> list[int]:
     return [rng.randrange(1, 50_000) for _ in range(n_pages * P)]
 
 
-def write_yaml(tmp: Path, backend: dict, name: str = "kvtier.yaml", **extra) -> str:
+def write_yaml(tmp: Path, backend: dict[str, Any], name: str = "kvtier.yaml", **extra) -> str:
     p = tmp / name
     p.write_text(yaml.safe_dump({"backends": [backend], **extra}))
     return str(p)
 
 
-def disk(path: Path) -> dict:
+def disk(path: Path) -> dict[str, Any]:
     return {"name": "disk", "type": "local_disk", "options": {"path": str(path), "capacity": "1GiB"}}
 
 
-def redis(url: str, **opts) -> dict:
+def redis(url: str, **opts) -> dict[str, Any]:
     return {"name": "redis", "type": "redis", "options": {"url": url, **opts}}
 
 
-def s3(moto, bucket: str) -> dict:
+def s3(moto, bucket: str) -> dict[str, Any]:
     return {"name": "s3", "type": "s3", "options": {"bucket": bucket, "endpoint_url": moto.endpoint_url,
                                                     "region": "us-east-1"}}
 
@@ -126,7 +127,9 @@ def test_pages_from_another_process_every_backend(tmp_path, redis_server, moto_s
         rows = torch.empty((9, st.codec.page_nbytes), dtype=torch.uint8)
         assert st.get_rows(keys, rows) == [True] * 9
         assert torch.equal(rows, pages_for(tokens(9, 0), 0).view(torch.uint8).reshape(9, -1))
-        assert st.backends_list[0].get_manifest(st.namespace.id)["hash_algo"] == "sglang_sha256"
+        manifest = st.backends_list[0].get_manifest(st.namespace.id)
+        assert manifest is not None
+        assert manifest["hash_algo"] == "sglang_sha256"
     finally:
         e.close()
     figures("sglang pages written in another process, read bit-identical (3 backends)", 27)
@@ -148,6 +151,7 @@ def test_every_host_layout_reads_every_other(tmp_path, v1):
             for i in range(len(h.LAYOUTS)):
                 pf = h.prefetch(e, tokens(5, 100 + i))
                 assert pf.loaded_tokens == 5 * P, (layout, i)
+                assert pf.slots is not None
                 assert same(h.read_pages(e, pf.slots), pages_for(tokens(5, 100 + i), 100 + i)), (layout, i)
         finally:
             e.close()
@@ -237,6 +241,7 @@ def test_damaged_page_is_a_miss_never_served(tmp_path, figures):
         pf = h.prefetch(e, toks)
         assert pf.hit_tokens == 10 * P  # existence is a hint; bytes are verified when read
         assert pf.loaded_tokens == 4 * P
+        assert pf.slots is not None
         assert same(h.read_pages(e, pf.slots[:4 * P]), pages_for(toks, 5)[:4])
         st: PageStore = e.kvtier.store
         assert st.backends_list[0].stats().corrupt >= 1
@@ -296,7 +301,7 @@ def test_sglang_fault_injection(tmp_path, monkeypatch):
     try:
         assert type(e.storage).__name__ == "HiCacheStorageFailureInjector"
         assert isinstance(e.kvtier, KvtierStorage)
-        loaded = set()
+        loaded: set[int] = set()
         # About a third of the prefetches load something at these odds (19 of 60 measured), so 12 tries
         # find none about once in a hundred runs: tries go on, up to 60, until one has.
         for attempt in range(60):
@@ -306,6 +311,7 @@ def test_sglang_fault_injection(tmp_path, monkeypatch):
             assert pf.loaded_tokens % P == 0 and pf.loaded_tokens <= pf.hit_tokens
             if pf.loaded_tokens:
                 n = pf.loaded_tokens // P
+                assert pf.slots is not None
                 assert same(h.read_pages(e, pf.slots[:n * P]), pages_for(toks, 11)[:n])
                 loaded.add(n)
             if pf.slots is not None:

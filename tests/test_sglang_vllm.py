@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ model_dir = tv.model_dir  # the same random-weight Llama (2 layers, 2 KV heads, 
 BS = tv.BS  # vLLM block size = SGLang page size
 A, B = tv.A, tv.B  # A: 300 tokens (9 full blocks); B shares A's first 5 blocks
 DRIVER = Path(__file__).parent / "sglang" / "vllm_kv.py"
-GEOMETRY = {"page_size": BS, "layers": 2, "heads": 2, "head_dim": 64, "dtype": torch.bfloat16}
+GEOMETRY: dict[str, Any] = {"page_size": BS, "layers": 2, "heads": 2, "head_dim": 64, "dtype": torch.bfloat16}
 
 
 def yaml_file(path: Path, root: Path, **extra) -> str:
@@ -42,7 +43,7 @@ def yaml_file(path: Path, root: Path, **extra) -> str:
     return str(path)
 
 
-def run_vllm(model: str, tmp: Path, role: str, cfg: str, prompts: list[list[int]]) -> dict:
+def run_vllm(model: str, tmp: Path, role: str, cfg: str, prompts: list[list[int]]) -> dict[str, Any]:
     pf, out, log = tmp / f"{role}.prompts.json", tmp / f"{role}.pt", tmp / f"{role}.log"
     pf.write_text(json.dumps(prompts))
     with open(log, "w") as f:
@@ -50,13 +51,13 @@ def run_vllm(model: str, tmp: Path, role: str, cfg: str, prompts: list[list[int]
                              "--out", str(out), "--role", role, "--block-size", str(BS)], stdout=f,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": "0"}, timeout=600).returncode
     assert rc == 0, log.read_text()[-6000:]
-    res = torch.load(out)
+    res: dict[str, Any] = torch.load(out)
     res["log"] = log.read_text()
     return res
 
 
 @pytest.fixture(scope="module")
-def vllm_stored(model_dir, tmp_path_factory) -> tuple[Path, dict]:
+def vllm_stored(model_dir, tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     """A vLLM prefill instance stored A's 9 full blocks, keys sglang_sha256; and the KV its cache holds."""
     tmp = tmp_path_factory.mktemp("vllm")
     root = tmp / "blocks"
@@ -79,9 +80,11 @@ def test_sglang_loads_the_kv_vllm_computed(vllm_stored, tmp_path, layout, figure
     try:
         pf = h.prefetch(e, A)  # 300 tokens: 9 full pages and a partial one (never stored)
         assert (pf.hit_tokens, pf.loaded_tokens) == (9 * BS, 9 * BS)
+        assert pf.slots is not None
         assert same(h.read_pages(e, pf.slots), want), "SGLang's host pool differs from vLLM's KV"
         pf = h.prefetch(e, B)  # shares 5 blocks with A
         assert (pf.hit_tokens, pf.loaded_tokens) == (5 * BS, 5 * BS)
+        assert pf.slots is not None
         assert same(h.read_pages(e, pf.slots), want[:5])
     finally:
         e.close()
@@ -98,6 +101,7 @@ def test_vllm_loads_what_sglang_stored(model_dir, vllm_stored, tmp_path):
     w = h.make_engine(yaml_file(tmp_path / "to.yaml", root), layout="page_first", **GEOMETRY)
     try:
         pf = h.prefetch(e, A)
+        assert pf.slots is not None
         pages = h.read_pages(e, pf.slots)
         assert h.backup(w, A[:9 * BS], pages)[0] == 9 * BS
     finally:

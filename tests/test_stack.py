@@ -583,6 +583,7 @@ def test_from_config_and_close_are_idempotent(tmp_path):
     st.close()
     st.close()
     with TierStack.from_config(config(tmp_path)) as st2:
+        assert st2.block_pool is not None
         assert isinstance(st2.block_pool.num_free, int)
 
 
@@ -640,6 +641,7 @@ def test_concurrent_requests_on_overlapping_prefixes(tmp_path, write):
     with st._lock:
         st.index.validate()
         assert st.index.pinned == 0
+    assert st.host is not None
     hs = st.host.stats()
     assert not st._writing and hs.writing == 0
     assert st.metrics.snapshot()["tiers"]["host"]["evictions"] > 0

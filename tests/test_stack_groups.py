@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from _stack_helpers import BLOCK, TIMEOUT, chain, config, fill, make_stack, read
 
 from kvtier.config import ConfigError
 from kvtier.groups import group_ends, group_of, whole_groups
-from kvtier.index import Tier
+from kvtier.index import BlockEntry, Tier
 from kvtier.integrations.engine import CachedEngine
 
 K = 4  # engine blocks per stored value
@@ -173,6 +174,7 @@ def test_engine_prefill_then_decode_loads_whole_groups(tmp_path):
         assert r.loaded_blocks == {"disk": 16} and r.computed_tokens == 300 - 16 * 16
         ref = base.run_request(prompt, max_new_tokens=4, keep_logits=True, use_cache=False, store=False)
         assert r.tokens == ref.tokens
+        assert r.step_logits is not None and ref.step_logits is not None  # keep_logits
         for a, b in zip(r.step_logits, ref.step_logits):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
     finally:
@@ -194,7 +196,7 @@ def test_write_back_writes_the_whole_group_of_an_evicted_block(tmp_path):
         assert st.store(other, [8, 9, 10, 11]).wait(TIMEOUT).num_stored == 4
         assert st.flush(TIMEOUT)
         assert _disk_values(st) == st.namespace.keys([hs[3]])
-        assert all(st.index.get(h) is None or st.index.get(h).host is None for h in hs[:4])
+        assert all(st.index.get(h) is None or cast(BlockEntry, st.index.get(h)).host is None for h in hs[:4])
         _evict_memory(st)
         lr = st.load(hs[:4], [20, 21, 22, 23]).wait(TIMEOUT)
         assert lr.num_loaded == 4 and torch.equal(read(st, [20, 21, 22, 23]), rows[:4])
@@ -225,7 +227,7 @@ def test_sglang_refuses_values_of_several_pages():
     cfg = config(Path("/nonexistent"), storage={"block_tokens": K * BLOCK})
     with pytest.raises(ValueError, match=rf"storage.block_tokens must be null or model.block_size \(the page size, "
                                          rf"{BLOCK}\) with SGLang, got {K * BLOCK}"):
-        PageStore(cfg, None)
+        PageStore(cfg, None)  # type: ignore[arg-type]
 
 
 def test_plans_and_stack_refuse_a_negative_chain_position(grouped):

@@ -35,9 +35,9 @@ def test_non_bytes_hashes_are_type_errors(tmp_path):
     with _stack(tmp_path, "sha256_cbor") as s:
         for bad in ("ab" * 16, 7, None):
             with pytest.raises(TypeError, match=r"hashes\[0\]: expected bytes .* got "):
-                s.lookup([bad])
+                s.lookup([bad])  # type: ignore[list-item]
         h = s.namespace.hasher().hash_blocks(list(range(4)))
-        assert s.lookup([bytearray(h[0])]).num_blocks == 0  # bytes-like is fine
+        assert s.lookup([bytearray(h[0])]).num_blocks == 0  # type: ignore[list-item]  # bytes-like is fine
 
 
 def test_load_into_duplicate_blocks_is_refused(tmp_path):

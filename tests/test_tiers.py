@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -175,7 +176,8 @@ def test_host_capacity_and_pinned_resolution():
     assert h.slab.shape == (10, 1000) and h.slab.dtype == torch.uint8
     with pytest.raises(ValueError, match="host capacity 999 B holds no block of 1000 B"):
         HostTier(1000, capacity_bytes=999)
-    for neither_or_both in ({}, {"capacity_bytes": 10_000, "num_slots": 10}):
+    cases: tuple[dict[str, Any], ...] = ({}, {"capacity_bytes": 10_000, "num_slots": 10})
+    for neither_or_both in cases:
         with pytest.raises(ValueError, match="give exactly one of capacity_bytes and num_slots"):
             HostTier(1000, **neither_or_both)
     assert resolve_pin_memory(False) is False

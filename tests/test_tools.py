@@ -10,18 +10,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from kvtier.backend_api import StoredBlock
 from kvtier.backends.local_disk import LEDGER_NAME, LocalDiskBackend
 from kvtier.cli import main
 from kvtier.commands._storage_tools import NamespaceInfo
 from kvtier.keys import Namespace
 from kvtier.testing.redis_server import redis_available, start_redis
 
-MODEL = {"id": "kvtier/tools-test", "kv_dtype": "float32", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
-         "block_size": 4}
+MODEL: dict[str, Any] = {"id": "kvtier/tools-test", "kv_dtype": "float32", "num_layers": 2, "num_kv_heads": 2,
+                         "head_dim": 8, "block_size": 4}
 NS = Namespace(MODEL["id"], "float32", 2, 2, 8, 4, hash_seed="tools")
 PAYLOAD = 2 * 2 * 4 * 2 * 8 * 4  # layers * (K, V) * tokens * heads * head_dim * float32 = 1024
 STORED = PAYLOAD + 88
@@ -30,13 +32,13 @@ NOMANIFEST = Namespace("anonymous/model", "float16", 1, 1, 16, 4, hash_seed="too
 SECRET = "Sup3r-s3cret-pw-4711"
 
 
-def config(tmp_path: Path, *backends: dict, name: str = "kv.yaml") -> str:
+def config(tmp_path: Path, *backends: dict[str, Any], name: str = "kv.yaml") -> str:
     path = tmp_path / name
     path.write_text(yaml.safe_dump({"model": MODEL, "keys": {"seed": "tools"}, "backends": list(backends)}))
     return str(path)
 
 
-def disk(tmp_path: Path, capacity: int | str = "1GiB", name: str = "disk") -> dict:
+def disk(tmp_path: Path, capacity: int | str = "1GiB", name: str = "disk") -> dict[str, Any]:
     return {"name": name, "type": "local_disk", "options": {"path": str(tmp_path / "blocks"), "capacity": capacity}}
 
 
@@ -46,7 +48,7 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def cli_json(capsys, *argv: str) -> tuple[int, dict]:
+def cli_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:
     rc, out, err = cli(capsys, *argv, "--json")
     return rc, json.loads(out)
 
@@ -335,7 +337,7 @@ def test_gc_local_disk_evicts_least_recently_used_first(tmp_path, capsys):
 def test_evict_to_generic_default(redis_backend_cfg):
     _, b, _ = redis_backend_cfg
     put(b, NS, 8)
-    seen = []
+    seen: list[StoredBlock] = []
     removed = b.evict_to(5 * STORED, on_evict=seen.extend)
     assert len(removed) == 3 and seen == removed
     assert sum(blk.size for blk in b.scan()) == 5 * STORED
@@ -371,7 +373,7 @@ def test_bad_config_exits_2(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def secured():
     if redis_available():
-        pytest.skip(redis_available())
+        pytest.skip(str(redis_available()))
     srv = start_redis(password=SECRET)
     yield srv
     srv.cleanup()

@@ -11,7 +11,7 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.tiers import FREE, READY, WRITING, DeviceTier, HostTier
-from kvtier.transfer import Direction, LayerDoneCounter, TransferEngine
+from kvtier.transfer import Direction, LayerDoneCounter, TransferEngine, TransferResult
 
 
 def random_tensors(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:
@@ -45,7 +45,9 @@ def test_store_then_load_round_trip_bit_exact(tiers):
     with TransferEngine(dev, host) as eng:
         slots = host.allocate(4).slots
         r = eng.store([3, 7, 1, 12], slots).wait(10)
-        assert r.all_ok and r.direction is Direction.STORE and r.direction == "store" and r.nbytes == 4 * LAYOUT.block_nbytes
+        assert (r.all_ok and r.direction is Direction.STORE
+                and r.direction == "store"  # type: ignore[comparison-overlap]  # a StrEnum member equals its value
+                and r.nbytes == 4 * LAYOUT.block_nbytes)
         assert [host.state(s) for s in slots] == [WRITING] * 4  # no keys: the caller commits
         host.commit(r.ok_slots, ["a", "b", "c", "d"])
         assert torch.equal(host.slab[slots], want)
@@ -157,7 +159,7 @@ def test_fault_inside_worker_fails_blocks_and_releases_waiters(tiers):
     assert r.ok == (False, False) and r.failed_block_ids == [5, 6]
     assert any("injected fault" in e for e in r.errors)
     assert all(host.state(s) == READY for s in slots)
-    calls = []
+    calls: list[TransferResult] = []
     h.add_done_callback(calls.append)  # after the fact: called at once
     assert calls == [r]
     eng.close()

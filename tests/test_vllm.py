@@ -32,6 +32,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -61,18 +62,19 @@ def model_dir(tmp_path_factory) -> str:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    llama: Any = LlamaForCausalLM(cfg)  # transformers' @wraps-typed .to() does not type-check bound
+    llama.to(torch.bfloat16).save_pretrained(d)
     return str(d)
 
 
-def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict | None = None, *,
+def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config: dict[str, Any] | None = None, *,
              pause_after: int = -1, between=None, hash_algo: str = "sha256_cbor", tp: int = 1,
              load_mode: str | None = None, idle_wait_ms: float | None = None, while_decoding: bool = False,
              abort_first: bool = False,
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
              max_model_len: int | None = None, max_batched_tokens: int | None = None,
              salts: list[str | None] | None = None, reset_between: bool = False, block_size: int = BS,
-             attention_backend: str | None = None) -> dict:
+             attention_backend: str | None = None) -> dict[str, Any]:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -122,16 +124,16 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
                 proc.kill()
     text = log_path.read_text()
     assert rc == 0, f"vLLM ({role}) exited {rc}:\n{text[-6000:]}"
-    res = json.loads(out.read_text())
+    res: dict[str, Any] = json.loads(out.read_text())
     res["log"] = text
     return res
 
 
-def kv_config(backend: dict, host: str = "32MiB") -> dict:
+def kv_config(backend: dict[str, Any], host: str = "32MiB") -> dict[str, Any]:
     return {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": host}, "backends": [backend]}
 
 
-def disk(path: Path) -> dict:
+def disk(path: Path) -> dict[str, Any]:
     return {"name": "disk", "type": "local_disk", "options": {"path": str(path), "capacity": "1GiB"}}
 
 
@@ -139,15 +141,19 @@ NULL = {"host": {"capacity": "0"}, "backends": []}  # the connector is there, no
 
 
 @pytest.fixture(scope="module")
-def warm(model_dir, tmp_path_factory) -> list[dict]:
+def warm(model_dir, tmp_path_factory) -> list[dict[str, Any]]:
     """[B, A] after [A, C] filled vLLM's own prefix cache (null connector)."""
-    return run_vllm(model_dir, tmp_path_factory.mktemp("warm"), "kv_both", [A, C, B, A], NULL)["results"][2:]
+    results: list[dict[str, Any]] = run_vllm(model_dir, tmp_path_factory.mktemp("warm"), "kv_both", [A, C, B, A],
+                                             NULL)["results"]
+    return results[2:]
 
 
 @pytest.fixture(scope="module")
-def cold(model_dir, tmp_path_factory) -> list[dict]:
+def cold(model_dir, tmp_path_factory) -> list[dict[str, Any]]:
     """[B, A] from an empty cache (null connector)."""
-    return run_vllm(model_dir, tmp_path_factory.mktemp("cold"), "kv_both", [B, A], NULL)["results"]
+    results: list[dict[str, Any]] = run_vllm(model_dir, tmp_path_factory.mktemp("cold"), "kv_both", [B, A],
+                                             NULL)["results"]
+    return results
 
 
 def test_null_connector_tokens_equal_plain_vllm(model_dir, cold, tmp_path):
@@ -159,18 +165,18 @@ def test_null_connector_tokens_equal_plain_vllm(model_dir, cold, tmp_path):
 @pytest.fixture(scope="module")
 def stored_on_disk(model_dir, tmp_path_factory) -> Path:
     """A local_disk directory a prefill vLLM filled with [A, C]."""
-    tmp = tmp_path_factory.mktemp("disk")
+    tmp: Path = tmp_path_factory.mktemp("disk")
     run_vllm(model_dir, tmp, "kv_producer", [A, C], kv_config(disk(tmp / "blocks")))
     return tmp / "blocks"
 
 
-def assert_same_outputs(got: list[dict], want: list[dict]) -> None:
+def assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["tokens"] == w["tokens"], f"prompt {i}: tokens differ"
         assert g["logprobs"] == w["logprobs"], f"prompt {i}: logprobs differ"
 
 
-def assert_close_outputs(got: list[dict], want: list[dict]) -> None:
+def assert_close_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     """Greedy tokens exact, logprobs equal to within vLLM's own noise (batching, a prefix computed another
     way: vLLM is not bitwise invariant to either).  That noise depends on the CPU's kernels: under 2e-3
     with vLLM's AVX-512 attention, up to 0.0077 with its AMX bf16 kernels (a request decoding beside a
@@ -334,6 +340,7 @@ def test_request_aborted_while_its_blocks_load(model_dir, stored_on_disk, warm, 
     if not damaged:
         assert_same_outputs(got["results"], warm)
         return
+    assert victim is not None
     assert not victim.exists(), "a corrupt block must be deleted"
     assert_close_outputs(got["results"], warm)  # B computed blocks 3-4 after cached 0-2: vLLM's own noise
 
@@ -442,7 +449,7 @@ def test_preempted_requests_resume_from_host_memory(model_dir, tmp_path):
     connector (same KV size, resumed prompts recomputed)."""
     rng = random.Random(11)
     prompts = [[rng.randrange(1, 500) for _ in range(100)] for _ in range(6)]
-    kw = {"together": True, "num_blocks": 16, "max_tokens": 200, "max_model_len": 448}
+    kw: dict[str, Any] = {"together": True, "num_blocks": 16, "max_tokens": 200, "max_model_len": 448}
     host_only = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "32MiB"}, "backends": []}
     got = run_vllm(model_dir, tmp_path, "kv_both", prompts, host_only, load_mode="sync", **kw)
     ref = run_vllm(model_dir, tmp_path, "kv_both", prompts, NULL, **kw)
@@ -507,7 +514,8 @@ def mla_model_dir(tmp_path_factory) -> str:
                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=512,
                            q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
                            max_position_embeddings=4096, initializer_range=0.15)  # varied greedy tokens
-    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    deepseek: Any = DeepseekV2ForCausalLM(cfg)  # transformers' @wraps-typed .to() does not type-check bound
+    deepseek.to(torch.bfloat16).save_pretrained(d)
     return str(d)
 
 
@@ -575,7 +583,7 @@ def test_an_mla_model_on_vllms_amx_backend_loads_its_prefix_and_keeps_every_toke
 SOAK = Path(__file__).parent / "vllm" / "soak.py"
 
 
-def run_soak(model: str, tmp: Path, config: dict | None, seed: int) -> dict:
+def run_soak(model: str, tmp: Path, config: dict[str, Any] | None, seed: int) -> dict[str, Any]:
     tag = f"soak-{seed}-{time.monotonic_ns()}"
     cfg, out, log = tmp / f"{tag}.yaml", tmp / f"{tag}.json", tmp / f"{tag}.log"
     if config is not None:
@@ -585,11 +593,12 @@ def run_soak(model: str, tmp: Path, config: dict | None, seed: int) -> dict:
                              "--seed", str(seed), "--out", str(out)], stdout=f, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONHASHSEED": "0"}, timeout=600).returncode
     assert rc == 0, log.read_text()[-6000:]
-    return json.loads(out.read_text())
+    res: dict[str, Any] = json.loads(out.read_text())
+    return res
 
 
 @pytest.fixture(scope="module")
-def soak_reference(model_dir, tmp_path_factory) -> dict:
+def soak_reference(model_dir, tmp_path_factory) -> dict[str, Any]:
     """The soak's seed-2 run without a connector: the tokens every configuration must reproduce."""
     return run_soak(model_dir, tmp_path_factory.mktemp("soak-ref"), None, 2)
 
@@ -664,7 +673,7 @@ def test_tensor_parallel_2(model_dir, tmp_path):
 
 
 @contextmanager
-def openai_server(model: str, tmp: Path, role: str, config: dict) -> Iterator[tuple[str, Path]]:
+def openai_server(model: str, tmp: Path, role: str, config: dict[str, Any]) -> Iterator[tuple[str, Path]]:
     """vLLM's OpenAI-compatible server with kvtier switched on by the README's one flag; yields its URL and
     log.  ``python -m vllm.entrypoints.openai.api_server`` is ``vllm serve``: the CPU build's ``vllm``
     command cannot start (it asks for the version of a distribution named ``vllm``; this one is
@@ -706,7 +715,7 @@ def openai_server(model: str, tmp: Path, role: str, config: dict) -> Iterator[tu
                 proc.wait()
 
 
-def complete(url: str, model: str, prompt: list[int], max_tokens: int = 8) -> dict:
+def complete(url: str, model: str, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
     """One greedy /v1/completions request with token ids in and out."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})

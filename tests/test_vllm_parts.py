@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def test_an_mla_namespace_is_the_same_on_every_tp_rank_and_size():
     """MLA ranks hold the same latent (vLLM replicates it), so the TP rank and size stay out of the namespace
     (one copy for all ranks; a TP=8 prefill feeds a TP=4 decode); MHA ranks hold other heads, and under
     decode context parallelism MLA ranks hold other tokens: those keep their rank."""
-    def tp_of(facts: dict) -> tuple[int, int]:
+    def tp_of(facts: dict[str, Any]) -> tuple[int, int]:
         return facts["tp_rank"], facts["tp_size"]
     assert tp_of(model_facts(_vllm_config(mla=True, tp=4), 2, tp_rank=3)) == (0, 1)
     assert model_facts(_vllm_config(mla=True, tp=4), 2, tp_rank=3) == model_facts(_vllm_config(mla=True, tp=1), 2)

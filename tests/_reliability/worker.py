@@ -56,7 +56,7 @@ def _writer_child(args, rnd: int) -> None:
         b += 1
 
 
-def _opts(args) -> dict:
+def _opts(args) -> dict[str, object]:
     if args.kind == "disk":
         return {"capacity": args.capacity or "1GiB", "threads": 4}
     return {}

@@ -119,7 +119,7 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-def extra_config(kvtier_yaml: str | None, v1: bool = True) -> dict:
+def extra_config(kvtier_yaml: str | None, v1: bool = True) -> dict[str, Any]:
     """What a user passes as ``--hicache-storage-backend-extra-config``."""
     cfg: dict[str, Any] = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
                            "class_name": "KvtierStorage", "interface_v1": int(v1)}
@@ -137,7 +137,7 @@ class Engine:
     mla: bool
     shape: tuple[int, ...]  # one page's canonical shape: (L, C, P, H, D)
     dtype: torch.dtype
-    rids: list = field(default_factory=list)
+    rids: list[str] = field(default_factory=list)
 
     @property
     def storage(self) -> Any:
@@ -159,7 +159,7 @@ _LOCK = threading.Lock()  # get_parallel() is process-wide: one controller is at
 def make_engine(kvtier_yaml: str | None, *, layout: str = "layer_first", model: str | None = "tiny-llama",
                 tp_rank: int = 0, tp_size: int = 1, v1: bool = True, mla: bool = False, page_size: int = 4,
                 layers: int = 3, heads: int = 2, head_dim: int = 8, dtype: torch.dtype = torch.bfloat16,
-                tokens: int = 1024, extra: dict | None = None, hybrid: bool = False) -> Engine:
+                tokens: int = 1024, extra: dict[str, Any] | None = None, hybrid: bool = False) -> Engine:
     """A device pool, its allocator, a host pool in ``layout`` and SGLang's HiCacheController with kvtier
     attached through SGLang's backend factory, exactly as ``--hicache-storage-backend dynamic`` does.
     ``hybrid``: SGLang's ``HybridCacheController`` over a one-entry ``HostPoolGroup`` (the KV pool as anchor)."""
@@ -199,12 +199,15 @@ def _token_view(e: Engine, slot: int, layer: int, comp: int) -> torch.Tensor:
     """Where one token's K (comp 0) / V (comp 1) of one layer lives in the host pool: a [H, D] view."""
     kv, P = e.host.kv_buffer, e.page_size
     p, t = divmod(slot, P)
+    view: torch.Tensor
     if e.mla:
-        return {"layer_first": lambda: kv[layer, slot], "page_first": lambda: kv[slot, layer],
+        view = {"layer_first": lambda: kv[layer, slot], "page_first": lambda: kv[slot, layer],
                 "page_first_direct": lambda: kv[p, layer, t]}[e.layout]()
-    return {"layer_first": lambda: kv[comp, layer, slot], "page_first": lambda: kv[comp, slot, layer],
+        return view
+    view = {"layer_first": lambda: kv[comp, layer, slot], "page_first": lambda: kv[comp, slot, layer],
             "page_first_direct": lambda: kv[comp, p, layer, t],
             "page_head": lambda: kv[comp, p, :, t, layer]}[e.layout]()
+    return view
 
 
 def write_pages(e: Engine, slots: torch.Tensor, pages: torch.Tensor) -> None:

@@ -27,6 +27,10 @@ import json
 import logging
 import os
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
 
 # At import, not in main(): vLLM's worker processes are spawned and import this module without running
 # main(), and the tests read what kvtier logs there.
@@ -70,7 +74,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kw = {}
+    kw: dict[str, Any] = {}
     if a.role != "none":
         extra = {"kvtier_config": a.config} if a.config else {}
         if a.load_mode:
@@ -93,7 +97,7 @@ def main() -> None:
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=2, detokenize=False)
     with open(a.prompts) as f:
-        prompts = [{"prompt_token_ids": p} for p in json.load(f)]
+        prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in json.load(f)]
     for p, salt in zip(prompts, a.salts.split(",") if a.salts else []):
         if salt != "-":
             p["cache_salt"] = salt
@@ -121,13 +125,13 @@ def main() -> None:
         json.dump({"startup_s": startup, "results": results, "abort": aborted}, f)
 
 
-def _result(out, seconds: float) -> dict:
+def _result(out, seconds: float) -> dict[str, Any]:
     o = out.outputs[0]
     return {"tokens": list(o.token_ids), "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in o.logprobs],
             "cached": out.num_cached_tokens, "seconds": seconds}
 
 
-def _abort_while_loading(llm, prompt: list[int], params) -> dict:
+def _abort_while_loading(llm, prompt: list[int], params) -> dict[str, Any]:
     """Send ``prompt``, run the one engine step that schedules it (the connector offers its stored prefix
     and the load starts in the background), abort it, then wait until every KV block is free again.
     vLLM keeps an aborted request's blocks until the connector reports its load ended, so a prefix-cache
@@ -157,7 +161,7 @@ def _abort_while_loading(llm, prompt: list[int], params) -> dict:
     return {"in_use_after_abort": in_use_after_abort, "freed_after_steps": steps}
 
 
-def _while_decoding(llm, prompt: dict, params, req_id: str):
+def _while_decoding(llm, prompt: TokensPrompt, params, req_id: str):
     """Serve ``prompt`` while another request (unrelated tokens) decodes: it runs 4 steps first and is
     aborted once the prompt has finished."""
     from vllm import SamplingParams

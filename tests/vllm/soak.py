@@ -21,6 +21,13 @@ import logging
 import os
 import random
 import time
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.integrations.vllm.connector import KvtierConnector
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
 
 logging.basicConfig(level=logging.INFO, format="%(processName)s %(name)s %(levelname)s %(message)s")
 logging.getLogger("kvtier").setLevel(os.environ.get("KVTIER_LOG_LEVEL", "INFO"))
@@ -41,7 +48,7 @@ def main() -> None:
 
     rng = random.Random(a.seed)
     bases = [[rng.randrange(1, 500) for _ in range(rng.choice([64, 100, 160, 250, 400]))] for _ in range(6)]
-    kw = {}
+    kw: dict[str, Any] = {}
     if a.config != "none":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
@@ -58,7 +65,7 @@ def main() -> None:
             prompt = base[:rng.randrange(32, len(base) + 1)] + [rng.randrange(1, 500) for _ in range(rng.randrange(80))]
             params = SamplingParams(max_tokens=rng.randrange(1, 24), temperature=0.0, detokenize=False,
                                     prompt_logprobs=0 if rng.random() < 0.05 else None)
-            req: dict = {"prompt_token_ids": prompt}
+            req: TokensPrompt = {"prompt_token_ids": prompt}
             if rng.random() < 0.15:
                 req["cache_salt"] = rng.choice(["t1", "t2"])
             eng.add_request(f"r{sent}", req, params)
@@ -80,16 +87,18 @@ def main() -> None:
         time.sleep(0.01)
     final = []
     for base in bases:
-        out = llm.generate([{"prompt_token_ids": base}], SamplingParams(max_tokens=12, temperature=0.0,
-                                                                        detokenize=False), use_tqdm=False)[0]
+        one: list[TokensPrompt] = [{"prompt_token_ids": base}]
+        out = llm.generate(one, SamplingParams(max_tokens=12, temperature=0.0, detokenize=False), use_tqdm=False)[0]
         final.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens})
         llm.reset_prefix_cache()
-    state: dict = {}
+    state: dict[str, Any] = {}
     if a.config != "none":
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-        side = eng.engine_core.engine_core.scheduler.connector._scheduler
-        worker = get_kv_transfer_group()._worker
+        client: Any = eng.engine_core  # the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        side: SchedulerSide = client.engine_core.scheduler.connector._scheduler
+        worker = cast("KvtierConnector", get_kv_transfer_group())._worker
+        assert worker is not None
         worker.stack.flush()
         side.manager.index.validate()
         worker.stack.index.validate()
