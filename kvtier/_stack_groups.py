@@ -39,9 +39,9 @@ Group = tuple[int, int]  # (first, last) indices into a chain slice; first may b
 class _Reads:
     """What :meth:`Grouped._read` brought up for the values it was given (value ``j`` = ``todo[j]``)."""
 
-    rows: list[list[Any]]                 # per value, one numpy uint8 row per block (a host slot or a temporary)
-    slot_of: dict[tuple[int, int], int]   # (value, block offset) -> the host slot it was read into
-    src: list[int]                        # per value, the backend it came from (-1: from none)
+    rows: list[list[Any]]                # per value, a numpy uint8 row per block (a host slot or a temporary)
+    slot_of: dict[tuple[int, int], int]  # (value, block offset) -> the host slot it was read into
+    src: list[int]                       # per value, the backend it came from (-1: from none)
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,8 @@ class StorageBackend(ABC):
 
     def __init__(self, options: BaseModel | dict[str, Any] | None = None, *, name: str | None = None):
         # A subclass declares ``options: <its Options>`` for the precise type (backends/s3.py does).
-        self.options: BaseModel = (options if isinstance(options, BaseModel) else
-                                   strict_options(self.Options).model_validate({} if options is None else options))
+        self.options: BaseModel = options if isinstance(options, BaseModel) else (
+            strict_options(self.Options).model_validate({} if options is None else options))
         self.name = name or type(self).__name__
         self._stats = BackendStats()
         self._lock = threading.Lock()

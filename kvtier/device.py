@@ -553,8 +553,8 @@ _W = TypeVar("_W")
 
 
 def _parallel(fn: Callable[[list[_W]], object], work: list[_W], nbytes: int) -> None:
-    """``fn(chunk)`` over ``work`` (layer-components, or blocks) split across as many threads as torch uses for
-    intra-op work, in kvtier's own pool whose threads run torch ops single-threaded.
+    """``fn(chunk)`` over ``work`` (layer-components, or blocks) split across as many threads as torch uses
+    for intra-op work, in kvtier's own pool whose threads run torch ops single-threaded.
 
     Why: dozens of short parallel ops (one per layer-component) each pay an OpenMP fork/join, and on a
     busy host every join waits for the slowest, descheduled thread: measured here, torch's own
