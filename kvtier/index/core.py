@@ -15,8 +15,8 @@ import numpy as np
 from .tiers import MAX_BACKENDS, Tier, _bits, _check_backend, _mask_of, _tier_backend
 
 _ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
-# A device block id as engines hand them over: a Python int or a numpy integer (vLLM's block tables and
-# numpy id arrays give the latter); the index stores plain ints.
+# A device block id as engines hand them over: a Python int or a numpy integer (an id read out of a numpy
+# array is one); the index stores plain ints.
 DeviceId = int | np.integer[Any]
 _HITS_MAX = 2**32 - 1
 
