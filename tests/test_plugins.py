@@ -137,3 +137,22 @@ def test_plain_basemodel_options_of_a_backend_or_policy_refuse_unknown_keys():
     assert isinstance(PlainPolicy({"max_values": 3}).options, PlainOptions)
     assert AllowMem({"max_values": 3, "extra_thing": 1}).options.model_extra == {"extra_thing": 1}
     assert plugins.strict_options(PlainOptions) is plugins.strict_options(PlainOptions)  # made once
+
+
+def test_options_given_as_a_mapping_that_is_not_a_dict_are_validated_like_one():
+    """A backend kept such a mapping as its options, unvalidated (a typo surfaced later as an
+    AttributeError, or never); a backend and a policy now validate it as they validate a dict."""
+    from types import MappingProxyType
+
+    from pydantic import ValidationError
+
+    from kvtier.policy_api import PolicyOptions, WritePolicy
+    from kvtier_memstore import MemStoreBackend, MemStoreOptions
+
+    with pytest.raises(ValidationError, match="max_valuez"):
+        MemStoreBackend(MappingProxyType({"max_valuez": 3}))
+    good = MemStoreBackend(MappingProxyType({"max_values": 3}))
+    assert isinstance(good.options, MemStoreOptions) and good.options.max_values == 3
+    with pytest.raises(ValidationError, match="thresholdz"):
+        WritePolicy(MappingProxyType({"thresholdz": 3}))  # type: ignore[arg-type]
+    assert isinstance(WritePolicy(MappingProxyType({})).options, PolicyOptions)  # type: ignore[arg-type]
