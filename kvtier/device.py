@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import threads as kvthreads
+from ._cuda_rows import RowKernel, row_kernel
 from .blockformat import Segments
 from .layout import HeadView, KVLayout, LayoutError, _as_list, _layers
 
@@ -363,6 +364,14 @@ class _Codec:
         # numpy aliases of the same rows (CPU only): the scatter's fast path.
         self.np_views = ([[v.detach().numpy() for v in comps] for comps in self.views]
                          if self.device.type == "cpu" else None)
+        self._kernel: RowKernel | None | bool = self.device.type == "cuda"  # True: not built yet
+
+    def row_kernel(self) -> RowKernel | None:
+        """CUDA: every row of a batch in one launch (:mod:`kvtier._cuda_rows`), built on first use; None
+        where torch's per-view ops copy (CPU, no Triton, rows no word width divides)."""
+        if self._kernel is True:
+            self._kernel = row_kernel(self.views)
+        return self._kernel or None
 
     def rows(self, n: int, slots: BlockIds | None, nrows: int) -> Rows:
         """Where ``n`` payloads sit in a ``nrows``-row buffer: runs of consecutive rows
@@ -387,6 +396,10 @@ class _Codec:
             self._gather_head_major(ids, dst, rows, layers)
             return
         if isinstance(rows, list):
+            rk = self.row_kernel() if len(rows) == 1 else None
+            if rk is not None and rk.fits(out):
+                rk.gather(ids, out, rows[0][1], _layers(layers, self.layout.num_layers))
+                return
             parts = [(ids[p:p + k], first, k) for p, first, k in rows]
 
             def run(chunk: list[tuple[int, int]]) -> None:
@@ -427,6 +440,11 @@ class _Codec:
                     for part, sel in parts:
                         dst[part] = src_np[sel, li, c]
         else:
+            rk = self.row_kernel() if isinstance(rows, list) and len(rows) == 1 else None
+            if rk is not None and isinstance(rows, list) and rk.fits(payload):
+                rk.scatter(ids, payload, rows[0][1], _layers(layers, self.layout.num_layers))
+                return
+
             def run(chunk: list[tuple[int, int]]) -> None:
                 for li, c in chunk:
                     dst = self.views[li][c]

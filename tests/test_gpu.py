@@ -41,12 +41,20 @@ def pinned_host(layout: KVLayout, slots: int) -> HostTier:
     return host
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("kind,inner", KINDS, ids=lambda k: str(k))
-def test_cuda_round_trip_bit_exact_through_pinned_host(kind, inner, dtype):
+def test_cuda_round_trip_bit_exact_through_pinned_host(kind, inner, dtype, path):
+    """``path``: the rows of a batch in one Triton launch (kvtier._cuda_rows), or torch's op per
+    layer-component (where Triton does not import)."""
     layout = make_layout(kind, inner, dtype)
     cpu = random_tensors(layout, device="cpu")
     dev = DeviceTier(layout, [t.cuda() for t in cpu], device="cuda")
+    if path == "kernel":
+        pytest.importorskip("triton")
+        assert dev._codec.row_kernel() is not None
+    else:
+        dev._codec._kernel = None
     ids = [17, 3, 22, 8]
     want = layout.to_payload(cpu, ids)  # the CPU codec is the reference
     host = pinned_host(layout, 10)
