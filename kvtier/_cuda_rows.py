@@ -19,6 +19,7 @@ such a row is neither read nor written, never someone else's memory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Sequence
@@ -116,8 +117,12 @@ class RowKernel:
         words = buf.view(self.dtype)
         chunks = -(-self.row_words // _BLOCK)
         views = self._views(layers)
-        fn[(n * chunks, views.numel())](self.table, views, ids, words, self.num_blocks, self.row_words,
-                                        words.stride(0), first_row, chunks, BLOCK=_BLOCK)
+        # Triton launches on the current device's current stream; torch's ops would follow the tensors'
+        # device, so the KV's device is made current (a caller's stream context on it stays in force).
+        # (CPU tensors: Triton's interpreter, in tests.)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            fn[(n * chunks, views.numel())](self.table, views, ids, words, self.num_blocks, self.row_words,
+                                            words.stride(0), first_row, chunks, BLOCK=_BLOCK)
 
     def fits(self, buf: torch.Tensor) -> bool:
         """Whether payload rows in ``buf`` (uint8 ``[n, bytes]``, rows contiguous) are words of this

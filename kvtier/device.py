@@ -369,7 +369,7 @@ class _Codec:
     def row_kernel(self) -> RowKernel | None:
         """CUDA: every row of a batch in one launch (:mod:`kvtier._cuda_rows`), built on first use; None
         where torch's per-view ops copy (CPU, no Triton, rows no word width divides)."""
-        if self._kernel is True:
+        if self._kernel is True:  # two threads building it at once build two equal ones: harmless
             self._kernel = row_kernel(self.views)
         return self._kernel or None
 
