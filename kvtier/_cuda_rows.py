@@ -46,8 +46,9 @@ def _kernels() -> tuple[Any, Any] | None:
 
     # Unannotated: Triton reads a parameter's annotation as its type (only tl.constexpr is one).
     @triton.jit
-    def gather_rows(table, views, ids, buf, num_blocks, row_words, buf_row_words, first_row, chunks,  # type: ignore[no-untyped-def]
-                    BLOCK: tl.constexpr):
+    def gather_rows(  # type: ignore[no-untyped-def]
+            table, views, ids, buf, num_blocks, row_words, buf_row_words, first_row, chunks,
+            BLOCK: tl.constexpr):
         # Program (i * chunks + c, j): words [c * BLOCK, (c + 1) * BLOCK) of view views[j]'s row ids[i]
         # -> payload row first_row + i, at the view's place in it.
         pid = tl.program_id(0)
@@ -63,8 +64,9 @@ def _kernels() -> tuple[Any, Any] | None:
         tl.store(dst + offs, x, mask=m)
 
     @triton.jit
-    def scatter_rows(table, views, ids, buf, num_blocks, row_words, buf_row_words, first_row, chunks,  # type: ignore[no-untyped-def]
-                     BLOCK: tl.constexpr):
+    def scatter_rows(  # type: ignore[no-untyped-def]
+            table, views, ids, buf, num_blocks, row_words, buf_row_words, first_row, chunks,
+            BLOCK: tl.constexpr):
         # gather_rows' copy the other way: payload row first_row + i -> view views[j]'s row ids[i].
         pid = tl.program_id(0)
         i, c = pid // chunks, pid % chunks
@@ -100,8 +102,8 @@ class RowKernel:
         self._groups: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _views(self, layers: Sequence[int]) -> torch.Tensor:
-        """The view numbers of ``layers``' components, on the device (cached: a batch's layer groups and a
-        layer-wise load's single layers repeat)."""
+        """The view numbers of ``layers``' components, on the device (cached: every batch of a size cuts
+        the layers into the same groups)."""
         key = tuple(layers)
         t = self._groups.get(key)
         if t is None:
@@ -110,7 +112,8 @@ class RowKernel:
                                                  dtype=torch.int32).to(self.device)
         return t
 
-    def _launch(self, fn: Any, ids: torch.Tensor, buf: torch.Tensor, first_row: int, layers: Sequence[int]) -> None:
+    def _launch(self, fn: Any, ids: torch.Tensor, buf: torch.Tensor, first_row: int,
+                layers: Sequence[int]) -> None:
         n = ids.numel()
         if n == 0 or not layers:
             return
@@ -128,8 +131,9 @@ class RowKernel:
         """Whether payload rows in ``buf`` (uint8 ``[n, bytes]``, rows contiguous) are words of this
         table's width on its device (an odd slice of a buffer may not be)."""
         w = self.word
-        return (buf.device == self.device and buf.dtype == torch.uint8 and buf.dim() == 2 and buf.stride(1) == 1
-                and buf.data_ptr() % w == 0 and buf.stride(0) % w == 0 and buf.shape[1] % w == 0)
+        return (buf.device == self.device and buf.dtype == torch.uint8 and buf.dim() == 2
+                and buf.stride(1) == 1 and buf.data_ptr() % w == 0 and buf.stride(0) % w == 0
+                and buf.shape[1] % w == 0)
 
     def gather(self, ids: torch.Tensor, buf: torch.Tensor, first_row: int, layers: Sequence[int]) -> None:
         """``layers`` of blocks ``ids`` -> payload rows ``first_row``.. of ``buf`` (whole payload rows:
