@@ -33,9 +33,9 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> tuple[Any, Any] | None:
-    """The two Triton kernels, compiled on first launch; None where Triton does not import (or is
-    switched off with ``KVTIER_NO_TRITON=1``)."""
+def _kernel() -> Any | None:
+    """The Triton kernel, compiled on first launch (once per direction); None where Triton does not
+    import (or is switched off with ``KVTIER_NO_TRITON=1``)."""
     if os.environ.get("KVTIER_NO_TRITON", "") not in ("", "0"):
         return None
     try:
@@ -46,11 +46,11 @@ def _kernels() -> tuple[Any, Any] | None:
 
     # Unannotated: Triton reads a parameter's annotation as its type (only tl.constexpr is one).
     @triton.jit
-    def gather_rows(  # type: ignore[no-untyped-def]
+    def copy_rows(  # type: ignore[no-untyped-def]
             table, views, ids, buf, num_blocks, row_words, buf_row_words, first_row, chunks,
-            BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, GATHER: tl.constexpr):
         # Program (i * chunks + c, j): words [c * BLOCK, (c + 1) * BLOCK) of view views[j]'s row ids[i]
-        # -> payload row first_row + i, at the view's place in it.
+        # <-> payload row first_row + i, at the view's place in it (-> with GATHER, <- without).
         pid = tl.program_id(0)
         i, c = pid // chunks, pid % chunks
         v = tl.load(views + tl.program_id(1))
@@ -59,36 +59,21 @@ def _kernels() -> tuple[Any, Any] | None:
         b = tl.load(ids + i)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         m = offs < tl.where((b >= 0) & (b < num_blocks), row_words, 0)  # an id out of range: no word
-        x = tl.load(base + b * stride + offs, mask=m)
-        dst = buf + (first_row + i).to(tl.int64) * buf_row_words + v.to(tl.int64) * row_words
-        tl.store(dst + offs, x, mask=m)
+        kv = base + b * stride + offs
+        rows = buf + (first_row + i).to(tl.int64) * buf_row_words + v.to(tl.int64) * row_words + offs
+        if GATHER:
+            tl.store(rows, tl.load(kv, mask=m), mask=m)
+        else:
+            tl.store(kv, tl.load(rows, mask=m), mask=m)
 
-    @triton.jit
-    def scatter_rows(  # type: ignore[no-untyped-def]
-            table, views, ids, buf, num_blocks, row_words, buf_row_words, first_row, chunks,
-            BLOCK: tl.constexpr):
-        # gather_rows' copy the other way: payload row first_row + i -> view views[j]'s row ids[i].
-        pid = tl.program_id(0)
-        i, c = pid // chunks, pid % chunks
-        v = tl.load(views + tl.program_id(1))
-        base = tl.load(table + 2 * v).to(buf.dtype)
-        stride = tl.load(table + 2 * v + 1)
-        b = tl.load(ids + i)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        m = offs < tl.where((b >= 0) & (b < num_blocks), row_words, 0)  # an id out of range: no word
-        src = buf + (first_row + i).to(tl.int64) * buf_row_words + v.to(tl.int64) * row_words
-        x = tl.load(src + offs, mask=m)
-        tl.store(base + b * stride + offs, x, mask=m)
-
-    return gather_rows, scatter_rows
+    return copy_rows
 
 
 class RowKernel:
-    """Every row view of one KV cache, as a device table the kernels read.  Views are numbered layer by
+    """Every row view of one KV cache, as a device table the kernel reads.  Views are numbered layer by
     layer, component by component (view ``l * C + c``), which is also their order in a payload row."""
 
-    def __init__(self, views: Sequence[Sequence[torch.Tensor]], word: int, dtype: torch.dtype,
-                 kernels: tuple[Any, Any]):
+    def __init__(self, views: Sequence[Sequence[torch.Tensor]], word: int, dtype: torch.dtype, kernel: Any):
         flat = [v for comps in views for v in comps]
         self.device = flat[0].device
         self.components = len(views[0])
@@ -98,7 +83,7 @@ class RowKernel:
         # (base address in bytes, row stride in words) per view; addresses are cast to pointers in-kernel.
         pairs = [x for v in flat for x in (v.data_ptr(), v.stride(0) * v.element_size() // word)]
         self.table = torch.tensor(pairs, dtype=torch.int64).to(self.device)
-        self._gather, self._scatter = kernels
+        self._kernel = kernel
         self._groups: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _views(self, layers: Sequence[int]) -> torch.Tensor:
@@ -112,8 +97,8 @@ class RowKernel:
                                                  dtype=torch.int32).to(self.device)
         return t
 
-    def _launch(self, fn: Any, ids: torch.Tensor, buf: torch.Tensor, first_row: int,
-                layers: Sequence[int]) -> None:
+    def _launch(self, ids: torch.Tensor, buf: torch.Tensor, first_row: int, layers: Sequence[int],
+                gather: bool) -> None:
         n = ids.numel()
         if n == 0 or not layers:
             return
@@ -124,8 +109,9 @@ class RowKernel:
         # device, so the KV's device is made current (a caller's stream context on it stays in force).
         # (CPU tensors: Triton's interpreter, in tests.)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            fn[(n * chunks, views.numel())](self.table, views, ids, words, self.num_blocks, self.row_words,
-                                            words.stride(0), first_row, chunks, BLOCK=_BLOCK)
+            self._kernel[(n * chunks, views.numel())](
+                self.table, views, ids, words, self.num_blocks, self.row_words, words.stride(0), first_row,
+                chunks, BLOCK=_BLOCK, GATHER=gather)
 
     def fits(self, buf: torch.Tensor) -> bool:
         """Whether payload rows in ``buf`` (uint8 ``[n, bytes]``, rows contiguous) are words of this
@@ -138,11 +124,11 @@ class RowKernel:
     def gather(self, ids: torch.Tensor, buf: torch.Tensor, first_row: int, layers: Sequence[int]) -> None:
         """``layers`` of blocks ``ids`` -> payload rows ``first_row``.. of ``buf`` (whole payload rows:
         each layer-component at its place in the row), on the current stream."""
-        self._launch(self._gather, ids, buf, first_row, layers)
+        self._launch(ids, buf, first_row, layers, True)
 
     def scatter(self, ids: torch.Tensor, buf: torch.Tensor, first_row: int, layers: Sequence[int]) -> None:
         """Payload rows ``first_row``.. of ``buf`` -> ``layers`` of blocks ``ids``, on the current stream."""
-        self._launch(self._scatter, ids, buf, first_row, layers)
+        self._launch(ids, buf, first_row, layers, False)
 
 
 def row_kernel(views: Sequence[Sequence[torch.Tensor]]) -> RowKernel | None:
@@ -157,16 +143,16 @@ def row_kernel(views: Sequence[Sequence[torch.Tensor]]) -> RowKernel | None:
         if (v.device != flat[0].device or v.dim() != 2 or v.stride(1) != 1 or v.shape[0] != flat[0].shape[0]
                 or v.shape[1] * v.element_size() != nbytes):
             return None
-    kernels = _kernels()
-    if kernels is None:
+    kernel = _kernel()
+    if kernel is None:
         return None
     word, dtype = word_width(views)
-    return RowKernel(views, word, dtype, kernels)
+    return RowKernel(views, word, dtype, kernel)
 
 
 def word_width(views: Sequence[Sequence[torch.Tensor]]) -> tuple[int, torch.dtype]:
     """The widest word (bytes, and the integer dtype of that size) dividing every view's address, row
-    stride and row bytes: what the kernels copy at a time (a byte at worst)."""
+    stride and row bytes: what the kernel copies at a time (a byte at worst)."""
     flat = [v for comps in views for v in comps]
     for word, dtype in _WORDS:
         if all(v.data_ptr() % word == 0 and (v.stride(0) * v.element_size()) % word == 0

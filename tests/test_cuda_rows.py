@@ -1,4 +1,4 @@
-"""The one-launch row kernels (``kvtier._cuda_rows``), run by Triton's interpreter on CPU tensors: the
+"""The one-launch row kernel (``kvtier._cuda_rows``), run by Triton's interpreter on CPU tensors: the
 same kernel source the GPU compiles, so its addressing (view table, row strides, a payload row's
 layout, layer groups, masked ids, word widths) is checked on every machine.  ``tests/test_gpu.py``
 runs it compiled, against the CPU codec."""
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier._cuda_rows import RowKernel, _kernels, word_width
+from kvtier._cuda_rows import RowKernel, _kernel, word_width
 from kvtier.layout import KVLayout
 
 pytest.importorskip("triton")
@@ -19,13 +19,13 @@ KINDS = [("flash_attn", None), ("flashinfer", None), ("mla", None), ("stacked", 
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The kernels as the interpreter runs them (``TRITON_INTERPRET`` is read when they are defined)."""
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The kernel as the interpreter runs it (``TRITON_INTERPRET`` is read when it is defined)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
     mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton")))
     try:
-        ks = _kernels.__wrapped__()
+        ks = _kernel.__wrapped__()
     finally:
         mp.undo()
     assert ks is not None
@@ -42,51 +42,51 @@ def make(kind: str, inner: str | None, dtype: torch.dtype = torch.bfloat16, seed
     return layout, ts
 
 
-def kernel_over(layout: KVLayout, ts: list[torch.Tensor], kernels: Any) -> RowKernel:
+def kernel_over(layout: KVLayout, ts: list[torch.Tensor], kernel: Any) -> RowKernel:
     views = layout.component_views(ts)
-    return RowKernel(views, *word_width(views), kernels)
+    return RowKernel(views, *word_width(views), kernel)
 
 
 @pytest.mark.parametrize("kind,inner", KINDS, ids=str)
-def test_gather_writes_each_block_as_its_payload_at_the_given_rows(kernels, kind, inner):
+def test_gather_writes_each_block_as_its_payload_at_the_given_rows(kernel, kind, inner):
     layout, ts = make(kind, inner)
     ids = [7, 0, 11, 3]
     want = layout.to_payload(ts, ids)  # the CPU codec's payloads
     buf = torch.zeros(len(ids) + 3, layout.block_nbytes, dtype=torch.uint8)
-    kernel_over(layout, ts, kernels).gather(torch.tensor(ids), buf, 2, range(layout.num_layers))
+    kernel_over(layout, ts, kernel).gather(torch.tensor(ids), buf, 2, range(layout.num_layers))
     assert torch.equal(buf[2:2 + len(ids)], want)
     assert not buf[:2].any() and not buf[2 + len(ids):].any()  # rows outside the batch untouched
 
 
 @pytest.mark.parametrize("kind,inner", KINDS, ids=str)
-def test_scatter_puts_payload_rows_back_into_the_blocks_named(kernels, kind, inner):
+def test_scatter_puts_payload_rows_back_into_the_blocks_named(kernel, kind, inner):
     layout, src = make(kind, inner, seed=1)
     payload = layout.to_payload(src, [5, 9, 2])
     _, dst = make(kind, inner, seed=2)
     before = [t.clone() for t in dst]
-    kernel_over(layout, dst, kernels).scatter(torch.tensor([1, 10, 4]), payload, 0, range(layout.num_layers))
+    kernel_over(layout, dst, kernel).scatter(torch.tensor([1, 10, 4]), payload, 0, range(layout.num_layers))
     assert torch.equal(layout.to_payload(dst, [1, 10, 4]), payload)
     others = [b for b in range(layout.num_blocks) if b not in (1, 10, 4)]
     assert torch.equal(layout.to_payload(dst, others), layout.to_payload(before, others))
 
 
-def test_a_layer_group_moves_only_its_layers_bytes(kernels):
+def test_a_layer_group_moves_only_its_layers_bytes(kernel):
     layout, ts = make("flash_attn", None, L=4)
     ids = torch.tensor([6, 1])
     buf = torch.zeros(2, layout.block_nbytes, dtype=torch.uint8)
-    kernel_over(layout, ts, kernels).gather(ids, buf, 0, [1, 2])
+    kernel_over(layout, ts, kernel).gather(ids, buf, 0, [1, 2])
     want = layout.to_payload(ts, [6, 1])
     ln = layout.layer_nbytes
     assert torch.equal(buf[:, ln:3 * ln], want[:, ln:3 * ln])
     assert not buf[:, :ln].any() and not buf[:, 3 * ln:].any()
 
 
-def test_an_id_out_of_range_is_neither_read_nor_written(kernels):
+def test_an_id_out_of_range_is_neither_read_nor_written(kernel):
     layout, src = make("flash_attn", None, seed=5)
     payload = layout.to_payload(src, [2, 3, 4, 5])
     _, dst = make("flash_attn", None, seed=6)
     before = [t.clone() for t in dst]
-    k = kernel_over(layout, dst, kernels)
+    k = kernel_over(layout, dst, kernel)
     k.scatter(torch.tensor([3, layout.num_blocks, -1, 7]), payload, 0, range(layout.num_layers))
     assert torch.equal(layout.to_payload(dst, [3, 7]), payload[[0, 3]])
     untouched = [b for b in range(layout.num_blocks) if b not in (3, 7)]
@@ -105,18 +105,18 @@ def test_words_are_as_wide_as_every_address_stride_and_row_allows():
     assert word_width([[odd[0], odd[1]]]) == (1, torch.uint8)
 
 
-def test_odd_widths_copy_exactly(kernels):
+def test_odd_widths_copy_exactly(kernel):
     layout, src = make("mla", None, dtype=torch.float8_e4m3fn, D=3, seed=7)
     _, dst = make("mla", None, dtype=torch.float8_e4m3fn, D=3, seed=8)
     buf = torch.zeros(3, layout.block_nbytes, dtype=torch.uint8)
-    kernel_over(layout, src, kernels).gather(torch.tensor([1, 5, 2]), buf, 0, range(layout.num_layers))
-    kernel_over(layout, dst, kernels).scatter(torch.tensor([0, 6, 11]), buf, 0, range(layout.num_layers))
+    kernel_over(layout, src, kernel).gather(torch.tensor([1, 5, 2]), buf, 0, range(layout.num_layers))
+    kernel_over(layout, dst, kernel).scatter(torch.tensor([0, 6, 11]), buf, 0, range(layout.num_layers))
     assert torch.equal(layout.to_payload(dst, [0, 6, 11]), layout.to_payload(src, [1, 5, 2]))
 
 
-def test_fits_wants_whole_word_rows_on_the_kernels_device(kernels):
+def test_fits_wants_whole_word_rows_on_the_kernels_device(kernel):
     layout, ts = make("flash_attn", None)
-    k = kernel_over(layout, ts, kernels)
+    k = kernel_over(layout, ts, kernel)
     buf = torch.zeros(4, layout.block_nbytes + 8, dtype=torch.uint8)
     assert k.fits(buf[:, :layout.block_nbytes])
     assert not k.fits(buf[:, 1:layout.block_nbytes + 1])  # misaligned rows
