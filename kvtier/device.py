@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ from . import threads as kvthreads
 from ._cuda_rows import RowKernel, row_kernel
 from .blockformat import Segments
 from .layout import HeadView, KVLayout, LayoutError, _as_list, _layers
+
+log = logging.getLogger(__name__)
 
 #: Block ids or host slots as callers hold them: a list or range, a 1-D numpy array, a tensor.
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
@@ -373,6 +376,25 @@ class _Codec:
             self._kernel = row_kernel(self.views)
         return self._kernel or None
 
+    def _by_kernel(self, gather: bool, ids: torch.Tensor, buf: torch.Tensor, rows: Rows,
+                   layers: Sequence[int] | None) -> bool:
+        """Copy the batch with the row kernel where it serves (CUDA, one run of rows in ``buf``, words
+        that fit); False where torch's per-view ops must copy instead.  A kernel that fails to build or
+        launch (a Triton that cannot compile it) is logged and not tried again: torch's ops copy from
+        then on, so a Triton problem costs speed, never a transfer."""
+        rk = self.row_kernel() if isinstance(rows, list) and len(rows) == 1 else None
+        if rk is None or not isinstance(rows, list) or not rk.fits(buf):
+            return False
+        todo = _layers(layers, self.layout.num_layers)
+        try:
+            (rk.gather if gather else rk.scatter)(ids, buf, rows[0][1], todo)
+        except Exception as e:  # noqa: BLE001 - raised before anything was enqueued: torch's ops instead
+            log.warning("CUDA row kernel unusable, copying with torch's per-layer ops from now on: %s: %s",
+                        type(e).__name__, e)
+            self._kernel = None
+            return False
+        return True
+
     def rows(self, n: int, slots: BlockIds | None, nrows: int) -> Rows:
         """Where ``n`` payloads sit in a ``nrows``-row buffer: runs of consecutive rows
         ``[(position in batch, first row, length)]`` when they are long enough to copy in place
@@ -396,9 +418,7 @@ class _Codec:
             self._gather_head_major(ids, dst, rows, layers)
             return
         if isinstance(rows, list):
-            rk = self.row_kernel() if len(rows) == 1 else None
-            if rk is not None and rk.fits(out):
-                rk.gather(ids, out, rows[0][1], _layers(layers, self.layout.num_layers))
+            if self._by_kernel(True, ids, out, rows, layers):
                 return
             parts = [(ids[p:p + k], first, k) for p, first, k in rows]
 
@@ -440,9 +460,7 @@ class _Codec:
                     for part, sel in parts:
                         dst[part] = src_np[sel, li, c]
         else:
-            rk = self.row_kernel() if isinstance(rows, list) and len(rows) == 1 else None
-            if rk is not None and isinstance(rows, list) and rk.fits(payload):
-                rk.scatter(ids, payload, rows[0][1], _layers(layers, self.layout.num_layers))
+            if self._by_kernel(False, ids, payload, rows, layers):
                 return
 
             def run(chunk: list[tuple[int, int]]) -> None:

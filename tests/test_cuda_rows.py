@@ -121,3 +121,33 @@ def test_fits_wants_whole_word_rows_on_the_kernels_device(kernel):
     assert k.fits(buf[:, :layout.block_nbytes])
     assert not k.fits(buf[:, 1:layout.block_nbytes + 1])  # misaligned rows
     assert not k.fits(buf.view(torch.int64))  # not bytes
+
+
+class _Uncompilable:
+    """A Triton kernel as one that cannot compile it behaves: launching raises."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("CompilationError: a Triton too old for this kernel")
+        return launch
+
+
+def test_a_kernel_that_cannot_launch_leaves_the_copy_to_torch_and_is_not_tried_again(kernel, caplog):
+    from kvtier.device import _Codec
+
+    layout, ts = make("flash_attn", None, seed=9)
+    codec = _Codec(layout, ts)
+    views = layout.component_views(ts)
+    codec._kernel = RowKernel(views, *word_width(views), _Uncompilable())
+    ids = [4, 8, 1]
+    buf = torch.zeros(len(ids), layout.block_nbytes, dtype=torch.uint8)
+    with caplog.at_level("WARNING", logger="kvtier.device"):
+        codec.gather(ids, buf, None, None)
+    assert torch.equal(buf, layout.to_payload(ts, ids))  # copied all the same, by torch's ops
+    assert codec.row_kernel() is None
+    assert "row kernel unusable" in caplog.text and "a Triton too old" in caplog.text
+    # A working kernel is used: its copy lands, the same bytes.
+    codec._kernel = kernel_over(layout, ts, kernel)
+    buf.zero_()
+    codec.gather(ids, buf, None, None)
+    assert torch.equal(buf, layout.to_payload(ts, ids)) and codec.row_kernel() is not None

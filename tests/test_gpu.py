@@ -75,6 +75,7 @@ def test_cuda_round_trip_bit_exact_through_pinned_host(kind, inner, dtype, path)
     dev.gather([5, 6, 7, 11], buf, [5, 1, 3, 0])  # the blocks the layer-wise loads just filled
     assert torch.equal(buf[[5, 1, 3, 0]].cpu(), want)
     host.close()
+    assert (dev._codec.row_kernel() is not None) == (path == "kernel")  # never a silent fallback
 
 
 @pytest.mark.parametrize("force_torch", [False, True], ids=["memcpy2d", "torch-copy"])
