@@ -373,8 +373,16 @@ class _Codec:
         """CUDA: every row of a batch in one launch (:mod:`kvtier._cuda_rows`), built on first use; None
         where torch's per-view ops copy (CPU, no Triton, rows no word width divides)."""
         if self._kernel is True:  # two threads building it at once build two equal ones: harmless
-            self._kernel = row_kernel(self.views)
-        return self._kernel or None
+            try:
+                self._kernel = row_kernel(self.views)
+            except Exception as e:  # noqa: BLE001 - a Triton that cannot even define it: torch's ops
+                self._no_kernel(e)
+        return self._kernel if isinstance(self._kernel, RowKernel) else None
+
+    def _no_kernel(self, e: Exception) -> None:
+        log.warning("CUDA row kernel unusable, copying with torch's per-layer ops from now on: %s: %s",
+                    type(e).__name__, e)
+        self._kernel = None
 
     def _by_kernel(self, gather: bool, ids: torch.Tensor, buf: torch.Tensor, rows: Rows,
                    layers: Sequence[int] | None) -> bool:
@@ -389,9 +397,7 @@ class _Codec:
         try:
             (rk.gather if gather else rk.scatter)(ids, buf, rows[0][1], todo)
         except Exception as e:  # noqa: BLE001 - raised before anything was enqueued: torch's ops instead
-            log.warning("CUDA row kernel unusable, copying with torch's per-layer ops from now on: %s: %s",
-                        type(e).__name__, e)
-            self._kernel = None
+            self._no_kernel(e)
             return False
         return True
 

@@ -151,3 +151,20 @@ def test_a_kernel_that_cannot_launch_leaves_the_copy_to_torch_and_is_not_tried_a
     buf.zero_()
     codec.gather(ids, buf, None, None)
     assert torch.equal(buf, layout.to_payload(ts, ids)) and codec.row_kernel() is not None
+
+
+def test_a_kernel_that_cannot_be_defined_leaves_the_copy_to_torch(monkeypatch, caplog):
+    import kvtier.device as device_mod
+
+    def broken(views: Any) -> None:
+        raise RuntimeError("triton.jit: unsupported Python")
+
+    monkeypatch.setattr(device_mod, "row_kernel", broken)
+    layout, ts = make("flashinfer", None, seed=10)
+    codec = device_mod._Codec(layout, ts)
+    codec._kernel = True  # as on CUDA: built on first use
+    buf = torch.zeros(2, layout.block_nbytes, dtype=torch.uint8)
+    with caplog.at_level("WARNING", logger="kvtier.device"):
+        codec.gather([3, 0], buf, None, None)
+    assert torch.equal(buf, layout.to_payload(ts, [3, 0]))
+    assert codec.row_kernel() is None and "unsupported Python" in caplog.text
