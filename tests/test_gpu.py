@@ -177,13 +177,14 @@ def test_cuda_per_block_failures():
         assert torch.equal(dev.read_blocks([4]), dev.read_blocks([1]))
 
 
-def test_whole_block_copies_in_layer_groups_stay_ordered_on_the_current_stream():
+def test_whole_block_copies_in_layer_groups_stay_ordered_on_the_current_stream(monkeypatch):
     """Whole-block copies between the KV and pinned host rows run a group of layers at a time on two
     streams (kernels on the current one, DMA on the tier's copy stream).  They still start after the work
     queued on the caller's stream, and the caller's stream is ordered after all of their bytes."""
     layout = make_layout("flash_attn", L=20, N=64)
     dev = DeviceTier(layout, random_tensors(layout))
-    assert len(dev._layer_groups(None, 1)) == 7  # 20 layers in groups of 3: the pipelined path
+    monkeypatch.setattr(device_mod, "PIPELINE_MIN_GROUP_BYTES", 0)  # 32 blocks of 160 KiB: a small batch
+    assert len(dev._layer_groups(None, 32, 1)) == 7  # 20 layers in groups of 3: the pipelined path
     host = pinned_host(layout, 40)
     ids, slots = list(range(40, 8, -1)), list(range(4, 36))  # 32 blocks, one run of host rows
     fresh = random_tensors(layout, seed=7)

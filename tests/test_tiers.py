@@ -364,8 +364,9 @@ def test_staged_copy_path_matches_direct(kind, inner, groups, monkeypatch):
     2-D copies) run on a CPU cache must move exactly the bytes the direct path moves, however the layers
     are grouped (5 layers: one group, groups of 3 + 2, one layer each)."""
     monkeypatch.setattr(device_mod, "PIPELINE_GROUPS", groups)
+    monkeypatch.setattr(device_mod, "PIPELINE_MIN_GROUP_BYTES", 0)  # these blocks are tiny
     lay = KVLayout(kind, 5, 12, 4, 1 if "mla" in (kind, inner) else 2, 8, torch.bfloat16, inner)
-    assert len(DeviceTier(lay, random_tensors(lay))._layer_groups(None, 3)) == min(groups, 5)
+    assert len(DeviceTier(lay, random_tensors(lay))._layer_groups(None, 5, 3)) == min(groups, 5)
     src = DeviceTier(lay, random_tensors(lay))
     staged = DeviceTier(lay, random_tensors(lay, seed=2))
     staged._force_staging = True
@@ -391,6 +392,19 @@ def test_staged_copy_path_matches_direct(kind, inner, groups, monkeypatch):
     for layer in range(lay.num_layers):
         staged.scatter(host, [0, 9, 10, 2, 11], slots, layers=[layer])
     assert torch.equal(staged.read_blocks([0, 9, 10, 2, 11]), want)
+
+
+def test_small_batches_are_copied_in_fewer_layer_groups(monkeypatch):
+    """No group of layers moves less than PIPELINE_MIN_GROUP_BYTES: a batch of a few blocks is one group
+    (each group costs its launches and a DMA call), a large one the full PIPELINE_GROUPS."""
+    monkeypatch.setattr(device_mod, "PIPELINE_GROUPS", 8)
+    lay = KVLayout("flash_attn", 16, 12, 4, 2, 8, torch.bfloat16)  # 512 B per layer, 8 KiB per block
+    monkeypatch.setattr(device_mod, "PIPELINE_MIN_GROUP_BYTES", 4 * lay.layer_nbytes * 3)
+    dev = DeviceTier(lay, random_tensors(lay))
+    sizes = {n: [len(g) for g in dev._layer_groups(None, n, 1)] for n in (1, 3, 6, 12, 64)}
+    assert sizes == {1: [16], 3: [4, 4, 4, 4], 6: [2] * 8, 12: [2] * 8, 64: [2] * 8}
+    assert [len(g) for g in dev._layer_groups([0, 1, 2, 3], 3, 1)] == [4]  # 4 layers of 3 blocks: one group
+    assert dev._layer_groups([5, 9], 1000, 1) == [[5], [9]]
 
 
 def test_host_holds_by_key_refuses_a_refilled_slot():
