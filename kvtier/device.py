@@ -245,10 +245,12 @@ class DeviceTier:
         runs of host rows (each group costs one DMA call per run), and one when the ``host`` rows are
         pageable (a byte range of them is no 2-D DMA, but a staged copy)."""
         todo = list(_layers(layers, self.layout.num_layers))
-        pageable = host is not None and not self._force_staging and not host.is_pinned()
-        k = 1 if pageable else min(PIPELINE_GROUPS, len(todo), PIPELINE_MAX_DMA_CALLS // max(1, dma_runs))
+        k = min(PIPELINE_GROUPS, len(todo), PIPELINE_MAX_DMA_CALLS // max(1, dma_runs))
         if PIPELINE_MIN_GROUP_BYTES:
             k = min(k, n_blocks * len(todo) * self.layout.layer_nbytes // PIPELINE_MIN_GROUP_BYTES)
+        # (asked last: CUDA's pointer query cost about 50 us a batch, and a small batch is one group anyway)
+        if k > 1 and host is not None and not self._force_staging and not host.is_pinned():
+            k = 1
         step = -(-len(todo) // max(1, k))
         return [todo[a:a + step] for a in range(0, len(todo), step)]
 
@@ -696,13 +698,26 @@ def _check_range(idx: np.ndarray, n: int, what: str) -> None:
         raise IndexError(f"{what} {bad} out of range [0, {n})")
 
 
+_SHORT_RUNS = 64  # below this many values, contiguous_runs walks them in Python
+
+
 def contiguous_runs(values: BlockIds) -> list[tuple[int, int, int]]:
     """``values`` split into maximal runs ``v, v+1, ...``: a list of (position, first value, length)."""
     if isinstance(values, torch.Tensor):
         values = values.cpu().numpy()
+    if isinstance(values, np.ndarray):
+        values = values.reshape(-1)
+    if len(values) <= _SHORT_RUNS:
+        # A batch's slots or a group's layers: a Python walk over a few values costs 0.5-3 us where
+        # numpy's calls cost 8 (a small transfer computes runs twice).
+        v = values.tolist() if isinstance(values, np.ndarray) else list(values)
+        out, a = [], 0
+        for i in range(1, len(v) + 1):
+            if i == len(v) or v[i] != v[i - 1] + 1:
+                out.append((a, int(v[a]), i - a))
+                a = i
+        return out
     v = np.asarray(values, dtype=np.int64).reshape(-1)
-    if v.size == 0:
-        return []
     starts = np.flatnonzero(np.diff(v) != 1) + 1  # vectorised: no Python loop per block
     bounds = np.concatenate(([0], starts, [v.size])).tolist()
     firsts = v[bounds[:-1]].tolist()

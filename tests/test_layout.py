@@ -3,9 +3,11 @@ documented byte order, cross-layout identity, and validation messages."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+import kvtier.device as device_mod
 from kvtier.device import contiguous_runs
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout, LayoutError, parse_dtype
@@ -316,3 +318,27 @@ def test_contiguous_runs():
     assert contiguous_runs([5]) == [(0, 5, 1)]
     assert contiguous_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
     assert contiguous_runs(torch.tensor([0, 1, 2, 3])) == [(0, 0, 4)]
+    assert contiguous_runs(np.array([[7, 8], [9, 1]])) == [(0, 7, 3), (3, 1, 1)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 63, 64, 65, 300])
+def test_contiguous_runs_short_walk_equals_the_vectorised_split(n, monkeypatch):
+    """Up to _SHORT_RUNS values are walked in Python, more split by numpy: both give the same runs, as
+    plain ints, for lists, arrays and tensors (runs of random lengths, a gap or a step back between)."""
+    rng = np.random.default_rng(n)
+    vals: list[int] = []
+    v = int(rng.integers(0, 50))
+    while len(vals) < n:
+        k = int(rng.integers(1, 6))
+        vals += range(v, v + k)
+        v += k + int(rng.choice([-30, 1, 2, 7]))
+    vals = vals[:n]
+    got = {kind: contiguous_runs(x) for kind, x in
+           (("list", vals), ("array", np.array(vals)), ("tensor", torch.tensor(vals)))}
+    monkeypatch.setattr(device_mod, "_SHORT_RUNS", -1)  # the numpy split for every length
+    want = contiguous_runs(np.array(vals))
+    assert all(r == want for r in got.values()) and sum(k for _, _, k in want) == n
+    assert all(type(x) is int for r in got.values() for run in r for x in run)
+    assert [f + i for _, f, k in want for i in range(k)] == vals  # the runs spell the values out
+    assert [p for p, _, _ in want] == list(np.cumsum([0] + [k for _, _, k in want])[:-1])
+    assert all(f2 != f1 + k1 for (_, f1, k1), (_, f2, _) in zip(want, want[1:]))  # maximal runs
