@@ -466,21 +466,21 @@ class KVLayout:
         """Write the canonical payload of ``block_ids`` into rows ``slots`` (default ``0..n-1``) of
         ``out`` (``[rows, block_nbytes]`` uint8 on the tensors' device).  ``layers`` limits it to some
         layers (the rest of each row is left alone).  Returns ``out``."""
-        from .device import _Codec  # the row-copy machinery lives with the device tier
+        from .rows import RowCodec  # (imported here: the codec builds on this module)
 
-        _Codec(self, tensors).gather(block_ids, out, slots, layers)
+        RowCodec(self, tensors).gather(block_ids, out, slots, layers)
         return out
 
     def scatter(self, tensors: torch.Tensor | Sequence[torch.Tensor], payload: torch.Tensor, block_ids: Any,
                 slots: Any = None, *, layers: Sequence[int] | None = None) -> None:
         """Write payload rows ``slots`` (default ``0..n-1``) into blocks ``block_ids`` of the tensors."""
-        from .device import _Codec
+        from .rows import RowCodec
 
-        _Codec(self, tensors).scatter(payload, block_ids, slots, layers)
+        RowCodec(self, tensors).scatter(payload, block_ids, slots, layers)
 
     def to_payload(self, tensors: torch.Tensor | Sequence[torch.Tensor], block_ids: Any) -> torch.Tensor:
         """A new ``[n, block_nbytes]`` uint8 tensor (on the tensors' device) holding the payloads."""
-        from .device import as_index
+        from .blockids import as_index
 
         ids = as_index(block_ids, "cpu")
         dev = _as_list(tensors)[0].device

@@ -60,8 +60,8 @@ from ._stack_results import (
 )
 from ._stack_up import Upward
 from .backend_api import StorageBackend
+from .blockids import int_array
 from .config import KvtierConfig, direct_loads, load_config
-from .device import int_array
 from .host import WRITING, HostTier
 from .index import BlockIndex, Tier
 from .keys import Namespace

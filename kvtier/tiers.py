@@ -3,7 +3,8 @@
 The implementation lives in three small modules; this one gathers their public names:
 
 * :mod:`kvtier.device` - :class:`DeviceTier`: registered KV tensors, gather / scatter of whole blocks or
-  of some layers, between the KV device and payload rows (host slab or staging);
+  of some layers, between the KV device and payload rows (host slab or staging); its row copies are
+  :mod:`kvtier.rows`, its host <-> GPU byte ranges :mod:`kvtier.copy2d`;
 * :mod:`kvtier.host` - :class:`HostTier`: the pre-allocated (page-locked when CUDA exists) slab, free
   list and slot states (pins and recency are the block index's); never waits;
 * :mod:`kvtier.blockpool` - :class:`BlockPool`: device block ids for standalone use (free queue with LRU
@@ -13,7 +14,8 @@ Moving bytes asynchronously between the two tiers is :mod:`kvtier.transfer`.
 """
 
 from .blockpool import BlockPool, PoolExhausted
-from .device import DeviceTier, memcpy2d_available
+from .copy2d import memcpy2d_available
+from .device import DeviceTier
 from .host import FREE, READY, WRITING, Allocation, HostTier, HostTierStats, SlotState, resolve_pin_memory
 
 __all__ = ["FREE", "READY", "WRITING", "Allocation", "BlockPool", "DeviceTier", "HostTier", "SlotState",

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from . import threads as kvthreads
-from .device import BlockIds, DeviceTier, Direction, int_array
+from .blockids import BlockIds, int_array
+from .device import DeviceTier, Direction
 from .host import READY, WRITING, HostTier
 
 log = logging.getLogger("kvtier.transfer")

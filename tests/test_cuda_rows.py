@@ -133,15 +133,15 @@ class _Uncompilable:
 
 
 def test_a_kernel_that_cannot_launch_leaves_the_copy_to_torch_and_is_not_tried_again(kernel, caplog):
-    from kvtier.device import _Codec
+    from kvtier.rows import RowCodec
 
     layout, ts = make("flash_attn", None, seed=9)
-    codec = _Codec(layout, ts)
+    codec = RowCodec(layout, ts)
     views = layout.component_views(ts)
     codec._kernel = RowKernel(views, *word_width(views), _Uncompilable())
     ids = [4, 8, 1]
     buf = torch.zeros(len(ids), layout.block_nbytes, dtype=torch.uint8)
-    with caplog.at_level("WARNING", logger="kvtier.device"):
+    with caplog.at_level("WARNING", logger="kvtier.rows"):
         codec.gather(ids, buf, None, None)
     assert torch.equal(buf, layout.to_payload(ts, ids))  # copied all the same, by torch's ops
     assert codec.row_kernel() is None
@@ -154,17 +154,17 @@ def test_a_kernel_that_cannot_launch_leaves_the_copy_to_torch_and_is_not_tried_a
 
 
 def test_a_kernel_that_cannot_be_defined_leaves_the_copy_to_torch(monkeypatch, caplog):
-    import kvtier.device as device_mod
+    import kvtier.rows as rows_mod
 
     def broken(views: Any) -> None:
         raise RuntimeError("triton.jit: unsupported Python")
 
-    monkeypatch.setattr(device_mod, "row_kernel", broken)
+    monkeypatch.setattr(rows_mod, "row_kernel", broken)
     layout, ts = make("flashinfer", None, seed=10)
-    codec = device_mod._Codec(layout, ts)
+    codec = rows_mod.RowCodec(layout, ts)
     codec._kernel = True  # as on CUDA: built on first use
     buf = torch.zeros(2, layout.block_nbytes, dtype=torch.uint8)
-    with caplog.at_level("WARNING", logger="kvtier.device"):
+    with caplog.at_level("WARNING", logger="kvtier.rows"):
         codec.gather([3, 0], buf, None, None)
     assert torch.equal(buf, layout.to_payload(ts, [3, 0]))
     assert codec.row_kernel() is None and "unsupported Python" in caplog.text

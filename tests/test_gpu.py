@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import kvtier.copy2d as copy2d_mod
 import kvtier.device as device_mod
 from kvtier.layout import KVLayout
 from kvtier.tiers import READY, DeviceTier, HostTier, memcpy2d_available
@@ -80,7 +81,7 @@ def test_cuda_round_trip_bit_exact_through_pinned_host(kind, inner, dtype, path)
 
 @pytest.mark.parametrize("force_torch", [False, True], ids=["memcpy2d", "torch-copy"])
 def test_layerwise_paths_agree(monkeypatch, force_torch):
-    monkeypatch.setattr(device_mod, "FORCE_TORCH_2D", force_torch)
+    monkeypatch.setattr(copy2d_mod, "FORCE_TORCH_2D", force_torch)
     print("cudaMemcpy2DAsync available:", memcpy2d_available())
     layout = make_layout("flash_attn", N=40)
     dev = DeviceTier(layout, random_tensors(layout))

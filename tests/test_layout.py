@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-import kvtier.device as device_mod
-from kvtier.device import contiguous_runs
+import kvtier.blockids as blockids_mod
+from kvtier.blockids import contiguous_runs
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout, LayoutError, parse_dtype
 
@@ -335,7 +335,7 @@ def test_contiguous_runs_short_walk_equals_the_vectorised_split(n, monkeypatch):
     vals = vals[:n]
     got = {kind: contiguous_runs(x) for kind, x in
            (("list", vals), ("array", np.array(vals)), ("tensor", torch.tensor(vals)))}
-    monkeypatch.setattr(device_mod, "_SHORT_RUNS", -1)  # the numpy split for every length
+    monkeypatch.setattr(blockids_mod, "_SHORT_RUNS", -1)  # the numpy split for every length
     want = contiguous_runs(np.array(vals))
     assert all(r == want for r in got.values()) and sum(k for _, _, k in want) == n
     assert all(type(x) is int for r in got.values() for run in r for x in run)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvtier.device as device_mod
+import kvtier.rows as rows_mod
 from kvtier.layout import KVLayout, LayoutError
 from kvtier.tiers import (
     FREE,
@@ -430,8 +431,8 @@ def test_host_in_state_answers_per_slot_and_false_out_of_range():
 def test_cpu_copy_threads_are_serial_and_leave_torch_setting_alone():
     before = torch.get_num_threads()
     seen = []
-    device_mod._parallel(lambda chunk: seen.append((torch.get_num_threads(), chunk)), [1, 2, 3, 4], 64 << 20)
+    rows_mod._parallel(lambda chunk: seen.append((torch.get_num_threads(), chunk)), [1, 2, 3, 4], 64 << 20)
     assert sorted(x for _, c in seen for x in c) == [1, 2, 3, 4]
     assert torch.get_num_threads() == before
-    if before > 1 and device_mod._omp_set_num_threads() is not None:
+    if before > 1 and rows_mod._omp_set_num_threads() is not None:
         assert all(n == 1 for n, _ in seen)  # copies run single-threaded in kvtier's pool

@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 
 from ..commands._types import out_file, positive_int
-from ..device import DeviceTier, memcpy2d_available
+from ..copy2d import memcpy2d_available
+from ..device import DeviceTier
 from ..host import HostTier
 from ..layout import KVLayout
 from ..transfer import TransferEngine
