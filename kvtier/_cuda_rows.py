@@ -29,7 +29,7 @@ import torch
 
 # Words per program: 8 KiB in int64 words, a row of a Llama-8B-shaped block (32 KiB) in four programs.
 _BLOCK = 1024
-_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,12 +73,13 @@ class RowKernel:
     """Every row view of one KV cache, as a device table the kernel reads.  Views are numbered layer by
     layer, component by component (view ``l * C + c``), which is also their order in a payload row."""
 
-    def __init__(self, views: Sequence[Sequence[torch.Tensor]], word: int, dtype: torch.dtype, kernel: Any):
-        flat = [v for comps in views for v in comps]
+    def __init__(self, views: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype, kernel: Any):
+        flat = _flat(views)
         self.device = flat[0].device
         self.components = len(views[0])
         self.num_blocks = flat[0].shape[0]
-        self.word, self.dtype = word, dtype
+        self.dtype = dtype  # the word the kernel copies at a time (word_dtype)
+        word = dtype.itemsize
         self.row_words = flat[0].shape[1] * flat[0].element_size() // word
         # (base address in bytes, row stride in words) per view; addresses are cast to pointers in-kernel.
         pairs = [x for v in flat for x in (v.data_ptr(), v.stride(0) * v.element_size() // word)]
@@ -116,7 +117,7 @@ class RowKernel:
     def fits(self, buf: torch.Tensor) -> bool:
         """Whether payload rows in ``buf`` (uint8 ``[n, bytes]``, rows contiguous) are words of this
         table's width on its device (an odd slice of a buffer may not be)."""
-        w = self.word
+        w = self.dtype.itemsize
         return (buf.device == self.device and buf.dtype == torch.uint8 and buf.dim() == 2
                 and buf.stride(1) == 1 and buf.data_ptr() % w == 0 and buf.stride(0) % w == 0
                 and buf.shape[1] % w == 0)
@@ -135,7 +136,7 @@ def row_kernel(views: Sequence[Sequence[torch.Tensor]]) -> RowKernel | None:
     """A :class:`RowKernel` over ``views`` (each ``[num_blocks, row]`` with contiguous rows, all on one
     CUDA device with equal row bytes), or None where the per-view torch ops must do: no CUDA, no
     Triton, no views, or views of unequal shapes."""
-    flat = [v for comps in views for v in comps]
+    flat = _flat(views)
     if not flat or flat[0].device.type != "cuda" or any(len(c) != len(views[0]) for c in views):
         return None
     nbytes = flat[0].shape[1] * flat[0].element_size()
@@ -146,19 +147,24 @@ def row_kernel(views: Sequence[Sequence[torch.Tensor]]) -> RowKernel | None:
     kernel = _kernel()
     if kernel is None:
         return None
-    word, dtype = word_width(views)
-    return RowKernel(views, word, dtype, kernel)
+    return RowKernel(views, word_dtype(views), kernel)
 
 
-def word_width(views: Sequence[Sequence[torch.Tensor]]) -> tuple[int, torch.dtype]:
-    """The widest word (bytes, and the integer dtype of that size) dividing every view's address, row
-    stride and row bytes: what the kernel copies at a time (a byte at worst)."""
-    flat = [v for comps in views for v in comps]
-    for word, dtype in _WORDS:
+def word_dtype(views: Sequence[Sequence[torch.Tensor]]) -> torch.dtype:
+    """The integer dtype of the widest word dividing every view's address, row stride and row bytes: what
+    the kernel copies at a time (a byte at worst)."""
+    flat = _flat(views)
+    for dtype in _WORDS:
+        word = dtype.itemsize
         if all(v.data_ptr() % word == 0 and (v.stride(0) * v.element_size()) % word == 0
                and (v.shape[1] * v.element_size()) % word == 0 for v in flat):
-            return word, dtype
-    raise AssertionError("a byte divides everything")  # _WORDS ends with 1
+            return dtype
+    raise AssertionError("a byte divides everything")  # _WORDS ends with uint8
 
 
-__all__ = ["RowKernel", "row_kernel", "word_width"]
+def _flat(views: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The views in kernel order: layer by layer, component by component (view ``l * C + c``)."""
+    return [v for comps in views for v in comps]
+
+
+__all__ = ["RowKernel", "row_kernel", "word_dtype"]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier._cuda_rows import RowKernel, _kernel, word_width
+from kvtier._cuda_rows import RowKernel, _kernel, word_dtype
 from kvtier.layout import KVLayout
 
 pytest.importorskip("triton")
@@ -44,7 +44,7 @@ def make(kind: str, inner: str | None, dtype: torch.dtype = torch.bfloat16, seed
 
 def kernel_over(layout: KVLayout, ts: list[torch.Tensor], kernel: Any) -> RowKernel:
     views = layout.component_views(ts)
-    return RowKernel(views, *word_width(views), kernel)
+    return RowKernel(views, word_dtype(views), kernel)
 
 
 @pytest.mark.parametrize("kind,inner", KINDS, ids=str)
@@ -98,11 +98,11 @@ def test_an_id_out_of_range_is_neither_read_nor_written(kernel):
 
 def test_words_are_as_wide_as_every_address_stride_and_row_allows():
     layout, ts = make("flash_attn", None, dtype=torch.bfloat16, D=8)  # rows of 4 x 2 x 8 x 2 B = 128 B
-    assert word_width(layout.component_views(ts)) == (8, torch.int64)
+    assert word_dtype(layout.component_views(ts)) == torch.int64
     layout, ts = make("mla", None, dtype=torch.float8_e4m3fn, D=3)  # rows of 4 x 3 x 1 B = 12 B
-    assert word_width(layout.component_views(ts)) == (4, torch.int32)
+    assert word_dtype(layout.component_views(ts)) == torch.int32
     odd = torch.zeros(2 * 12 * 5 + 1, dtype=torch.uint8)[1:].view(2, 12, 5)  # odd address, 5 B rows
-    assert word_width([[odd[0], odd[1]]]) == (1, torch.uint8)
+    assert word_dtype([[odd[0], odd[1]]]) == torch.uint8
 
 
 def test_odd_widths_copy_exactly(kernel):
@@ -138,7 +138,7 @@ def test_a_kernel_that_cannot_launch_leaves_the_copy_to_torch_and_is_not_tried_a
     layout, ts = make("flash_attn", None, seed=9)
     codec = RowCodec(layout, ts)
     views = layout.component_views(ts)
-    codec._kernel = RowKernel(views, *word_width(views), _Uncompilable())
+    codec._kernel = RowKernel(views, word_dtype(views), _Uncompilable())
     ids = [4, 8, 1]
     buf = torch.zeros(len(ids), layout.block_nbytes, dtype=torch.uint8)
     with caplog.at_level("WARNING", logger="kvtier.rows"):
