@@ -38,18 +38,14 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import logging
 import os
-import re
-import stat
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from operator import itemgetter
 from typing import Any, TypeVar, cast
 
 from pydantic import Field, field_validator
@@ -57,7 +53,19 @@ from pydantic import Field, field_validator
 from kvtier import blockformat
 from kvtier import threads as kvthreads
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame
-from kvtier.backends._disk_ledger import HOST_TAG, Ledger, pid_alive, shared_ledger
+from kvtier.backends._disk_files import (
+    HASH,
+    NS,
+    SHARD,
+    list_blocks,
+    read_file,
+    regular_size,
+    write_tmp,
+)
+from kvtier.backends._disk_files import scandir as _scandir
+from kvtier.backends._disk_files import unlink as _unlink
+from kvtier.backends._disk_files import unlink_sized as _unlink_sized  # (a test replaces it here)
+from kvtier.backends._disk_ledger import HOST_TAG, Ledger, shared_ledger
 from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key
 from kvtier.units import ByteSize
@@ -65,15 +73,6 @@ from kvtier.units import ByteSize
 log = logging.getLogger("kvtier.backends.local_disk")
 _T = TypeVar("_T")
 
-_NS = re.compile(r"[0-9a-f]{32}")
-_SHARD = re.compile(r"[0-9a-f]{2}")
-_HASH = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
-_TMP = re.compile(r"\.(?:[0-9a-f]+|manifest\.json)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)\.[0-9]+\.tmp")
-# O_NONBLOCK: opening a FIFO planted under a block's name returns at once instead of waiting for a writer
-# forever (it changes nothing for regular files, which are never read "non-blocking").
-_RFLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-_WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-_PROBE = memoryview(bytearray(1))  # one byte past the expected end: tells "longer than expected" without an fstat
 _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces at least this large
 class LocalDiskBackend(StorageBackend):
     """Blocks as files in a (possibly shared) directory, bounded by ``capacity`` bytes with LRU eviction."""
@@ -174,49 +173,9 @@ class LocalDiskBackend(StorageBackend):
 
     def _list_blocks(self, now: float) -> list[tuple[float, str, int]]:
         """(last use, key, size) of every block file, oldest first; dead writers' temp files removed."""
-        shards: list[tuple[str, os.DirEntry[str]]] = []
-        for ns in _scandir(self.root):
-            if not (_NS.fullmatch(ns.name) and ns.is_dir(follow_symlinks=False)):
-                continue
-            for shard in _scandir(ns.path):
-                if m := _TMP.fullmatch(shard.name):  # a manifest's temp file
-                    self._maybe_remove_tmp(shard, m, now)
-                elif _SHARD.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
-                    shards.append((ns.name, shard))
-        # stat() releases the GIL: shards are listed in parallel (a cold cache makes this I/O bound).
-        with kvthreads.pool(self.options.threads, "kvtier-disk-put") as pool:
-            parts = list(pool.map(lambda s: self._scan_shard(s[0], s[1], now), shards))
-        found = [e for part in parts for e in part]
-        found.sort(key=itemgetter(0))
+        found: list[tuple[float, str, int]] = list_blocks(self.root, now, self.options.threads,
+                                                          self.options.tmp_max_age_s)
         return found
-
-    def _scan_shard(self, ns: str, shard: os.DirEntry[str], now: float) -> list[tuple[float, str, int]]:
-        found = []
-        prefix = shard.name
-        for f in _scandir(shard.path):
-            name = f.name
-            if name[0] == "." and (m := _TMP.fullmatch(name)):
-                self._maybe_remove_tmp(f, m, now)
-            elif _HASH.fullmatch(name) and name.startswith(prefix):
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # evicted by another process meanwhile
-                if stat.S_ISREG(st.st_mode):
-                    # Last use ~ max(atime, mtime): with relatime, atime moves on the first read after a
-                    # write; timestamps are coarse (a few ms), so ties keep an arbitrary order.
-                    found.append((max(st.st_atime, st.st_mtime), f"{ns}/{name}", st.st_size))
-        return found
-
-    def _maybe_remove_tmp(self, entry: os.DirEntry[str], m: re.Match[str], now: float) -> None:
-        """Remove a temp file (``m``: its name matched by ``_TMP``) if its writer is dead or it is too old."""
-        try:
-            age = now - entry.stat(follow_symlinks=False).st_mtime
-        except FileNotFoundError:
-            return
-        if (m["host"] == HOST_TAG and not pid_alive(int(m["pid"]))) or age > self.options.tmp_max_age_s:
-            _unlink(entry.path)
-            log.info("local_disk: removed leftover temp file %s", entry.path)
 
     # ------------------------------------------------------------------ the shared ledger, capacity
 
@@ -327,7 +286,7 @@ class LocalDiskBackend(StorageBackend):
             for j in idx:
                 tmp, path = written[todo[j]], where[todo[j]][1]
                 try:
-                    old = _regular_size(path)
+                    old = regular_size(path)
                     os.replace(tmp, path)
                     out.append(old)
                 except OSError as e:
@@ -379,7 +338,7 @@ class LocalDiskBackend(StorageBackend):
 
         def one(i: int) -> bool:
             if granted[i]:
-                tmps[i] = self._write_tmp(*where[i], *value(i))
+                tmps[i] = write_tmp(*where[i], *value(i), next(self._tmp_seq), self.options.fsync)
             return True
 
         try:
@@ -395,72 +354,6 @@ class LocalDiskBackend(StorageBackend):
                 finally:
                     os.close(dfd)
         return stored
-
-    def _write_tmp(self, d: str, path: str, header: bytes, payload: memoryview) -> str:
-        """Write the value to a new temp file beside ``path``; its name (removed again on any error)."""
-        # The pid is read per write, not cached: a forked child must not reuse its parent's temp names.
-        tmp = f"{d}/.{path[len(d) + 1:]}.{HOST_TAG}.{os.getpid()}.{next(self._tmp_seq)}.tmp"
-        try:
-            fd = os.open(tmp, _WFLAGS, 0o666)
-        except FileNotFoundError:  # first block of this shard: create it, once, lazily
-            os.makedirs(d, exist_ok=True)
-            fd = os.open(tmp, _WFLAGS, 0o666)
-        try:
-            try:
-                n = os.writev(fd, [header, payload])
-                if n < len(header) + payload.nbytes:  # a short write (rare on files): finish it
-                    for rest in (memoryview(header)[min(n, len(header)):], payload[max(0, n - len(header)):]):
-                        while rest.nbytes:
-                            rest = rest[os.write(fd, rest):]
-                if self.options.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        return tmp
-
-    @staticmethod
-    def _read_file(path: str, header: memoryview,
-                   payload: memoryview | blockformat.Segments) -> tuple[int | str | None, int | None]:
-        """Read a value into (header, payload), hashing the payload as it lands (``blockformat.read_hashed``:
-        segments in ``preadv`` calls of ``HASH_GROUP_BYTES``, a buffer in one).  Returns the value's full
-        size (None if absent, or why the entry under the name is no value at all: a FIFO, socket, device or
-        directory, never read) and the payload's xxh3-64 when every read came back whole (else None: the
-        caller takes it).  ``payload`` may be segments (``reads_segments``): the reads fill the parts in
-        order."""
-        try:
-            fd = os.open(path, _RFLAGS)
-        except FileNotFoundError:
-            return None, None
-        except OSError as e:
-            if e.errno == errno.ELOOP:  # a symlink planted under a block's name is never followed
-                return None, None
-            if e.errno == errno.ENXIO:  # open() of a socket, or of a device with no driver behind it
-                return "not a regular file but a socket or device", None
-            raise
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}", None
-            want = header.nbytes + payload.nbytes
-            # The probe byte past the expected end tells "longer than expected" without an fstat.  Segments
-            # are read a group at a time, hashed while in cache; one buffer in one read (why: HASH_GROUP_BYTES).
-            group = blockformat.HASH_GROUP_BYTES if isinstance(payload, blockformat.Segments) else want
-            n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), header, payload,
-                                                  (_PROBE,), group)
-            if n == want:
-                return n, checksum
-            size = os.fstat(fd).st_size
-            while 0 < n < min(want, size):  # a short read (network filesystems): go on from there
-                rest = (payload.tail(max(0, n - header.nbytes)) if isinstance(payload, blockformat.Segments)
-                        else [payload[max(0, n - header.nbytes):]])
-                got = os.preadv(fd, [header[min(n, header.nbytes):], *rest], n)
-                n = n + got if got else 0
-            return size, None
-        finally:
-            os.close(fd)
 
     # ------------------------------------------------------------------ batches
 
@@ -532,7 +425,7 @@ class LocalDiskBackend(StorageBackend):
         verification needs: keys were checked once for the batch, verified keys are made most recent in
         one index update at the end."""
         where = self._check_keys(keys)
-        check, read, hsize = blockformat.check_block, self._read_file, blockformat.HEADER_SIZE
+        check, read, hsize = blockformat.check_block, read_file, blockformat.HEADER_SIZE
         errors: list[OSError] = []
         verified: list[tuple[str, int]] = []  # list.append is atomic: shared by the workers
         forgotten: list[str] = []
@@ -585,7 +478,7 @@ class LocalDiskBackend(StorageBackend):
     def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
                    payloads: Sequence[memoryview]) -> list[int | None]:
         where = self._check_keys(keys)
-        sizes = [self._read_file(w[1], h, p)[0] for w, h, p in zip(where, headers, payloads)]
+        sizes = [read_file(w[1], h, p)[0] for w, h, p in zip(where, headers, payloads)]
         for (_, path), size in zip(where, sizes):
             if isinstance(size, str):
                 log.warning("local_disk: %s is %s; it reads as an empty, corrupt value", path, size)
@@ -623,13 +516,13 @@ class LocalDiskBackend(StorageBackend):
 
     def _scan(self, prefix: str) -> Iterator[StoredBlock]:
         for ns in _scandir(self.root):
-            if not (_NS.fullmatch(ns.name) and ns.name.startswith(prefix[:32])):
+            if not (NS.fullmatch(ns.name) and ns.name.startswith(prefix[:32])):
                 continue
             for shard in _scandir(ns.path):
                 if shard.name == MANIFEST_NAME:
                     entries = [shard]
-                elif _SHARD.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
-                    entries = [f for f in _scandir(shard.path) if _HASH.fullmatch(f.name)]
+                elif SHARD.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
+                    entries = [f for f in _scandir(shard.path) if HASH.fullmatch(f.name)]
                 else:
                     continue
                 for f in entries:
@@ -681,45 +574,3 @@ class LocalDiskBackend(StorageBackend):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-
-
-_FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device",
-               stat.S_IFBLK: "block device", stat.S_IFDIR: "directory"}
-
-
-def _scandir(path: str) -> list[os.DirEntry[str]]:
-    """Entries of ``path``; empty if it vanished (another process may prune it)."""
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _unlink(path: str) -> int:
-    try:
-        os.unlink(path)
-        return 1
-    except FileNotFoundError:  # another process evicted or deleted it first
-        return 0
-    except IsADirectoryError:  # a directory planted under a block's name: removed if empty, else left
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
-            return 1
-        return 0
-
-
-def _regular_size(path: str) -> int:
-    """Bytes of the regular file at ``path``; 0 if there is none (absent, or a planted special file)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
-
-
-def _unlink_sized(path: str) -> tuple[int, int]:
-    """Remove ``path``: (1 if it was there else 0, bytes of regular file data freed)."""
-    size = _regular_size(path)
-    removed = _unlink(path)
-    return removed, size if removed else 0

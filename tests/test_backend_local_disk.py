@@ -200,6 +200,11 @@ def test_a_put_refused_because_all_room_is_held_scans_no_directory(tmp_path, mon
     b = mk(tmp_path, capacity=3 * (H + size))
     ks = newkeys(6)
     assert b.put(ks[:3], [os.urandom(size)] * 3, LID) == [True] * 3
+    # A start-up scan orders blocks by file times, which a loaded machine gives in coarse ticks (three
+    # writes in one tick tie, in directory order): ks[0] is made the oldest by hand.
+    t = time.time() - 60
+    for i, k in enumerate(ks[:3]):
+        os.utime(b._where(k)[1], (t + i, t + i))
     b.hold(ks[:3])
     scans = []
     real = LocalDiskBackend._list_blocks
