@@ -31,7 +31,7 @@ def test_wheel_install_imports_everything(tmp_path):
                     "-w", str(dist), str(root)], check=True)
     (whl,) = dist.glob("kvtier-*.whl")
     names = zipfile.ZipFile(whl).namelist()
-    for must in ("kvtier/keys.py", "kvtier/backends/local_disk.py", "kvtier/policies/write.py",
+    for must in ("kvtier/keys/__init__.py", "kvtier/backends/local_disk.py", "kvtier/policies/write.py",
                  "kvtier/configs/local.yaml", "kvtier/py.typed", "kvtier/testing/__init__.py"):
         assert must in names, must
     # Every module of the source tree, not only the ones named above: pyproject lists packages one by one,
