@@ -100,12 +100,17 @@ class RowCodec:
             raise IndexError(f"payload rows (slots) out of range [0, {nrows})")
         return runs if len(runs) <= max(1, n // 8) else as_index(slots, self.device)
 
+    def _batch(self, block_ids: BlockIds, buf: torch.Tensor, slots: BlockIds | None,
+               rows: Rows | None) -> tuple[torch.Tensor, torch.Tensor, Rows]:
+        """What both directions start from: the ids as an index tensor on the tensors' device, the
+        payload buffer viewed as rows of ``copy_dtype`` ([n, L, C, ...]), and where the batch sits in it."""
+        ids = as_index(block_ids, self.device)
+        view = self.layout.payload_view(buf, self.copy_dtype)
+        return ids, view, self.rows(ids.numel(), slots, buf.shape[0]) if rows is None else rows
+
     def gather(self, block_ids: BlockIds, out: torch.Tensor, slots: BlockIds | None, layers: Sequence[int] | None,
                rows: Rows | None = None) -> None:
-        ids = as_index(block_ids, self.device)
-        dst = self.layout.payload_view(out, self.copy_dtype)
-        if rows is None:
-            rows = self.rows(ids.numel(), slots, out.shape[0])
+        ids, dst, rows = self._batch(block_ids, out, slots, rows)
         if self.layout.rearranges:
             self._gather_head_major(ids, dst, rows, layers)
             return
@@ -135,10 +140,7 @@ class RowCodec:
 
     def scatter(self, payload: torch.Tensor, block_ids: BlockIds, slots: BlockIds | None, layers: Sequence[int] | None,
                 rows: Rows | None = None) -> None:
-        ids = as_index(block_ids, self.device)
-        src = self.layout.payload_view(payload, self.copy_dtype)
-        if rows is None:
-            rows = self.rows(ids.numel(), slots, payload.shape[0])
+        ids, src, rows = self._batch(block_ids, payload, slots, rows)
         if self.layout.rearranges:
             self._scatter_head_major(ids, src, rows, layers)
             return
