@@ -18,13 +18,18 @@ from kvtier.workload import ChatWorkload, iter_trace
 
 
 def _config(tmp_path, *, host: str, disk: str, write: str, block_tokens: int | None = None,
-            promote: bool = True) -> str:
+            promote: bool = True, second_disk: str | None = None, write_options: dict[str, object] | None = None) -> str:
     d = yaml.safe_load(resources.files("kvtier.configs").joinpath("local.yaml").read_text())
     d["device"]["kind"] = "cpu"
     d["host"]["capacity"] = host
     d["host"]["promote_loads"] = promote
     d["backends"][0]["options"] = {"path": str(tmp_path / "disk"), "capacity": disk}
+    if second_disk is not None:  # a second, larger disk tier under the first (both written)
+        d["backends"].append({"name": "disk_b", "type": "local_disk",
+                              "options": {"path": str(tmp_path / "disk_b"), "capacity": second_disk}})
     d["policies"]["write"]["name"] = write
+    if write_options is not None:
+        d["policies"]["write"]["options"] = write_options
     d["storage"] = {"block_tokens": block_tokens}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(d))
@@ -55,24 +60,35 @@ def _assert_close(real: dict[str, float], sim: dict[str, float]) -> None:
 CHAT = dict(users=12, turns=4)
 
 
-@pytest.mark.parametrize("host,write,block_tokens,promote", [("6MiB", "write_through", None, True),
-                                                             ("0", "write_through_selective", None, True),
-                                                             ("6MiB", "write_through", 64, True),
-                                                             ("6MiB", "write_back", 64, True),
-                                                             ("6MiB", "write_through", None, False)])
-def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write, block_tokens, promote):
+@pytest.mark.parametrize("host,write,block_tokens,promote,extra", [
+    ("6MiB", "write_through", None, True, {}),
+    ("0", "write_through_selective", None, True, {}),
+    ("6MiB", "write_through", 64, True, {}),
+    ("6MiB", "write_back", 64, True, {}),
+    ("6MiB", "write_through", None, False, {}),
+    ("2MiB", "write_back", None, False, {"second_disk": "48MiB"}),
+    ("6MiB", "write_through_selective", 64, True, {"write_options": {"threshold": 1}}),
+])
+def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write, block_tokens, promote, extra):
     # Small tiers, so that every tier serves hits and both the host and the disk evict; no host tier at
-    # all (stores go straight to the disk); stored values of 4 blocks (storage.block_tokens); and loads
-    # from the disk read straight into the CPU KV tensors, out of host memory (host.promote_loads false).
-    cfg = _config(tmp_path, host=host, disk="12MiB", write=write, block_tokens=block_tokens, promote=promote)
+    # all (stores go straight to the disk); stored values of 4 blocks (storage.block_tokens); loads from
+    # the disk read straight into the CPU KV tensors, out of host memory (host.promote_loads false); two
+    # disks under a host tier smaller than one turn, written back; and selective writes of 4-block values.
+    cfg = _config(tmp_path, host=host, disk="12MiB", write=write, block_tokens=block_tokens, promote=promote,
+                  **extra)
+    disks = ["local_disk", "disk_b"] if "second_disk" in extra else ["local_disk"]
     out = tmp_path / "run"
     assert main(["run", "--config", cfg, "--no-progress", "--wait-writes", "--device-blocks", "96", "--users", "12",
                  "--turns", "4", "--out", str(out), "--record-trace", str(out / "trace.jsonl")]) == 0
     real = _real_hit_rates(out)
-    assert real["device"] > 0 and real["local_disk"] > 0 and (real["host"] > 0 if host != "0" else "host" not in real)
+    assert real["device"] > 0 and all(real.get(d, 0) > 0 for d in disks)
+    assert real.get("host", 0) > 0 if host not in ("0", "2MiB") else real.get("host", 0) == 0
     config = load_config(cfg, env={})
     sim = simulate(config, ChatWorkload(**CHAT), device_blocks=96)
-    assert sim.evicted["local_disk"] > 0 and (sim.evicted["host"] > 0 if host != "0" else "host" not in sim.tiers)
+    # Every tier evicts, but the disk behind host memory under selective writes: few values go down.
+    fills_disk = write != "write_through_selective" or host == "0"
+    assert sim.written["local_disk"] > 0 and (sim.evicted["local_disk"] > 0 or not fills_disk)
+    assert sim.evicted["host"] > 0 if host != "0" else "host" not in sim.tiers
     _assert_close(real, _sim_rates(sim))
     # The recorded trace (the model's own answers in the prompts) replays to the same figures.
     rec = simulate(config, iter_trace(out / "trace.jsonl"), device_blocks=96)

@@ -10,7 +10,9 @@ moves nothing:
 * **the same lookup**: :meth:`lookup` is the manager's (:meth:`~kvtier.manager.TierManager.resolve`),
   probing the backends through the same ``BackendSet``; the backends are
   :class:`~kvtier.simulate.ledger.LedgerBackend` ledgers of keys and sizes;
-* **the same policies**: the configured write, eviction and prefetch plugins are called at the same points;
+* **the same policies**: the configured write and eviction plugins are called at the same points (the
+  prefetch policy only says how long a caller of ``TierStack.prefetch`` waits for backend reads: time,
+  which a simulation has none of; its engine loads as ``kvtier run``'s does, without prefetching);
 * host memory is a count of slots (``host.capacity // bytes per block``), as the real slab has.
 
 What the real stack does and this one does not: copy bytes, run I/O in threads (every operation here
