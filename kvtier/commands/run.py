@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     engine.wait_writes = args.wait_writes
     vocab = engine.model.spec.vocab_size
     results: list[dict[str, float]] = []
+    # Every tier below the device has its column, a tier that served nothing too (0, not missing).
+    lower = (["host"] if engine.stack.host is not None else []) + list(engine.stack.tier_names.backends)
     t_start = time.perf_counter()
     try:
         recorder = TraceRecorder(args.record_trace) if args.record_trace else None
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                                    mm=req.mm, lora=req.lora)
         except ValueError as e:
             raise UserError(f"request {len(results) + 1}: {e}") from None
-        results.append(_row(len(results), req, r, engine.block_size))
+        results.append(_row(len(results), req, r, engine.block_size, lower))
         bar.update(1)
         return r.tokens
 
@@ -112,13 +115,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(i: int, req: Request, r: RequestResult, block_size: int) -> dict[str, float]:
+def _row(i: int, req: Request, r: RequestResult, block_size: int, lower: Sequence[str] = ()) -> dict[str, float]:
     row = {"request": i, "user": req.user, "turn": req.turn, "prompt_tokens": r.num_prompt_tokens,
            "prompt_blocks": r.num_prompt_blocks, "device_blocks": r.device_blocks,
            "computed_tokens": r.computed_tokens, "saved_tokens": r.saved_tokens,
            "failed_blocks": r.failed_blocks, "stored_blocks": r.stored_blocks,
            "lookup_ms": r.lookup_s * 1e3, "load_ms": r.load_s * 1e3, "compute_ms": r.compute_s * 1e3,
            "store_ms": r.store_s * 1e3, "block_size": block_size}
+    for tier in lower:
+        row[f"{tier}_blocks"] = 0
     for tier, n in r.loaded_blocks.items():
         row[f"{tier}_blocks"] = n
     return row
