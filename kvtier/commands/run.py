@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = engine.model.spec.vocab_size
     results: list[dict[str, float]] = []
     # Every tier below the device has its column, a tier that served nothing too (0, not missing).
-    lower = (["host"] if engine.stack.host is not None else []) + list(engine.stack.tier_names.backends)
+    lower = engine.stack.metrics.tiers[1:]  # the stack's tiers in order, device first
     t_start = time.perf_counter()
     try:
         recorder = TraceRecorder(args.record_trace) if args.record_trace else None
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(i: int, req: Request, r: RequestResult, block_size: int, lower: Sequence[str] = ()) -> dict[str, float]:
+def _row(i: int, req: Request, r: RequestResult, block_size: int, lower: Sequence[str]) -> dict[str, float]:
     row = {"request": i, "user": req.user, "turn": req.turn, "prompt_tokens": r.num_prompt_tokens,
            "prompt_blocks": r.num_prompt_blocks, "device_blocks": r.device_blocks,
            "computed_tokens": r.computed_tokens, "saved_tokens": r.saved_tokens,
