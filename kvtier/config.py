@@ -44,6 +44,7 @@ from pydantic import (
     Field,
     ValidationError,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -261,6 +262,23 @@ class TransferSection(_Section):
 
 class MetricsSection(_Section):
     prometheus_port: int | None = Field(None, ge=1, le=65535, description="Serve /metrics here; null = off.")
+    # /metrics has no authentication, so it answers only this host unless the operator opens it.
+    bind_address: str = Field(
+        "127.0.0.1", description='IP address /metrics listens on: "127.0.0.1" (default) answers only this '
+                                 'host; "0.0.0.0" (or "::") every interface, which a Prometheus on another '
+                                 'host or in Kubernetes scraping the pod needs.  The port has no '
+                                 'authentication: open it only where the network is trusted.')
+
+    @field_validator("bind_address")
+    @classmethod
+    def _ip_address(cls, v: str) -> str:
+        import ipaddress
+
+        try:
+            return str(ipaddress.ip_address(v))
+        except ValueError:
+            raise PydanticCustomError("kvtier", 'expected an IP address like "127.0.0.1", "0.0.0.0" or "::", '
+                                                "got {got}", {"got": describe(v)}) from None
 
 
 class KvtierConfig(_Section):

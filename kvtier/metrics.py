@@ -45,6 +45,8 @@ OPS = ("read", "write", "lookup")
 # Seconds: from a host copy of a few blocks (~10 us) to a slow object store (~10 s).
 BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RESERVOIR = 1024
+# /metrics has no authentication: by default it answers only this host (config: metrics.bind_address).
+DEFAULT_BIND_ADDRESS = "127.0.0.1"
 
 
 class LatencyStats:
@@ -226,8 +228,8 @@ class StackMetrics:
 
         return generate_latest(self.registry)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:  # noqa: S104 - a metrics endpoint
-        """Serve ``/metrics`` on ``port`` (0 = any free port) in a daemon thread; returns the port."""
+    def serve(self, port: int, addr: str = DEFAULT_BIND_ADDRESS) -> int:
+        """Serve ``/metrics`` on ``addr``:``port`` (0: any free port) in a daemon thread; returns the port."""
         from prometheus_client import start_http_server
 
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
@@ -292,4 +294,5 @@ class _Collector:
                 yield GaugeMetricFamily(f"kvtier_{name}", name.replace("_", " "), value=v)
 
 
-__all__ = ["BUCKETS", "COUNTERS", "OPS", "LatencyStats", "RequestSummary", "StackMetrics", "TierMetrics"]
+__all__ = ["BUCKETS", "COUNTERS", "DEFAULT_BIND_ADDRESS", "OPS", "LatencyStats", "RequestSummary",
+           "StackMetrics", "TierMetrics"]

@@ -164,7 +164,8 @@ class TierStack:
         self._backends.put_manifests(self.namespace)
         self.metrics_port: int | None = None
         if config.metrics.prometheus_port:
-            self.metrics_port = self.metrics.serve(config.metrics.prometheus_port)
+            self.metrics_port = self.metrics.serve(config.metrics.prometheus_port,
+                                                   config.metrics.bind_address)
 
     @classmethod
     def from_config(cls, path_or_config: str | os.PathLike[str] | KvtierConfig | None = None,

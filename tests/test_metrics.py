@@ -4,12 +4,15 @@ tokens, as FastDeploy reports), and the Prometheus exposition."""
 from __future__ import annotations
 
 import socket
+import sys
+import urllib.error
 import urllib.request
 
 import pytest
 from _stack_helpers import BLOCK, BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack
 
 from kvtier.backend_api import BackendUnavailable
+from kvtier.config import ConfigError
 from kvtier.index import Tier
 from kvtier.metrics import BUCKETS, LatencyStats, StackMetrics
 from kvtier.stack import TierStack
@@ -113,17 +116,50 @@ def test_prometheus_text_exposition(tmp_path):
         st.close()
 
 
-def test_prometheus_server_from_config(tmp_path):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def _scrape(host: str, port: int) -> str:
+    return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=TIMEOUT).read().decode()
+
+
+def test_prometheus_server_from_config(tmp_path):
+    port = _free_port()
     st = TierStack(config(tmp_path, metrics={"prometheus_port": port}))
     try:
+        assert st.config.metrics.bind_address == "127.0.0.1"  # the default: this host only
         assert st.metrics_port == port
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT).read().decode()
-        assert 'kvtier_tier_hits_total{kind="device",tier="device"} 0.0' in body
+        assert 'kvtier_tier_hits_total{kind="device",tier="device"} 0.0' in _scrape("127.0.0.1", port)
+        if sys.platform == "linux":  # all of 127/8 reaches lo there: another address, not on the bound one
+            with pytest.raises(urllib.error.URLError):
+                _scrape("127.0.0.2", port)
     finally:
         st.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is a loopback address on Linux only")
+def test_prometheus_bind_address_every_interface(tmp_path):
+    port = _free_port()
+    st = TierStack(config(tmp_path, metrics={"prometheus_port": port, "bind_address": "0.0.0.0"}))
+    try:
+        assert "kvtier_requests_total 0.0" in _scrape("127.0.0.2", port)
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("value, shown", [("everywhere", '"everywhere"'), ("127.0.0.256", '"127.0.0.256"'),
+                                          ("", '""')])
+def test_bind_address_must_be_an_ip_address(tmp_path, value, shown):
+    with pytest.raises(ConfigError) as e:
+        config(tmp_path, metrics={"prometheus_port": 9400, "bind_address": value})
+    want = 'metrics.bind_address: expected an IP address like "127.0.0.1", "0.0.0.0" or "::", got '
+    assert str(e.value) == want + shown  # one line, naming the key
+    with pytest.raises(ConfigError, match=r"^metrics\.bind_address: .*got 9400$"):
+        config(tmp_path, metrics={"bind_address": 9400})
+    assert config(tmp_path, metrics={"bind_address": "0:0::1"}).metrics.bind_address == "::1"
 
 
 def test_unknown_tier_is_ignored_and_names_must_be_unique():

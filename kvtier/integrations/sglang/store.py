@@ -187,7 +187,7 @@ class PageStore:
 
     def serve_metrics(self, port: int) -> None:
         try:
-            self.metrics_port = self.metrics.serve(port)
+            self.metrics_port = self.metrics.serve(port, self.config.metrics.bind_address)
         except (OSError, ImportError) as e:
             log.warning("kvtier: cannot serve metrics on port %d: %s", port, e)
 
