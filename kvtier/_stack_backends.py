@@ -41,6 +41,11 @@ class BackendSet:
         # full answer.
         self._suspect = [False] * len(self.backends)
         self.on_recovered: Callable[[int], bool] | None = None
+        metrics.watch_backends(self)  # kvtier_backend_up / _used_bytes / _capacity_bytes, read at scrape time
+
+    def up(self) -> list[bool]:
+        """Per backend: False while it has been unreachable since it last answered a whole call."""
+        return [not s for s in self._suspect]
 
     def __len__(self) -> int:
         return len(self.backends)

@@ -18,6 +18,10 @@ Per tier (``device``, ``host``, and each backend by its instance name):
 plus a latency per operation (``read``, ``write``, ``lookup``): count, sum, a fixed histogram (for
 Prometheus) and p50 / p90 / p99 over a reservoir of the last 1024 samples.
 
+Per storage backend, read when asked (:meth:`StackMetrics.watch_backends`): ``up`` (0 while the backend
+has been unreachable since it last answered a whole call), ``used_bytes`` and ``capacity_bytes`` (what the
+backend's own ``stats()`` reports, where it reports them).
+
 Per request (each :meth:`kvtier.stack.TierStack.lookup`): the matched tokens by tier, as FastDeploy's
 prefix cache manager reports them: device / host / storage (all backends together).
 
@@ -33,7 +37,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,8 +49,23 @@ OPS = ("read", "write", "lookup")
 # Seconds: from a host copy of a few blocks (~10 us) to a slow object store (~10 s).
 BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RESERVOIR = 1024
+# Per-backend gauges (``kvtier_backend_<name>{tier=...}``) and their help.
+BACKEND_GAUGES = {
+    "up": "1 if the backend answered its last call in full, 0 while it has been unreachable since",
+    "used_bytes": "Bytes the backend holds, as its stats() report them (Redis: used_memory of its masters)",
+    "capacity_bytes": "Bytes the backend may hold, where bounded (local_disk capacity, Redis maxmemory)",
+}
 # /metrics has no authentication: by default it answers only this host (config: metrics.bind_address).
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
+
+
+class WatchedBackends(Protocol):
+    """What :meth:`StackMetrics.watch_backends` reads: a stack's backends (``kvtier._stack_backends``)."""
+
+    names: list[str]
+    backends: list[Any]  # StorageBackend: only its stats() is called
+
+    def up(self) -> list[bool]: ...
 
 
 class LatencyStats:
@@ -123,6 +142,7 @@ class StackMetrics:
                             "storage_tokens": 0}
         self._registry: Any = None  # a prometheus_client CollectorRegistry, made on first use
         self._server: Any = None
+        self._backends: WatchedBackends | None = None
 
     @property
     def tiers(self) -> list[str]:
@@ -143,6 +163,10 @@ class StackMetrics:
         """``blocks`` served from ``tier`` (``nbytes`` read out of it)."""
         if blocks:
             self.add(tier, hits=blocks, hit_tokens=blocks * self.block_size, bytes_out=nbytes)
+
+    def watch_backends(self, backends: WatchedBackends) -> None:
+        """Export ``backends``' health and usage beside the counters, read at each snapshot / scrape."""
+        self._backends = backends
 
     def observe(self, tier: str, op: str, seconds: float) -> None:
         t = self._tiers.get(tier)
@@ -178,6 +202,8 @@ class StackMetrics:
                      for n, t in self._tiers.items()}
             reqs = dict(self._req_totals)
         out: dict[str, Any] = {"tiers": tiers, "requests": reqs}
+        if self._backends is not None:
+            out["backends"] = _backend_gauges(self._backends)
         if self._gauges is not None:
             try:
                 out["gauges"] = dict(self._gauges())
@@ -243,6 +269,24 @@ class StackMetrics:
             self._server = None
 
 
+def _backend_gauges(watched: WatchedBackends) -> dict[str, dict[str, float]]:
+    """``{gauge: {backend name: value}}`` of :data:`BACKEND_GAUGES`; a value a backend lacks is left out."""
+    out: dict[str, dict[str, float]] = {g: {} for g in BACKEND_GAUGES}
+    for name, b, up in zip(watched.names, watched.backends, watched.up()):
+        out["up"][name] = 1.0 if up else 0.0
+        if not up:
+            continue  # its stats() may wait on the unreachable server: a scrape must stay quick
+        try:
+            extra = b.stats().extra
+        except Exception:  # noqa: BLE001 - a gauge must never break a scrape
+            continue
+        for gauge, key in (("used_bytes", "bytes"), ("capacity_bytes", "capacity_bytes")):
+            v = extra.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[gauge][name] = float(v)
+    return out
+
+
 class _Collector:
     """Reads a :class:`StackMetrics` snapshot at scrape time."""
 
@@ -289,10 +333,15 @@ class _Collector:
         yield fam
         yield CounterMetricFamily("kvtier_request_tokens", "Tokens asked about by requests",
                                   value=reqs["num_tokens"])
+        for gauge, values in (snap.get("backends") or {}).items():
+            per_backend = GaugeMetricFamily(f"kvtier_backend_{gauge}", BACKEND_GAUGES[gauge], labels=["tier"])
+            for name, v in values.items():
+                per_backend.add_metric([name], v)
+            yield per_backend
         for name, v in (snap.get("gauges") or {}).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 yield GaugeMetricFamily(f"kvtier_{name}", name.replace("_", " "), value=v)
 
 
-__all__ = ["BUCKETS", "COUNTERS", "DEFAULT_BIND_ADDRESS", "OPS", "LatencyStats", "RequestSummary",
-           "StackMetrics", "TierMetrics"]
+__all__ = ["BACKEND_GAUGES", "BUCKETS", "COUNTERS", "DEFAULT_BIND_ADDRESS", "OPS", "LatencyStats",
+           "RequestSummary", "StackMetrics", "TierMetrics", "WatchedBackends"]

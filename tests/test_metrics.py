@@ -162,6 +162,31 @@ def test_bind_address_must_be_an_ip_address(tmp_path, value, shown):
     assert config(tmp_path, metrics={"bind_address": "0:0::1"}).metrics.bind_address == "::1"
 
 
+def test_backend_up_and_usage_gauges_follow_an_outage(tmp_path):
+    st, fb = make_stack(tmp_path)
+    try:
+        fill(st, [0, 1], seed=6)
+        st.store(chain(st, 1), [0]).wait(TIMEOUT)
+        assert st.flush(TIMEOUT)
+        g = st.metrics.snapshot()["backends"]
+        assert g["up"] == {"disk": 1.0} and g["capacity_bytes"] == {"disk": 10 * 2**30}
+        assert g["used_bytes"]["disk"] >= BLOCK_NBYTES
+        fb.fail("put", BackendUnavailable, times=1)
+        fb.fail("health", BackendUnavailable)  # down until cleared, whoever probes it meanwhile
+        st.store(chain(st, 1, start=100), [1]).wait(TIMEOUT)
+        assert st.flush(TIMEOUT)
+        g = st.metrics.snapshot()["backends"]
+        # Down: no usage asked of it (a scrape must not wait on an unreachable server).
+        assert g == {"up": {"disk": 0.0}, "used_bytes": {}, "capacity_bytes": {}}
+        assert 'kvtier_backend_up{tier="disk"} 0.0' in st.metrics.generate_latest().decode()
+        fb.clear()
+        assert st.lookup(chain(st, 1, start=900)).num_blocks == 0  # asks the disk: a whole answer, it is back
+        assert st.metrics.snapshot()["backends"]["up"] == {"disk": 1.0}
+        assert 'kvtier_backend_up{tier="disk"} 1.0' in st.metrics.generate_latest().decode()
+    finally:
+        st.close()
+
+
 def test_unknown_tier_is_ignored_and_names_must_be_unique():
     m = StackMetrics(["device", "host"], 16)
     m.add("nope", hits=1)
