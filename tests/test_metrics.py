@@ -123,7 +123,8 @@ def _free_port() -> int:
 
 
 def _scrape(host: str, port: int) -> str:
-    return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=TIMEOUT).read().decode()
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=TIMEOUT) as r:
+        return str(r.read().decode())
 
 
 def test_prometheus_server_from_config(tmp_path):
