@@ -20,13 +20,18 @@ Invariants:
 * Cluster: keys are routed by hash slot; MOVED refreshes the slot map and ASK is followed once.  When
   some nodes of a batch fail and others answer, the failed nodes' keys are misses / failed puts and the
   rest succeed; when all fail, the call raises.
+* A node that answers a new connection with another ``run_id`` than before has restarted since: it may
+  have come back empty, even when no call failed in between (a restart between two calls), so the
+  backend says so (``note_restarted``) and the stack writes again what it still holds.
 * The password never appears in ``repr``, logs or exception messages: it is moved out of the URL into
   a ``SecretStr`` at validation time, and only ``Connection`` ever sends it.
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 from urllib.parse import quote, unquote, urlsplit
@@ -37,10 +42,21 @@ from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, fram
 from kvtier.blockformat import HEADER_SIZE, Segments
 
 from ._redis_events import EvictionEvents, EvictionListener
-from ._resp import NODE_ERRORS, Buf, Connection, RedisNodeError, Reply, ReplyError, command, pipeline
+from ._resp import (
+    NODE_ERRORS,
+    Buf,
+    Connection,
+    RedisNodeError,
+    RedisReplyError,
+    Reply,
+    ReplyError,
+    command,
+    pipeline,
+)
 from ._router import Addr, Router
 
 _ASKING = command("ASKING")
+log = logging.getLogger("kvtier.backends.redis")
 
 
 class RedisOptions(BackendOptions):
@@ -132,6 +148,8 @@ class RedisBackend(StorageBackend):
         u = urlsplit(o.url)
         seed: Addr = (cast(str, u.hostname), u.port or 6379)  # the validated url always has a host
         self._db = int(u.path.strip("/") or 0)
+        self._run_ids: dict[Addr, str] = {}  # per node, the run_id its last new connection reported
+        self._run_ids_lock = threading.Lock()
         self._prefix = o.key_prefix.encode()
         self._tls = _tls_context(o) if u.scheme == "rediss" else None
         ms = None if o.ttl_s is None else b"%d" % max(1, round(o.ttl_s * 1000))
@@ -154,10 +172,31 @@ class RedisBackend(StorageBackend):
 
     def _connect(self, addr: Addr, cluster: bool) -> Connection:
         o = self.options
-        return Connection(addr, timeout=o.timeout_s, connect_timeout=o.connect_timeout_s or o.timeout_s,
+        conn = Connection(addr, timeout=o.timeout_s, connect_timeout=o.connect_timeout_s or o.timeout_s,
                           tls=self._tls, username=o.username,
                           password=o.password.get_secret_value() if o.password else None,
                           db=0 if cluster else self._db)
+        self._check_run_id(conn)
+        return conn
+
+    def _check_run_id(self, conn: Connection) -> None:
+        """Every new connection asks the node's ``run_id`` (one round trip, only when the pool grows or
+        after a connection died): a pooled connection dies when its server restarts, so a restart is
+        seen at the first call after it, whether or not a call failed meanwhile."""
+        try:
+            raw = conn.call("INFO", "server")
+        except RedisReplyError:  # a proxy or managed Redis that refuses INFO: restarts go unnoticed here
+            return
+        run_id = _info(raw if isinstance(raw, bytes) else b"").get("run_id")
+        if not run_id:
+            return
+        with self._run_ids_lock:
+            before = self._run_ids.get(conn.addr)
+            self._run_ids[conn.addr] = run_id
+        if before is not None and before != run_id:
+            log.warning("backend %r: redis %s:%d restarted (run_id %s -> %s): it may have come back empty",
+                        self.name, conn.addr[0], conn.addr[1], before[:8], run_id[:8])
+            self.note_restarted()
 
     def _rkeys(self, keys: Sequence[str]) -> list[bytes]:
         p = self._prefix

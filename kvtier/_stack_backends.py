@@ -1,13 +1,23 @@
 """The storage backends of one tier stack, used only through the backend contract.
 
-Invariant: nothing here raises because of a backend.  A ``BackendError`` (or any exception from a
-backend that breaks the contract) becomes 0 hits / a miss / a failed write, is logged, and is counted
-in the backend's ``failures``; hits, misses, bytes and latency are counted per backend by name.
+Invariants:
+* nothing here raises because of a backend.  A ``BackendError`` (or any exception from a backend that
+  breaks the contract) becomes 0 hits / a miss / a failed write, is logged, and is counted in the
+  backend's ``failures``; hits, misses, bytes and latency are counted per backend by name;
+* a backend that was unreachable, or that reports a restart (``restart_count``), is *suspect*: what it
+  was known to hold is a guess.  At its next full answer, a call's or the watcher's, ``on_recovered``
+  deals with that once (one thread at a time), so what was computed meanwhile can be written again;
+* the watcher (``start_watch``) asks each suspect backend every ``RECHECK_S`` whether it answers again
+  (its ``health``), so one comes back without waiting for traffic, and reads each backend's restart
+  count (no I/O), so a restart one call noticed is dealt with even if no later call reaches it.  It is one daemon thread, stopped by
+  ``close``; its probes are not counted as unanswered keys (a probe has none).  A restart between two
+  calls is seen at the next call (a backend's ``restart_count``), with no probe.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +27,7 @@ from .metrics import StackMetrics
 
 log = logging.getLogger("kvtier.stack")
 WARN_EVERY_S = 10.0
+RECHECK_S = 1.0  # how often the watcher asks a suspect backend whether it answers again
 
 
 class BackendSet:
@@ -33,14 +44,19 @@ class BackendSet:
         self.layout_id = layout_id
         self.block_nbytes = block_nbytes
         self._seen_unavailable = [0] * len(self.backends)
-        self._unwarned = [0] * len(self.backends)
+        self._unwarned = [0] * len(self.backends)  # unanswered keys of reads and lookups not yet logged
+        self._unwarned_writes = [0] * len(self.backends)  # ... and of writes
         self._warned_at = [-WARN_EVERY_S] * len(self.backends)
         # Backends that were unreachable (wholly or a node) since they last answered in full: a server
         # that comes back may have come back empty (a restarted Redis keeps nothing), so what the index
         # says they hold is a guess until ``on_recovered(i)`` has dealt with it (True) at their next
         # full answer.
         self._suspect = [False] * len(self.backends)
+        self._seen_restarts = [0] * len(self.backends)
+        self._recovering = threading.Lock()  # one thread at a time turns a suspect backend back
         self.on_recovered: Callable[[int], bool] | None = None
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
         metrics.watch_backends(self)  # kvtier_backend_up / _used_bytes / _capacity_bytes, read at scrape time
 
     def up(self) -> list[bool]:
@@ -50,11 +66,11 @@ class BackendSet:
     def __len__(self) -> int:
         return len(self.backends)
 
-    def _outage(self, i: int) -> bool:
+    def _outage(self, i: int, writing: bool = False) -> bool:
         """Surface keys backend ``i`` left unanswered for unavailability since we last looked (a whole
         outage or, in a Redis Cluster, one node down): the ``unavailable`` metric, and a warning at most
-        every ``WARN_EVERY_S`` per backend, so an outage never passes for ordinary misses.  Whether there
-        were any."""
+        every ``WARN_EVERY_S`` per backend, so an outage never passes for ordinary misses.  ``writing``:
+        the call was a write (its blocks were skipped, not served as misses).  Whether there were any."""
         try:
             now_count = int(self.backends[i].unavailable_count())
         except Exception:  # noqa: BLE001 - a third-party backend predating the method
@@ -65,21 +81,87 @@ class BackendSet:
         self._seen_unavailable[i] = now_count
         self._suspect[i] = True
         self.metrics.add(self.names[i], unavailable=delta)
-        self._unwarned[i] += delta
+        unwarned = self._unwarned_writes if writing else self._unwarned
+        unwarned[i] += delta
         now = time.monotonic()
         if now - self._warned_at[i] >= WARN_EVERY_S:
-            log.warning("backend %r: %d key(s) unanswered because it (or part of it) is unavailable "
-                        "(metric 'unavailable'); they are served as misses and recomputed",
-                        self.names[i], self._unwarned[i])
-            self._warned_at[i], self._unwarned[i] = now, 0
+            said = []
+            if self._unwarned[i]:
+                said.append(f"{self._unwarned[i]} read or looked up: served as misses and recomputed")
+            if self._unwarned_writes[i]:
+                said.append(f"{self._unwarned_writes[i]} written: skipped, and written again from host memory "
+                            "once it answers")
+            log.warning("backend %r: key(s) unanswered because it (or part of it) is unavailable (metric "
+                        "'unavailable'): %s", self.names[i], "; ".join(said))
+            self._warned_at[i], self._unwarned[i], self._unwarned_writes[i] = now, 0, 0
         return True
 
+    def _restarted(self, i: int) -> None:
+        """Backend ``i`` says the store behind it restarted since we last looked: suspect."""
+        try:
+            n = int(self.backends[i].restart_count())
+        except Exception:  # noqa: BLE001 - a third-party backend predating the method
+            return
+        if n > self._seen_restarts[i]:
+            self._seen_restarts[i] = n
+            self._suspect[i] = True
+
     def _answered(self, i: int) -> None:
-        """Backend ``i`` answered a whole call: if it was unreachable before, it is back."""
+        """Backend ``i`` answered a whole call: if it was unreachable (or restarted) before, it is back."""
+        self._restarted(i)
         if self._outage(i) or not self._suspect[i]:
             return
-        if self.on_recovered is None or self.on_recovered(i):
-            self._suspect[i] = False
+        if not self._recovering.acquire(blocking=False):
+            return  # another thread is turning a backend back; this one is asked again at its next answer
+        try:
+            if self._suspect[i] and (self.on_recovered is None or self.on_recovered(i)):
+                self._suspect[i] = False
+        finally:
+            self._recovering.release()
+
+    def suspect(self, i: int) -> bool:
+        """Whether backend ``i`` is unreachable, or back but not yet dealt with (``on_recovered``)."""
+        return self._suspect[i]
+
+    # ------------------------------------------------------------------ the watcher
+
+    def start_watch(self) -> None:
+        """Start the watcher thread (idempotent): see the module's invariants."""
+        if self._watcher is None and self.backends:
+            self._watcher = threading.Thread(target=self._watch, name="kvtier-watch", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._watch_stop.wait(RECHECK_S):
+            for i in range(len(self.backends)):
+                if self._watch_stop.is_set():
+                    return
+                self._restarted(i)  # a restart any call noticed (no I/O: the backend's own count)
+                if self._suspect[i]:
+                    self.check(i)
+
+    def check(self, i: int) -> bool:
+        """Ask backend ``i`` whether it answers (its ``health``); fold the answer in.  Whether it did."""
+        b = self.backends[i]
+        before = self._unavailable_count(i)
+        try:
+            ok = bool(b.health())
+        except Exception as e:  # noqa: BLE001 - health must not raise; one that does is a fault
+            self._fault(i, "health", e)
+            ok = False
+        # A refused probe is no unanswered key: not counted as one (the outage was counted already).
+        self._seen_unavailable[i] += max(0, self._unavailable_count(i) - before)
+        if ok:
+            self._answered(i)
+        else:
+            self._suspect[i] = True
+        return ok
+
+    def _unavailable_count(self, i: int) -> int:
+        try:
+            return int(self.backends[i].unavailable_count())
+        except Exception:  # noqa: BLE001 - a third-party backend predating the method
+            return 0
 
     def _fault(self, i: int, what: str, e: BaseException) -> None:
         name = self.names[i]
@@ -142,7 +224,7 @@ class BackendSet:
         except Exception as e:  # noqa: BLE001 - a backend fault is a skipped store
             self._fault(i, "put", e)
             self.metrics.add(name, stores_skipped=len(keys))
-            self._outage(i)
+            self._outage(i, writing=True)
             return [False] * len(keys)
         self._answered(i)
         self.metrics.observe(name, "write", time.perf_counter() - t0)
@@ -192,10 +274,16 @@ class BackendSet:
     def put_manifests(self, namespace: Any) -> None:
         """Best effort: each writable backend records what the namespace id means."""
         for i in self.writable:
-            try:
-                self.backends[i].put_manifest(namespace)
-            except Exception as e:  # noqa: BLE001 - a manifest is informational
-                self._fault(i, "put_manifest", e)
+            self.put_manifest(i, namespace)
+
+    def put_manifest(self, i: int, namespace: Any) -> bool:
+        """Best effort: backend ``i`` records what the namespace id means; whether it did."""
+        try:
+            self.backends[i].put_manifest(namespace)
+            return True
+        except Exception as e:  # noqa: BLE001 - a manifest is informational
+            self._fault(i, "put_manifest", e)
+            return False
 
     def stats(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -208,6 +296,9 @@ class BackendSet:
         return out
 
     def close(self, owned: Sequence[bool]) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5.0)
         for i, (b, own) in enumerate(zip(self.backends, owned)):
             if own:
                 try:

@@ -313,11 +313,14 @@ class Downward:
         ok = s._backends.put(b, s.namespace.keys([v[-1] for v in values]), payloads)
         with s._lock:
             report = s._report
+            writable = s._backends.writable
             for members, good in zip(values, ok):
                 if good:
                     for key in members:
                         if key in s.index:
                             s.index.add_backend(key, b)
+                            if key in s._owed and s.index.in_backends(key, writable):
+                                del s._owed[key]
                         if report is not None:  # a manager elsewhere learns it without asking the backend
                             report.in_backend.add((key, b))
                             report.left_backend.discard((key, b))
@@ -356,6 +359,8 @@ class Downward:
         if s.storage_blocks > 1:
             with s._lock:  # values of several blocks: the whole groups these blocks are in
                 groups = [g for g in map(s._grouped.group_of, dict.fromkeys(keys)) if g is not None]
+                s._owed.update((k, None) for g in groups for k in g if s.index.host_slot(k) is not None
+                               and not s.index.in_backends(k, s._backends.writable))
             s._grouped.write_from_host(groups)
             return
         todo: list[Victim] = []
@@ -363,9 +368,13 @@ class Downward:
             s.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
             for key in dict.fromkeys(keys):
                 e = s.index.get(key)
-                if e is None or e.host is None or key in s._writing:
+                if e is None or e.host is None:
                     continue
                 targets = [i for i in s._backends.writable if i not in e.backends]
+                if targets:
+                    s._owed[key] = None  # until every writable backend took it (put_values)
+                if key in s._writing:
+                    continue
                 # No index reference: a copy down is not a use and must not change the block's recency
                 # (an index reference takes it off the LRU list); ``_writing`` keeps eviction away.
                 if not targets:

@@ -110,6 +110,7 @@ class BackendStats:
     disk_full: int = 0  # errors: no space / quota (BackendDiskFull, or a key of a batch that failed so)
     permission_denied: int = 0  # errors: access refused (BackendPermissionDenied, or such a key)
     unavailable: int = 0  # keys not answered: the backend (or the node holding them) was down or timed out
+    restarts: int = 0  # times the store behind it was found restarted (a Redis node with a new run_id)
     put_seconds: float = 0.0
     get_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -522,8 +523,8 @@ class StorageBackend(ABC):
         except BackendError:
             raise
         except Exception as e:  # noqa: BLE001 - every fault is typed for the stack
-            key = args[0][0] if args and isinstance(args[0], Sequence) and args[0] and \
-                isinstance(args[0][0], str) else (args[0] if args and isinstance(args[0], str) else None)
+            key = args[0][0] if args and isinstance(args[0], Sequence) and not isinstance(args[0], str) and \
+                args[0] and isinstance(args[0][0], str) else (args[0] if args and isinstance(args[0], str) else None)
             err = self._wrap(e, key)
             if isinstance(err, BackendUnavailable | BackendTimeout):
                 n = len(args[0]) if args and isinstance(args[0], Sequence) and not isinstance(args[0], str) else 1
@@ -541,6 +542,19 @@ class StorageBackend(ABC):
         """Keys left unanswered so far for unavailability (cheap: no I/O, unlike ``stats()``)."""
         with self._lock:
             return self._stats.unavailable
+
+    def note_restarted(self) -> None:
+        """The store behind this backend restarted since it was last seen (a Redis node answering with a
+        new ``run_id``), so it may have come back empty: a hook that notices it calls this.  The stack then
+        stops assuming this backend holds what it wrote there, and writes again what host memory still
+        holds, even when no call ever failed (a restart between two calls)."""
+        with self._lock:
+            self._stats.restarts += 1
+
+    def restart_count(self) -> int:
+        """Restarts noticed so far (cheap: no I/O)."""
+        with self._lock:
+            return self._stats.restarts
 
     def _wrap(self, e: Exception, key: str | None) -> BackendError:
         """The typed error for a hook's exception ``e`` (counted when it is disk full / access denied)."""

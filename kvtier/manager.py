@@ -100,6 +100,9 @@ class TierManager:
         # Called (under the lock) with (hash, backend) for each block forgotten there because that backend
         # evicted it: the worker's report to a manager in another process.
         self.on_forgotten: Callable[[bytes, int], None] | None = None
+        # Called (without the lock) once backend i is dealt with after an outage or a restart, with the
+        # host-memory blocks it was known to hold: a stack writes them again (and what it owes it).
+        self.on_backend_back: Callable[[int, list[bytes]], None] | None = None
 
     def _backend_back(self, i: int) -> bool:
         """Backend ``i`` answers again after being unreachable: forget which blocks the index and the
@@ -110,12 +113,16 @@ class TierManager:
         if not self._lock.acquire(blocking=False):
             return False
         try:
+            in_host = self.index.host_keys_in_backend(i) if self.on_backend_back is not None else []
             n = self.index.forget_backend(i)
             self._probes.clear()
         finally:
             self._lock.release()
-        log.warning("backend %r answers again after an outage: %d block(s) it was known to hold are no longer "
-                    "assumed there (it may have restarted empty); lookups ask it again", self.backends.names[i], n)
+        log.warning("backend %r answers again after an outage or a restart: %d block(s) it was known to hold "
+                    "are no longer assumed there (it may have come back empty); lookups ask it again",
+                    self.backends.names[i], n)
+        if self.on_backend_back is not None:
+            self.on_backend_back(i, in_host)
         return True
 
     def _backend_evicted(self, i: int, keys: list[str]) -> None:

@@ -74,6 +74,7 @@ from .tiers import BlockPool, DeviceTier
 from .transfer import TransferEngine
 
 log = logging.getLogger("kvtier.stack")
+REWRITE_CHUNK = 64  # blocks per write-down job when a backend comes back (others' writes interleave)
 
 
 class TierStack:
@@ -143,6 +144,10 @@ class TierStack:
         self._writing: set[bytes] = set()  # host -> backend write-down in flight
         # Host blocks whose write-back failed (insertion order = oldest first), bounded: see _stack_down.
         self._unwritten: dict[bytes, None] = {}
+        # Host blocks the write policy sent down that a writable backend has not taken yet (it failed, was
+        # down or refused): written again when a backend comes back (``_backend_back``).  Bounded by host
+        # memory: a block leaves it when it leaves host memory.
+        self._owed: dict[bytes, None] = {}
         # Host blocks of whole stored-value groups (storage.block_tokens > 1): block -> its group's blocks.
         self._members: dict[bytes, tuple[bytes, ...]] = {}
         self.max_unwritten = max(1, (self.host.num_slots if self.host else 0) // 4)
@@ -160,8 +165,11 @@ class TierStack:
         # The scheduler half: the same index and lock, the same backend probing the vLLM connector uses.
         self.manager = TierManager(config, backends=self._backends, index=self.index, lock=self._lock)
         self.manager.on_forgotten = self._backend_evicted_locked
+        self.manager.on_backend_back = self._backend_back
         self.tier_names = self.manager.tier_names  # what this deployment calls its tiers (reports, logs)
         self._backends.put_manifests(self.namespace)
+        if self._backends.writable:
+            self._backends.start_watch()  # a backend back from an outage gets what it missed, traffic or not
         self.metrics_port: int | None = None
         if config.metrics.prometheus_port:
             self.metrics_port = self.metrics.serve(config.metrics.prometheus_port,
@@ -304,7 +312,7 @@ class TierStack:
         if self.host:
             s = self.host.stats()
             g.update(host_slots=s.num_slots, host_slots_used=s.num_slots - s.free,
-                     host_unwritten_blocks=len(self._unwritten))
+                     host_unwritten_blocks=len(self._unwritten), host_owed_blocks=len(self._owed))
         return g
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -398,6 +406,7 @@ class TierStack:
         """Evict ``key`` from host memory (unpinned): its slot becomes free."""
         slot = self.index.clear_host(key)
         self._unwritten.pop(key, None)
+        self._owed.pop(key, None)
         self._members.pop(key, None)
         if slot is not None:
             self.host_tier().free([slot])
@@ -407,6 +416,27 @@ class TierStack:
                 self._report.in_host.pop(key, None)
                 self._report.left_host.add(key)
         self.index.discard_if_unused(key)
+
+    def _backend_back(self, i: int, in_host: list[bytes]) -> None:
+        """Backend ``i`` answers again after an outage, or was found restarted (its marks are forgotten
+        already): write to it, in the background, the namespace manifest and what host memory still holds
+        that it should have: the blocks it was known to hold (it may have come back empty) and those
+        whose writes failed or were skipped meanwhile.  Bounded: what host memory holds, in jobs of
+        ``REWRITE_CHUNK`` blocks queued behind the writes already waiting."""
+        if i not in self._backends.writable or self._closed:
+            return
+        with self._lock:
+            wanted = dict.fromkeys([*in_host, *self._owed, *self._unwritten])
+            keys = [k for k in wanted if self.index.host_slot(k) is not None]
+        if keys:
+            log.info("backend %r is back: writing again %d block(s) host memory holds that it lacks",
+                     self._backends.names[i], len(keys))
+        self._submit(self._io, self._rewrite, i, keys)
+
+    def _rewrite(self, i: int, keys: list[bytes]) -> None:
+        self._backends.put_manifest(i, self.namespace)
+        for a in range(0, len(keys), REWRITE_CHUNK):
+            self._down.write_down(keys[a:a + REWRITE_CHUNK])
 
     def _submit(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> bool:
         """Run ``fn(*args)`` on ``pool``; False (nothing run) once the stack is closing."""

@@ -535,6 +535,14 @@ class IndexCore:
         order = sel[np.argsort(last[sel], kind="stable")[:n]]
         return [self._keys[s] for s in order.tolist()]
 
+    def host_keys_in_backend(self, i: int) -> list[bytes]:
+        """Keys of the blocks in host memory that are marked in backend ``i``.  O(capacity)."""
+        _check_backend(i)
+        mask, refs = self._np()
+        marked = np.flatnonzero((mask & (1 << i)).astype(bool) & (refs >= 0)).tolist()
+        host, keys = self._host, self._keys
+        return [k for s in marked if host[s] >= 0 and (k := keys[s]) is not None]
+
     def forget_backend(self, i: int) -> int:
         """Unmark backend ``i`` on every entry: what it holds is unknown again (a server that came back
         from an outage may have come back empty).  Entries this leaves in no tier and unreferenced are
