@@ -632,3 +632,73 @@ def load_engine_config(path: str | os.PathLike[str] | None, facts: Mapping[str, 
     if problems:
         raise ConfigError(problems, source)
     return parse_config(data, source=source, env=os.environ if env is None else env)
+
+
+#: The engines that fill a deployment's ``model`` section themselves (``load_engine_config``'s callers).
+ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+# Stand-ins for the model fields an engine reports, used where no engine runs (``kvtier config check``,
+# ``kvtier doctor``): neutral values, so they make no key the file sets fail (block size 1 divides any
+# storage.block_tokens); the engine checks the file's keys against its own values at start-up.
+_ENGINE_PLACEHOLDERS: dict[str, Any] = {"id": "<the engine's model>", "kv_dtype": "bfloat16", "num_layers": 1,
+                                        "num_kv_heads": 1, "head_dim": 1, "block_size": 1, "attention": "mha",
+                                        "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+
+
+def load_config_as_deployed(path: str | os.PathLike[str] | None, engine: str = "auto", *,
+                            env: Mapping[str, str] | None = None) -> tuple[KvtierConfig, list[str] | None]:
+    """Validate a deployment YAML as the process that uses it will load it, without that process:
+    ``engine`` "none" standalone (``load_config``: ``kvtier run``, ``pd``); "vllm" / "sglang" as that engine
+    fills the ``model`` section (``load_engine_config``), every model field the file leaves out taking a
+    placeholder; "auto" as an engine when the file's ``model`` section is absent or lacks a required field
+    (a standalone process could not run it), else standalone.
+
+    Returns the config and, for an engine's YAML, the model fields the engine fills (None: standalone).
+    Such a config's model and namespace are placeholders, not what the engine will run: only its other
+    sections and the model keys the file sets are meaningful.  ``path`` None: the embedded default, whose
+    model and device the engine replaces (as ``load_engine_config`` does)."""
+    if engine not in ("auto", "none", *ENGINES):
+        raise ValueError(f"engine: expected auto, none, {', '.join(ENGINES)}; got {engine!r}")
+    env = os.environ if env is None else env
+    source, text = _config_text(path)
+    data = _read_yaml(text, source)
+    if engine == "auto":
+        model = data.get("model") if isinstance(data, dict) else None
+        required = [k for k, f in ModelSection.model_fields.items() if f.is_required()]
+        complete = isinstance(model, dict) and all(k in model for k in required)
+        wrong = model is not None and not isinstance(model, dict)  # `model: 5`: reported as such
+        engine = "none" if path is None or complete or wrong or not isinstance(data, dict) else "auto"
+    if engine == "none":
+        return parse_config(data, source=source, env=env), None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: expected a mapping at the top level, got {describe(data)}"], source)
+    if path is None:  # the embedded default's tiers, the engine's model
+        data.pop("model", None)
+        data.pop("device", None)
+    mine = data.get("model") or {}
+    if not isinstance(mine, dict):
+        raise ConfigError([f"model: expected a mapping, got {describe(mine)}"], source)
+    fill = {k: v for k, v in _ENGINE_PLACEHOLDERS.items() if k not in mine}
+    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+        given = mine.get(rank)
+        if size in fill and type(given) is int and given >= 0:  # a size that admits the rank the file sets
+            fill[size] = given + 1
+    data["model"] = {**fill, **mine}
+    problems = []
+    keys = data.get("keys")
+    algo = keys.get("algo") if isinstance(keys, dict) else None
+    if engine == "sglang" and algo is not None and algo != "sglang_sha256":  # as sglang.facts refuses it
+        problems.append(f"keys.algo: the YAML says {describe(algo)} but SGLang names its pages itself "
+                        "(sglang_sha256); remove the key, or set it to sglang_sha256 (also on a vLLM instance "
+                        "that shares these blocks)")
+    try:
+        cfg = parse_config(data, source=source, env=env)
+    except ConfigError as e:
+        raise ConfigError(problems + e.problems, source) from None
+    if problems:
+        raise ConfigError(problems, source)
+    if engine == "sglang":  # its keys are SGLang's page hashes, whatever the file leaves to the default
+        cfg = cfg.model_copy(update={"keys": cfg.keys.model_copy(update={"algo": "sglang_sha256"})})
+    return cfg, [k for k in ModelSection.model_fields if k in fill]

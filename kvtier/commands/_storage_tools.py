@@ -7,6 +7,9 @@ Invariants:
   report.  ``gc`` applies the configured capacity itself (``StorageBackend.evict_to``).
 * A backend that cannot be opened or read is reported by name and the tool goes on with the others; a
   ``path`` option naming nothing is such an error (opening would create the directory).
+* The config is loaded as the process that uses it loads it (``--engine``): a YAML whose model section vLLM
+  or SGLang fills (absent or incomplete) is validated with placeholders for what the engine fills, and has
+  no namespace of its own, so a tool works on every namespace its backends hold alike.
 * Nothing printed holds a password: URLs are printed from the validated options (the redis backend has
   already moved the password out of its URL) and every message passes through ``mask_secrets``.
 """
@@ -27,8 +30,9 @@ from typing import Any
 from ..backend_api import StorageBackend
 from ..blockformat import HEADER_SIZE
 from ..cli import UserError
-from ..config import BackendConfig, ConfigError, KvtierConfig, load_config
+from ..config import ENGINES, BackendConfig, ConfigError, KvtierConfig, ModelSection, load_config_as_deployed
 from ..keys import Namespace
+from ..units import format_size
 
 UNBOUNDED = 2**63 - 1
 _URL_PASSWORD = re.compile(r"(://[^/@\s:]*:)[^/@\s]*@")
@@ -42,9 +46,50 @@ def mask_secrets(text: str) -> str:
     return _URL_PASSWORD.sub(r"\1***@", text)
 
 
+ENGINE_CHOICES = ("auto", *ENGINES, "none")
+
+
+def add_engine_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
+                   help="who loads the YAML: vllm / sglang fill its model section at start-up, so the file may "
+                        "leave it out (the fields it leaves are checked with placeholders); none: kvtier alone "
+                        "(kvtier run, pd), the file needs a complete model section; auto (default): an "
+                        "engine's YAML when its model section is absent or incomplete")
+
+
+def engine_label(engine: str) -> str:
+    """Who fills an engine YAML's model section: the engine named, or either under ``--engine auto``."""
+    return " / ".join(ENGINES) if engine == "auto" else engine
+
+
+def engine_model_line(cfg: KvtierConfig, engine: str, filled: list[str]) -> str:
+    """``model: filled by the engine (vllm / sglang) at start-up; this file sets model.id = ...``"""
+    sets = [f"model.{k} = {getattr(cfg.model, k)}" for k in ModelSection.model_fields if k not in filled]
+    told = ", ".join(sets) if sets else "none of them (model.id, which names the namespace, will be the engine's " \
+                                        "model name)"
+    return f"model: filled by the engine ({engine_label(engine)}) at start-up; this file sets {told}"
+
+
+def engine_tiers(cfg: KvtierConfig, engine: str) -> str:
+    """The tiers of an engine YAML, fastest first: the device (and under SGLang the host memory) is the
+    engine's own; ``KvtierConfig.summary`` would describe kvtier's standalone pool instead."""
+    if engine == "sglang":
+        tiers = ["device and host (SGLang's own: --hicache-size / --hicache-ratio)"]
+    else:
+        host = cfg.host.capacity
+        who = "vLLM" if engine == "vllm" else "the engine"
+        per = " per worker" if engine == "vllm" else " per vLLM worker (SGLang keeps its own)"
+        tiers = [f"device ({who}'s KV cache)", f"host {format_size(host)}{per}" if host else "host off"]
+    tiers += [f"{b.name} ({b.type}{'' if b.write else ', read-only'})" for b in cfg.backends]
+    tail = "; values keep the engine's own arrangement where it is vLLM CPU's" \
+        if cfg.storage.payload == "engine" and engine != "sglang" else ""
+    return " -> ".join(tiers) + tail
+
+
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, metavar="FILE",
                    help="deployment YAML; its backends are the ones examined (KVTIER_... overrides apply)")
+    add_engine_argument(p)
     p.add_argument("--backend", action="append", metavar="NAME",
                    help="only this backend (by its name in the config); repeatable")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
@@ -52,10 +97,31 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="no progress bar (it is shown on stderr only when stderr is a terminal)")
 
 
-def load(args: argparse.Namespace) -> KvtierConfig:
-    """The validated config, or a UserError listing every problem (exit 2, no traceback)."""
+@dataclass
+class Loaded:
+    """A tool's config: ``filled`` lists the model fields an engine fills (None: a standalone config, whose
+    namespace is its own); an engine YAML's model and namespace are placeholders."""
+
+    cfg: KvtierConfig
+    engine: str
+    filled: list[str] | None
+
+    @property
+    def namespace_id(self) -> str | None:
+        """The config's own namespace id; None for an engine YAML, which has none until the engine runs."""
+        return None if self.filled is not None else self.cfg.namespace().id
+
+    def across_namespaces(self, config: str, doing: str) -> str:
+        """The one line a tool prints for an engine YAML: it works on every namespace its backends hold."""
+        return (f"config {config}: model filled by the engine ({engine_label(self.engine)}) at start-up, so "
+                f"the file names no namespace of its own: {doing} every namespace found in its backends")
+
+
+def load(args: argparse.Namespace) -> Loaded:
+    """The validated config, as ``args.engine`` loads it, or a UserError listing every problem (exit 2, no
+    traceback)."""
     try:
-        cfg = load_config(args.config)
+        cfg, filled = load_config_as_deployed(args.config, args.engine)
     except ConfigError as e:
         problems = [mask_secrets(p) for p in e.problems]
         if len(problems) == 1:
@@ -72,7 +138,7 @@ def load(args: argparse.Namespace) -> KvtierConfig:
     if unknown:
         raise UserError(f"no backend named {', '.join(map(repr, unknown))} in {args.config}; "
                         f"it has {', '.join(map(repr, known))}")
-    return cfg
+    return Loaded(cfg, args.engine, filled)
 
 
 @dataclass
@@ -106,31 +172,35 @@ def describe_location(options: Any) -> str:
     return mask_secrets(", ".join(parts))
 
 
+def open_backend(conf: BackendConfig) -> OpenedBackend:
+    """Open one configured backend with its ``capacity`` lifted (see the module's invariants); a failure
+    (or a ``path`` naming nothing, which opening would create) is the entry's ``error``."""
+    opts = conf.options
+    capacity = getattr(opts, "capacity", None)
+    capacity = capacity if isinstance(capacity, int) and not isinstance(capacity, bool) else None
+    if capacity is not None and hasattr(opts, "model_copy"):
+        opts = opts.model_copy(update={"capacity": UNBOUNDED})
+    ob = OpenedBackend(conf, None, capacity, location=describe_location(opts))
+    path = getattr(opts, "path", None)
+    if isinstance(path, str) and path and not os.path.exists(path):
+        # Opening would create it (local_disk does): a tool reports the typo instead.
+        ob.error = f"{path} does not exist"
+        return ob
+    try:
+        ob.backend = conf.plugin()(opts, name=conf.name)
+    except Exception as e:  # noqa: BLE001 - reported per backend; the others still run
+        ob.error = f"cannot open: {mask_secrets(f'{type(e).__name__}: {e}')}"
+    return ob
+
+
 @contextlib.contextmanager
 def open_backends(cfg: KvtierConfig, only: list[str] | None = None) -> Iterator[list[OpenedBackend]]:
     """Open the config's backends (those named in ``only``, else all), closing them on exit."""
     opened: list[OpenedBackend] = []
     try:
         for conf in cfg.backends:
-            if only and conf.name not in only:
-                continue
-            opts = conf.options
-            capacity = getattr(opts, "capacity", None)
-            capacity = capacity if isinstance(capacity, int) and not isinstance(capacity, bool) else None
-            if capacity is not None and hasattr(opts, "model_copy"):
-                opts = opts.model_copy(update={"capacity": UNBOUNDED})
-            ob = OpenedBackend(conf, None, capacity, location=describe_location(opts))
-            path = getattr(opts, "path", None)
-            if isinstance(path, str) and path and not os.path.exists(path):
-                # Opening would create it (local_disk does): a tool reports the typo instead.
-                ob.error = f"{path} does not exist"
-                opened.append(ob)
-                continue
-            try:
-                ob.backend = conf.plugin()(opts, name=conf.name)
-            except Exception as e:  # noqa: BLE001 - reported per backend; the others still run
-                ob.error = f"cannot open: {mask_secrets(f'{type(e).__name__}: {e}')}"
-            opened.append(ob)
+            if not only or conf.name in only:
+                opened.append(open_backend(conf))
         yield opened
     finally:
         for ob in opened:

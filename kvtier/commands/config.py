@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ._storage_tools import add_engine_argument, engine_model_line, engine_tiers
 from ._types import non_negative_int
 
 
@@ -17,12 +18,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c = csub.add_parser(
         "check", help="validate a config file (exit 0 if valid, 2 if not)",
         description="Load FILE as kvtier would (environment overrides KVTIER_... included), validate every "
-                    "key and every plugin's options, and print a one-line summary of the tiers.  Each "
-                    "problem is printed as `path: problem`.  Exit status 0 when valid, 2 otherwise.")
+                    "key and every plugin's options, and print a one-line summary of the tiers.  A YAML whose "
+                    "model section vLLM or SGLang fills (absent or incomplete; --engine) is checked as that "
+                    "engine will fill it, and the output says so.  Each problem is printed as "
+                    "`path: problem`.  Exit status 0 when valid, 2 otherwise.")
     c.add_argument("files", nargs="*", metavar="FILE",
                    help="YAML config file(s) (default: the embedded default, configs/local.yaml); give a "
                         "P/D pair to compare their namespace ids")
     c.add_argument("--no-env", action="store_true", help="ignore KVTIER_... environment overrides")
+    add_engine_argument(c)
     c.set_defaults(func=_check)
 
     s = csub.add_parser(
@@ -36,13 +40,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _check(args: argparse.Namespace) -> int:
     """Exit 0 when every file is valid, 2 when any is not (all are checked either way)."""
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError, load_config_as_deployed
 
     rc = 0
     for path in args.files or [None]:
         name = path or "(embedded default config)"
         try:
-            cfg = load_config(path, env={} if args.no_env else None)
+            cfg, filled = load_config_as_deployed(path, args.engine, env={} if args.no_env else None)
         except ConfigError as e:
             n = len(e.problems)
             print(f"{name}: invalid ({n} problem{'s' if n != 1 else ''})", file=sys.stderr)
@@ -51,8 +55,15 @@ def _check(args: argparse.Namespace) -> int:
             rc = 2
             continue
         print(f"{name}: ok")
-        print(f"  tiers: {cfg.summary()}")
-        print(f"  namespace: {cfg.namespace().id} ({cfg.model.id}, {cfg.model.kv_dtype}, {cfg.keys.algo})")
+        if filled is None:
+            print(f"  tiers: {cfg.summary()}")
+            print(f"  namespace: {cfg.namespace().id} ({cfg.model.id}, {cfg.model.kv_dtype}, {cfg.keys.algo})")
+            continue
+        print(f"  tiers: {engine_tiers(cfg, args.engine)}")
+        print(f"  {engine_model_line(cfg, args.engine, filled)}")
+        keys = f"{cfg.keys.algo} keys" if args.engine != "auto" or "algo" in cfg.keys.model_fields_set else \
+            "sha256_cbor keys under vLLM, sglang_sha256 under SGLang"
+        print(f"  namespace: set at start-up from the engine's model ({keys})")
     return rc
 
 

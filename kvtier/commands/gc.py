@@ -95,7 +95,11 @@ def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = st.load(args)
+    loaded = st.load(args)
+    cfg = loaded.cfg
+    if loaded.filled is not None and not args.json:
+        print(loaded.across_namespaces(args.config, "trimming each backend to its capacity, least recently used "
+                                                    "first, across"))
     with st.open_backends(cfg, args.backend) as opened:
         entries = []
         for ob in opened:

@@ -2,8 +2,9 @@
 
 For each backend: where it is, its configured capacity, and per namespace the fields its manifest records
 (model, dtype, shape, TP/PP rank, hash algorithm and seed) with the number of blocks and their bytes.
-Read-only: nothing is evicted, verified or deleted.  Exit status 0, or 1 when a backend could not be
-read (the others are still shown), 2 for a bad config or flag."""
+A YAML whose model section an engine fills (``--engine``) has no namespace of its own: every namespace
+found is shown alike.  Read-only: nothing is evicted, verified or deleted.  Exit status 0, or 1 when a
+backend could not be read (the others are still shown), 2 for a bad config or flag."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def inspect_backend(ob: st.OpenedBackend, own_ns: str) -> dict[str, Any]:
+def inspect_backend(ob: st.OpenedBackend, own_ns: str | None) -> dict[str, Any]:
     entry = ob.header()
     if ob.backend is None:
         return entry
@@ -61,16 +62,18 @@ def _fields(manifest: dict[str, Any] | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = st.load(args)
-    own = cfg.namespace()
+    loaded = st.load(args)
+    cfg, own = loaded.cfg, loaded.namespace_id
     with st.open_backends(cfg, args.backend) as opened:
-        entries = [inspect_backend(ob, own.id) for ob in opened]
+        entries = [inspect_backend(ob, own) for ob in opened]
     rc = 1 if any(e["error"] for e in entries) else 0
     if args.json:
-        st.emit_json({"config": args.config, "namespace": own.id, "backends": entries})
+        st.emit_json({"config": args.config, "namespace": own, "engine_fills_model": loaded.filled is not None,
+                      "backends": entries})
         return rc
     m = cfg.model
-    lines = [f"config {args.config}: namespace {own.id} ({m.id}, {m.kv_dtype}, {m.num_layers} layers, "
+    lines = [loaded.across_namespaces(args.config, "showing") if own is None else
+             f"config {args.config}: namespace {own} ({m.id}, {m.kv_dtype}, {m.num_layers} layers, "
              f"tp {m.tp_rank}/{m.tp_size}, pp {m.pp_rank}/{m.pp_size})"]
     for e in entries:
         lines.append("")

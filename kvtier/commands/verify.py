@@ -169,7 +169,11 @@ def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = st.load(args)
+    loaded = st.load(args)
+    cfg = loaded.cfg
+    if loaded.filled is not None and not args.json:
+        print(loaded.across_namespaces(args.config, "checking each block against its own namespace's manifest "
+                                                    "and header, across"))
     with st.open_backends(cfg, args.backend) as opened:
         entries = []
         for i, ob in enumerate(opened):
