@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from ...plans import StepPlan, WorkerReport
 from .facts import (
     cpu_kv_layout,
+    key_seed_problem,
     kv_layers,
     kv_replicated_across_tp,
     kvtier_config,
@@ -131,6 +132,9 @@ class KvtierConnector(KVConnectorBase_V1):
                             "this instance only stores" if self._store else "this kv_consumer does nothing")
                 self._load = False
             cfg = kvtier_config(vllm_config, len(kv_layers(kv_cache_config)), layout=cpu_kv_layout(vllm_config))
+            seed = key_seed_problem(cfg, vllm_config.cache_config.prefix_caching_hash_algo)
+            if seed is not None:
+                raise ValueError(f"kvtier: {seed}")
             mode = LoadMode.from_extra_config(ktc.kv_connector_extra_config)
             idle_wait_ms(ktc.kv_connector_extra_config)  # a bad value fails start-up here, before the workers
             self._scheduler = SchedulerSide(cfg, load=self._load, store=self._store,

@@ -8,10 +8,12 @@ knows: the scheduler probes rank 0's namespace).
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from ...config import KvtierConfig, load_engine_config
+from ...keys import none_hash_seed
 from ...layout import dtype_name, parse_dtype
 from ...plans import RankTally
 
@@ -128,6 +130,25 @@ def kvtier_config(vllm_config: Any, num_layers: int, *, tp_rank: int = 0, pp_ran
     facts = model_facts(vllm_config, num_layers, tp_rank=tp_rank, pp_rank=pp_rank)
     return load_engine_config(extra.get("kvtier_config"), facts, engine="vLLM",
                               device={"layout": layout} if layout else None)
+
+
+def key_seed_problem(config: KvtierConfig, vllm_hash_algo: str | None) -> str | None:
+    """Why kvtier's block keys would differ from vLLM's ``request.block_hashes`` though both hash with
+    ``sha256_cbor`` (which routers and the key check rely on), or None.  vLLM seeds its chain from
+    ``PYTHONHASHSEED`` (a string) when set, else from a fixed default; ``keys.seed`` null follows the same
+    rule, so only an explicit seed can disagree.  Checked before the model loads (``early``) and when the
+    scheduler side starts."""
+    seed = config.keys.seed
+    if config.keys.algo != "sha256_cbor" or vllm_hash_algo != "sha256_cbor" or seed is None:
+        return None
+    theirs = none_hash_seed("sha256_cbor", None)
+    if seed == theirs:
+        return None
+    env = os.environ.get("PYTHONHASHSEED")
+    why = f"PYTHONHASHSEED={env!r}" if env is not None else f"its default {theirs!r} (PYTHONHASHSEED unset)"
+    return (f"keys.seed: {seed!r} would make kvtier's block keys differ from vLLM's request.block_hashes, "
+            f"which vLLM seeds from {why}; remove keys.seed from the YAML and set PYTHONHASHSEED alike on "
+            "every instance and router")
 
 
 def kv_layers(kv_cache_config: Any) -> list[str]:
