@@ -257,6 +257,16 @@ def memory_total() -> int | None:
     return None
 
 
+def memory_available() -> int | None:
+    """Memory the kernel says can be had now without swapping (``MemAvailable``), in bytes; None where
+    unknown (not Linux)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def _checked_slab(num_slots: int, block_nbytes: int, pin: bool) -> torch.Tensor:
     """The slab, or :class:`HostMemoryUnavailable` naming ``host.capacity``.  Checked against physical
     memory first: where the kernel overcommits, a slab bigger than the machine is granted, and the

@@ -62,7 +62,7 @@ from ._stack_up import Upward
 from .backend_api import StorageBackend
 from .blockids import int_array
 from .config import KvtierConfig, direct_loads, load_config
-from .host import WRITING, HostTier
+from .host import WRITING, HostTier, memory_available
 from .index import BlockIndex, Tier
 from .keys import Namespace
 from .layout import KVLayout, LayoutError
@@ -72,6 +72,7 @@ from .plans import WorkerReport
 from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
 from .tiers import BlockPool, DeviceTier
 from .transfer import TransferEngine
+from .units import format_size
 
 log = logging.getLogger("kvtier.stack")
 REWRITE_CHUNK = 64  # blocks per write-down job when a backend comes back (others' writes interleave)
@@ -133,6 +134,7 @@ class TierStack:
         # segments).
         self.direct_loads = direct_loads(config, self._backends.reads_segments, self.device.holds_payload_rows)
 
+        self._say_memory(threads)
         slots = self.host.num_slots if self.host else 0
         self.index = BlockIndex(capacity=max(1024, self.device.num_blocks + slots))
         # Entries only in backends are hints (hit counts, where a block was written); beyond this many
@@ -416,6 +418,25 @@ class TierStack:
                 self._report.in_host.pop(key, None)
                 self._report.left_host.add(key)
         self.index.discard_if_unused(key)
+
+    def _say_memory(self, threads: int) -> None:
+        """Say at start-up what host memory this process holds for kvtier, and warn when the host tier is a
+        large share of what the machine has free: every process running a stack (each vLLM worker, one
+        per TP rank, of every instance on the host) reserves its own."""
+        tier = "no host tier"
+        if self.host is not None:
+            s = self.host.stats()
+            tier = (f"host tier {format_size(self.host.capacity_bytes)} ({s.num_slots} slots of "
+                    f"{format_size(s.block_nbytes)}, {'pinned' if self.host.pin_memory else 'pageable'})")
+        log.info("kvtier: this process (pid %d) reserves %s; a load reads through at most %s of buffers at a "
+                 "time; %d read and %d write threads", os.getpid(), tier, format_size(self.load_chunk_bytes),
+                 threads, threads)
+        free = memory_available()
+        if self.host is not None and free is not None and self.host.capacity_bytes > free // 2:
+            log.warning("kvtier: host.capacity %s is more than half the memory free on this machine (%s "
+                        "after reserving it): every process running kvtier reserves its own (each vLLM worker, "
+                        "one per TP rank); size host.capacity per process", format_size(self.host.capacity_bytes),
+                        format_size(free))
 
     def _backend_back(self, i: int, in_host: list[bytes]) -> None:
         """Backend ``i`` answers again after an outage, or was found restarted (its marks are forgotten
