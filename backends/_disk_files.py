@@ -157,6 +157,21 @@ def remove_stale_tmp(entry: os.DirEntry[str], m: re.Match[str], now: float, max_
 
 # ------------------------------------------------------------------ entries
 
+def entry_kind(path: str) -> bool | str | None:
+    """What is under ``path``: True for a regular file (a value), None for nothing (a symlink too: never
+    followed, as ``read_file`` does not), or why it is no value at all (a FIFO, socket, device or
+    directory).  One ``lstat``; never opens it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return True
+    if stat.S_ISLNK(mode):
+        return None
+    return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}"
+
+
 _FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device",
                stat.S_IFBLK: "block device", stat.S_IFDIR: "directory"}
 

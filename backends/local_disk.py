@@ -57,6 +57,7 @@ from kvtier.backends._disk_files import (
     HASH,
     NS,
     SHARD,
+    entry_kind,
     list_blocks,
     read_file,
     regular_size,
@@ -491,7 +492,12 @@ class LocalDiskBackend(StorageBackend):
         # worker beside its scheduler, a prefill instance) may have evicted the block or deleted it as
         # corrupt, and a key answered from memory would be offered, loaded, fail and be offered again.
         # One stat per key; lookups probe from their own threads, never the engine's.
-        out = [os.path.isfile(w[1]) for w in where]
+        kinds = [entry_kind(w[1]) for w in where]
+        out = [kind is True for kind in kinds]
+        # A FIFO, socket, device or directory under a block's name is a corrupt entry, as a read finds it:
+        # a lookup that met it counts and removes it (else nothing would: it is never offered, so never read).
+        self._found_corrupt([(k, f"{w[1]} is {kind}") for k, w, kind in zip(keys, where, kinds)
+                             if isinstance(kind, str)])
         gone = [k for k, ok in zip(keys, out) if not ok]
         if gone:
             with self._idx_lock:

@@ -374,28 +374,18 @@ class StorageBackend(ABC):
                 self._stats.gets += len(keys)
                 self._stats.get_failures += len(keys)
             raise
-        ok: list[bool] = []
-        corrupt: list[str] = []
-        for key, res in zip(keys, results):
-            if isinstance(res, str):
-                corrupt.append(key)
-                self._on_corrupt(key, res)
-            ok.append(res is True)
+        ok = [res is True for res in results]
         if on_verified is not None:
             for i, good in enumerate(ok):
                 if good and not told[i]:
                     on_verified(i)
-        if corrupt:
-            # If the delete fails it stays a miss; `kvtier verify --fix` can remove it later.
-            with contextlib.suppress(BackendError):
-                self._call(self._delete, corrupt)
+        self._found_corrupt([(key, res) for key, res in zip(keys, results) if isinstance(res, str)])
         hits = sum(ok)
         with self._lock:
             s = self._stats
             s.gets += len(keys)
             s.hits += hits
             s.misses += len(keys) - hits
-            s.corrupt += len(corrupt)
             s.get_bytes += sum(v.nbytes for v, good in zip(views, ok) if good)
             s.get_seconds += time.perf_counter() - t0
         return ok
@@ -515,6 +505,19 @@ class StorageBackend(ABC):
 
     def _on_corrupt(self, key: str, why: str) -> None:
         log.warning("backend %r: corrupt block %s (%s); deleting", self.name, key, why)
+
+    def _found_corrupt(self, found: Sequence[tuple[str, str]]) -> None:
+        """Entries under these keys are no valid value (``(key, why)``): each is logged, counted as corrupt
+        and deleted, wherever a hook found it (a read, or an existence check that met a special file).
+        If the delete fails it stays a miss; ``kvtier verify --fix`` can remove it later."""
+        if not found:
+            return
+        for key, why in found:
+            self._on_corrupt(key, why)
+        with contextlib.suppress(BackendError):
+            self._call(self._delete, [key for key, _ in found])
+        with self._lock:
+            self._stats.corrupt += len(found)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a hook, turning any exception into a typed BackendError naming backend and key."""

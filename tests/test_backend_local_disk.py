@@ -16,6 +16,7 @@ from kvtier import blockformat, plugins
 from kvtier.backend_api import BackendError
 from kvtier.backends._disk_ledger import HOST_TAG
 from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.config import parse_config
 from kvtier.keys import MANIFEST_NAME, Namespace
 
 NS = Namespace("m", "bfloat16", 2, 2, 64, 16)
@@ -505,6 +506,45 @@ def test_special_file_under_a_block_name_is_corrupt_not_a_hang(tmp_path, kind):
         for s in sockets:
             s.close()
     b.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "socket", "directory"])
+def test_special_file_under_a_block_name_is_counted_and_removed_by_a_lookup(tmp_path, kind):
+    """A lookup (``exists`` / ``contains_prefix``, what the stack and the scheduler ask) that meets a
+    special file under a block's name counts it as corrupt and removes it, as a read would: a lookup says
+    the block is absent, so no read would ever come to find it."""
+    b = mk(tmp_path)
+    good, bad = newkeys(2)
+    assert b.put([good], [os.urandom(64)], LID) == [True]
+    path = b._where(bad)[1]
+    sockets: list[socket.socket] = []
+    _plant_special(path, kind, sockets)
+    try:
+        assert b.exists([good, bad]) == [True, False]
+        assert b.stats().corrupt == 1 and not os.path.lexists(path), f"the {kind} was not removed"
+        _plant_special(path, kind, sockets)
+        assert b.contains_prefix([good, bad]) == 1
+        assert b.stats().corrupt == 2 and not os.path.lexists(path)
+    finally:
+        for s in sockets:
+            s.close()
+    b.close()
+
+
+def test_a_fifo_under_a_block_name_is_counted_and_removed_by_the_stacks_lookup(tmp_path):
+    from kvtier.stack import TierStack
+
+    cfg = parse_config({"model": {"id": "t", "kv_dtype": "float32", "num_layers": 1, "num_kv_heads": 1,
+                                  "head_dim": 4, "block_size": 2},
+                        "device": {"kind": "cpu", "num_blocks": 4}, "host": {"capacity": 0},
+                        "backends": [{"name": "disk", "type": "local_disk", "options": {"path": str(tmp_path)}}]})
+    with TierStack(cfg) as st:
+        hashes = st.namespace.hasher().hash_blocks([1, 2, 3, 4])
+        path = st.backends[0]._where(st.namespace.keys(hashes[:1])[0])[1]
+        _plant_special(path, "fifo", [])
+        assert st.lookup(hashes).num_blocks == 0
+        assert st.stats()["backends"]["disk"]["corrupt"] == 1 and not os.path.lexists(path)
 
 
 # ------------------------------------------------------------------ the shared ledger (capacity of a directory)
