@@ -691,8 +691,8 @@ def load_config_as_deployed(path: str | os.PathLike[str] | None, engine: str = "
     algo = keys.get("algo") if isinstance(keys, dict) else None
     if engine == "sglang" and algo is not None and algo != "sglang_sha256":  # as sglang.facts refuses it
         problems.append(f"keys.algo: the YAML says {describe(algo)} but SGLang names its pages itself "
-                        "(sglang_sha256); remove the key, or set it to sglang_sha256 (also on a vLLM instance "
-                        "that shares these blocks)")
+                        "(sglang_sha256); remove the key, or set it to sglang_sha256 (also on a vLLM "
+                        "instance that shares these blocks)")
     try:
         cfg = parse_config(data, source=source, env=env)
     except ConfigError as e:

@@ -96,15 +96,16 @@ def test_config_check_accepts_every_example(path, capsys):
     if path.name.startswith(tuple(ENGINES)):
         assert out[2].startswith("  model: filled by the engine (vllm / sglang) at start-up; this file sets ")
         given = yaml.safe_load(path.read_text()).get("model") or {}
-        assert out[2].endswith(f"model.id = {given['id']}" if "id" in given else "will be the engine's model name)")
+        assert out[2].endswith(f"model.id = {given['id']}" if "id" in given else
+                               "will be the engine's model name)")
         assert out[3].startswith("  namespace: set at start-up from the engine's model")
         engine = "vllm" if path.name.startswith("vllm-") else "sglang"
         rc, out, err = check(capsys, "--engine", engine, str(path))
         assert rc == 0, err
         assert out[2].startswith(f"  model: filled by the engine ({engine}) at start-up")
     else:  # a complete config: as before, with its own namespace
-        assert out[2] == f"  namespace: {load_config(path, env={}).namespace().id} (kvtier/tiny-llama, float32, " \
-                         "sha256_cbor)"
+        ns = load_config(path, env={}).namespace().id
+        assert out[2] == f"  namespace: {ns} (kvtier/tiny-llama, float32, sha256_cbor)"
 
 
 def test_config_check_engine_yaml_problems(tmp_path, capsys):
@@ -114,15 +115,16 @@ def test_config_check_engine_yaml_problems(tmp_path, capsys):
     bad.write_text(text.replace("\nhost:\n  capacity: ", "\nhost:\n  capacty: "))
     rc, out, err = check(capsys, str(bad))
     assert rc == 2 and out == []
-    assert err.splitlines() == [f"{bad}: invalid (1 problem)", '  host.capacty: unknown key; did you mean "capacity"?']
+    assert err.splitlines() == [f"{bad}: invalid (1 problem)",
+                                '  host.capacty: unknown key; did you mean "capacity"?']
     # A model key the file sets is checked as written; the fields it leaves out take no part.
     bad.write_text("model:\n  id: m\n  num_layers: 0\n")
     rc, _, err = check(capsys, str(bad))
     assert rc == 2 and err.splitlines()[1:] == ["  model.num_layers: expected an integer >= 1, got 0"]
     bad.write_text("model:\n  block_size: 16\nstorage:\n  block_tokens: 24\n")
     rc, _, err = check(capsys, str(bad))
-    assert rc == 2 and err.splitlines()[1:] == ["  storage.block_tokens: expected a multiple of model.block_size "
-                                                "(16), got 24"]
+    assert rc == 2 and err.splitlines()[1:] == ["  storage.block_tokens: expected a multiple of "
+                                                "model.block_size (16), got 24"]
     bad.write_text("storage:\n  block_tokens: 24\n")  # the engine's block size is checked at start-up
     rc, out, _ = check(capsys, str(bad))
     assert rc == 0 and out[0] == f"{bad}: ok"

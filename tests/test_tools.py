@@ -454,8 +454,8 @@ def test_engine_yaml_inspect_verify_gc_work_across_namespaces(tmp_path, capsys, 
     flip(block_path(tmp_path, other[1]), 88 + 7)
     rc, out, _ = cli(capsys, "verify", "--config", cfg, "--engine", "sglang")
     assert rc == 1
-    assert out.splitlines()[0] == f"config {cfg}: " + ACROSS.format("sglang") + "checking each block against " \
-        "its own namespace's manifest and header, across every namespace found in its backends"
+    assert out.splitlines()[0] == f"config {cfg}: " + ACROSS.format("sglang") + "checking each block " \
+        "against its own namespace's manifest and header, across every namespace found in its backends"
     assert f"CORRUPT {own[0]}: payload checksum mismatch" in out
     assert f"CORRUPT {other[1]}: payload checksum mismatch" in out and "12 blocks checked, 2 corrupt" in out
 

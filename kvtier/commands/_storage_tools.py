@@ -51,9 +51,9 @@ ENGINE_CHOICES = ("auto", *ENGINES, "none")
 
 def add_engine_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
-                   help="who loads the YAML: vllm / sglang fill its model section at start-up, so the file may "
-                        "leave it out (the fields it leaves are checked with placeholders); none: kvtier alone "
-                        "(kvtier run, pd), the file needs a complete model section; auto (default): an "
+                   help="who loads the YAML: vllm / sglang fill its model section at start-up, so the file "
+                        "may leave it out (the fields it leaves are checked with placeholders); none: kvtier "
+                        "alone (kvtier run, pd), the file needs a complete model section; auto (default): an "
                         "engine's YAML when its model section is absent or incomplete")
 
 
@@ -65,8 +65,8 @@ def engine_label(engine: str) -> str:
 def engine_model_line(cfg: KvtierConfig, engine: str, filled: list[str]) -> str:
     """``model: filled by the engine (vllm / sglang) at start-up; this file sets model.id = ...``"""
     sets = [f"model.{k} = {getattr(cfg.model, k)}" for k in ModelSection.model_fields if k not in filled]
-    told = ", ".join(sets) if sets else "none of them (model.id, which names the namespace, will be the engine's " \
-                                        "model name)"
+    told = ", ".join(sets) if sets else \
+        "none of them (model.id, which names the namespace, will be the engine's model name)"
     return f"model: filled by the engine ({engine_label(engine)}) at start-up; this file sets {told}"
 
 

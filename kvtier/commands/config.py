@@ -18,9 +18,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c = csub.add_parser(
         "check", help="validate a config file (exit 0 if valid, 2 if not)",
         description="Load FILE as kvtier would (environment overrides KVTIER_... included), validate every "
-                    "key and every plugin's options, and print a one-line summary of the tiers.  A YAML whose "
-                    "model section vLLM or SGLang fills (absent or incomplete; --engine) is checked as that "
-                    "engine will fill it, and the output says so.  Each problem is printed as "
+                    "key and every plugin's options, and print a one-line summary of the tiers.  A YAML "
+                    "whose model section vLLM or SGLang fills (absent or incomplete; --engine) is checked as "
+                    "that engine will fill it, and the output says so.  Each problem is printed as "
                     "`path: problem`.  Exit status 0 when valid, 2 otherwise.")
     c.add_argument("files", nargs="*", metavar="FILE",
                    help="YAML config file(s) (default: the embedded default, configs/local.yaml); give a "

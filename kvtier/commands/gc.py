@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = st.load(args)
     cfg = loaded.cfg
     if loaded.filled is not None and not args.json:
-        print(loaded.across_namespaces(args.config, "trimming each backend to its capacity, least recently used "
-                                                    "first, across"))
+        print(loaded.across_namespaces(args.config, "trimming each backend to its capacity, least recently "
+                                                    "used first, across"))
     with st.open_backends(cfg, args.backend) as opened:
         entries = []
         for ob in opened:

@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         entries = [inspect_backend(ob, own) for ob in opened]
     rc = 1 if any(e["error"] for e in entries) else 0
     if args.json:
-        st.emit_json({"config": args.config, "namespace": own, "engine_fills_model": loaded.filled is not None,
-                      "backends": entries})
+        st.emit_json({"config": args.config, "namespace": own,
+                      "engine_fills_model": loaded.filled is not None, "backends": entries})
         return rc
     m = cfg.model
     lines = [loaded.across_namespaces(args.config, "showing") if own is None else

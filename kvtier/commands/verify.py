@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = st.load(args)
     cfg = loaded.cfg
     if loaded.filled is not None and not args.json:
-        print(loaded.across_namespaces(args.config, "checking each block against its own namespace's manifest "
-                                                    "and header, across"))
+        print(loaded.across_namespaces(args.config, "checking each block against its own namespace's "
+                                                    "manifest and header, across"))
     with st.open_backends(cfg, args.backend) as opened:
         entries = []
         for i, ob in enumerate(opened):
