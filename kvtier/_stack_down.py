@@ -310,12 +310,16 @@ class Downward:
         the values it took as stored there; per value whether it did.  Every write to a backend goes
         through here (no lock held during the I/O)."""
         s = self.s
-        ok = s._backends.put(b, s.namespace.keys([v[-1] for v in values]), payloads)
+        lasts = [v[-1] for v in values]
         with s._lock:
+            s.manager.begin_writes_locked(b, lasts)
+        ok = s._backends.put(b, s.namespace.keys(lasts), payloads)  # never raises: a fault is all False
+        with s._lock:
+            evicted = s.manager.end_writes_locked(b, lasts)
             report = s._report
             writable = s._backends.writable
             for members, good in zip(values, ok):
-                if good:
+                if good and members[-1] not in evicted:  # a value evicted during its own write is not there
                     for key in members:
                         if key in s.index:
                             s.index.add_backend(key, b)

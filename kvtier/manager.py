@@ -95,6 +95,12 @@ class TierManager:
         self.backends.on_recovered = self._backend_back
         # Blocks the backends evicted themselves, not yet folded into the index: (backend, keys).
         self._evictions: deque[tuple[int, list[str]]] = deque()
+        # Blocks being written to a backend (backend, hash) -> writes in flight, and those of them the
+        # backend said it evicted meanwhile: a block evicted while its own write was in flight (Redis at
+        # maxmemory evicting a batch's first values before the batch returns) must not be marked there
+        # when the write returns ok (``begin_writes_locked`` / ``end_writes_locked``).
+        self._in_flight: dict[tuple[int, bytes], int] = {}
+        self._evicted_in_flight: set[tuple[int, bytes]] = set()
         for i, b in enumerate(self.backends.backends):
             b.on_evicted = partial(self._backend_evicted, i)
         # Called (under the lock) with (hash, backend) for each block forgotten there because that backend
@@ -155,10 +161,37 @@ class TierManager:
         while self._evictions:
             i, keys = self._evictions.popleft()
             gone = [bytes.fromhex(key[skip:]) for key in keys if key.startswith(prefix)]
+            if self._in_flight:
+                self._evicted_in_flight.update((i, h) for h in gone if (i, h) in self._in_flight)
             self._forget_in_backend(gone, i)
             if self.on_forgotten is not None:
                 for h in gone:
                     self.on_forgotten(h, i)
+
+    def begin_writes_locked(self, i: int, hashes: Iterable[bytes]) -> None:
+        """Values under ``hashes`` are about to be written to backend ``i`` (under the lock)."""
+        flying = self._in_flight
+        for h in hashes:
+            flying[(i, h)] = flying.get((i, h), 0) + 1
+
+    def end_writes_locked(self, i: int, hashes: Iterable[bytes]) -> set[bytes]:
+        """The writes ``begin_writes_locked`` announced are over (under the lock): the blocks among them that
+        backend ``i`` evicted meanwhile, which must not be marked there even if their write said ok.  Folds
+        the evictions queued so far first (a notification that came before the write returned)."""
+        self.fold_evictions_locked()
+        flying, evicted = self._in_flight, self._evicted_in_flight
+        out: set[bytes] = set()
+        for h in hashes:
+            k = (i, h)
+            if k in evicted:
+                out.add(h)
+            n = flying.get(k, 0) - 1
+            if n > 0:
+                flying[k] = n
+            else:
+                flying.pop(k, None)
+                evicted.discard(k)
+        return out
 
     def _forget_in_backend(self, gone: Sequence[bytes], i: int) -> None:
         """Unmark ``gone`` in backend ``i``; an entry left in no tier and unused is dropped.  Probe answers

@@ -122,3 +122,48 @@ def test_blocks_stored_while_s3_was_down_are_written_once_it_is_back(moto_server
         _until(lambda: _stored(st, during) == 3, "host blocks written to S3 once it answered again")
     finally:
         st.close(timeout=10)
+
+
+def test_blocks_redis_evicts_during_their_own_write_are_not_believed_there():
+    """Redis at maxmemory evicts a batch's first values while the batch is still being written: their
+    eviction notifications can arrive before the write returns ok.  The stack must not then mark them
+    there (a later store would call them present and never write them again, and a scheduler would
+    offer them): once the notifications are in, every block the stack believes in Redis is in Redis."""
+    from kvtier.index import Tier
+    from kvtier.testing.redis_server import redis_available, start_redis
+
+    if redis_available():
+        pytest.skip(str(redis_available()))
+    srv = start_redis(extra_args=["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"])
+    big = {**MODEL, "num_kv_heads": 8, "head_dim": 64, "block_size": 16}  # 128 KiB blocks
+    st = TierStack(parse_config({
+        "model": big, "device": {"kind": "cpu", "num_blocks": 16},
+        "host": {"capacity": "16MiB", "pinned": False}, "backends": [_redis(srv.url)]}))
+    try:
+        backend = st.backends[0]
+        assert backend._events is not None and backend._events.subscribed.wait(10)  # type: ignore[attr-defined]
+        hashes: list[bytes] = []
+        for r in range(6):  # 96 blocks, 12 MiB, into 4 MiB: most are evicted, many while being written
+            g = torch.Generator().manual_seed(r)
+            ids = list(range(16))
+            st.device.write_blocks(torch.randint(1, 256, (16, st.layout.block_nbytes), dtype=torch.uint8,
+                                                 generator=g), ids)
+            hs = st.namespace.hasher().hash_blocks([r * 10_000 + t for t in range(16 * 16)])
+            st.store(hs, ids).wait(10)
+            st.flush(10)
+            st.on_device_freed(ids)
+            hashes += hs
+
+        def believed_but_gone() -> list[bytes]:
+            with st._lock:
+                marked = [h for h in hashes if (e := st.index.get(h)) is not None and 0 in e.backends]
+            there = backend.exists(st.namespace.keys(marked))
+            return [h for h, ok in zip(marked, there) if not ok]
+
+        _until(lambda: not believed_but_gone(), "every block believed in Redis is there")
+        time.sleep(0.5)  # late notifications change nothing: still consistent
+        assert believed_but_gone() == []
+        assert 0 < st.index.count(Tier.backend(0)) < len(hashes)
+    finally:
+        st.close(timeout=10)
+        srv.cleanup()
