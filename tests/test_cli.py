@@ -30,7 +30,8 @@ def _subcommands():
 def test_expected_commands_exist():
     names = {" ".join(c) for c in _subcommands()}
     for must in ("keys", "config check", "config schema", "plugins", "bench keys", "bench index",
-                 "bench tiers", "bench backends", "bench prefix", "run", "pd", "inspect", "verify", "gc"):
+                 "bench tiers", "bench backends", "bench prefix", "run", "pd", "inspect", "verify", "gc",
+                 "doctor"):
         assert must in names, must
 
 
