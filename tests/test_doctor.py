@@ -249,7 +249,7 @@ def test_backends_reachable_writable_or_named(tmp_path, capsys, redis_srv):
     assert re.fullmatch(rf"ok    backend live: redis url={live}: reachable, a lookup in {ms}; "
                         rf"wrote, read back and deleted a 4KiB probe in {ms}", line(out, "backend live"))
     assert line(out, "backend dead").startswith(f"FAIL  backend dead: redis url=redis://127.0.0.1:{dead}/0: "
-                                                "unreachable: backend 'dead'")
+                                                "a lookup failed: backend 'dead'")
     assert line(out, "backend dead").endswith("; start the service, or fix backends[1].options")
     assert line(out, "backend hung") == (
         f"FAIL  backend hung: redis url=redis://127.0.0.1:{hung}/0: no answer within 3 s; "
@@ -302,3 +302,23 @@ def test_host_tier_against_memory(tmp_path, capsys):
     rc, out = doctor_cli(capsys, "--config", half, "--engine", "sglang", *NO_IMPORTS)
     assert line(out, "host tier") == ("ok    host tier: not used under SGLang (its --hicache-size / "
                                       "--hicache-ratio size its host memory)")
+
+
+def test_no_password_is_printed(tmp_path, capsys):
+    if redis_available():
+        pytest.skip(str(redis_available()))
+    secret = "Doct0r-s3cret-9931"
+    srv = start_redis(password=secret)
+    try:
+        wrong = srv.url.replace(secret, secret[::-1])
+        cfg = write_config(tmp_path, {"model": MODEL, "host": {"capacity": 0}, "backends": [
+            {"name": "good", "type": "redis", "options": {"url": srv.url, "timeout_s": 2}},
+            {"name": "wrong", "type": "redis", "options": {"url": wrong, "timeout_s": 2}}]})
+        rc, out = doctor_cli(capsys, "--config", cfg, "--engine", "none", *NO_IMPORTS)
+    finally:
+        srv.cleanup()
+    text = "\n".join(out)
+    assert rc == 2 and secret not in text and secret[::-1] not in text
+    assert line(out, "backend good").startswith("ok    backend good: redis url=redis://")
+    assert line(out, "backend wrong").startswith("FAIL  backend wrong: redis url=redis://")
+    assert "a lookup failed: " in line(out, "backend wrong") and "WRONGPASS" in line(out, "backend wrong")

@@ -6,9 +6,9 @@ serve?  One line per check, ``ok|warn|FAIL  <check>: <finding>; <what to do>``:
 * torchvision / torchaudio / torchcodec built for another torch: they fail to import (``operator
   torchvision::nms does not exist``) and take transformers' Llama with them.  ``--fix`` uninstalls the
   broken ones (``python -m pip uninstall -y``), which kvtier and vLLM's text models do not need;
-* ``VLLM_CPU_KVCACHE_SPACE`` on vLLM's CPU build: unset, vLLM reserves ``--gpu-memory-utilization`` (0.92)
-  of all memory and its first start fails unless that much is available; set above the available memory,
-  its KV cache allocation fails;
+* ``VLLM_CPU_KVCACHE_SPACE`` on vLLM's CPU build (``--engine vllm``): unset, vLLM reserves
+  ``--gpu-memory-utilization`` (0.92) of all memory and its first start fails unless that much is
+  available; set above the available memory, its KV cache allocation fails;
 * the YAML, as the engine will fill it (``kvtier config check``);
 * each backend: reachable (the time a lookup took), and writable: a 4 KiB probe value under a namespace
   of its own is written, read back, verified and deleted (not for ``write: false`` backends);
@@ -16,8 +16,8 @@ serve?  One line per check, ``ok|warn|FAIL  <check>: <finding>; <what to do>``:
 * the host tier (``host.capacity``, once per vLLM worker: ``--tp``) against the available memory.
 
 Every import runs in a child process, so a broken one (or one that crashes) cannot take the doctor with it;
-each backend probe is bounded by ``--timeout``.  Exit status 0 when every check is ok, 1 when some only
-warn, 2 when any fails."""
+each backend probe is bounded by ``--timeout``; ``--skip`` leaves checks out (``imports``: vLLM's takes
+20-40 s).  Exit status 0 when every check is ok, 1 when some only warn, 2 when any fails."""
 
 from __future__ import annotations
 
@@ -397,7 +397,7 @@ def probe(conf: BackendConfig, index: int) -> Probed:
         return Probed(Check("FAIL", name, f"{where}: {ob.error}", fix))
     b = ob.backend
     key = f"{PROBE_NAMESPACE}/{uuid.uuid4().hex}"
-    stage = f"{where}: unreachable"
+    stage = f"{where}: a lookup failed"
     try:
         t0 = time.perf_counter()
         b.exists([key])
