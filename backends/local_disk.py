@@ -33,6 +33,9 @@ Invariants:
   Each process evicts in its own LRU order, so across processes eviction is only roughly LRU.  The
   blocks a put evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
   Manifests are not blocks: never evicted, not counted.
+* A held block (``hold``: a load will read it) is evicted by no process sharing the directory until its
+  holder releases it or dies: this process counts its holds, other processes see them as hard links
+  (``_disk_holds``); a put that finds only held blocks in its way is refused.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from kvtier.backends._disk_files import (
 from kvtier.backends._disk_files import scandir as _scandir
 from kvtier.backends._disk_files import unlink as _unlink
 from kvtier.backends._disk_files import unlink_sized as _unlink_sized  # (a test replaces it here)
+from kvtier.backends._disk_holds import DiskHolds, drop_dead_holders, held_elsewhere
 from kvtier.backends._disk_ledger import HOST_TAG, Ledger, shared_ledger
 from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key
@@ -107,6 +111,7 @@ class LocalDiskBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> stored bytes, LRU first
         # Keys this process is writing, or holds for a planned read (``hold``): never evicted.
         self._inflight: dict[str, int] = {}
+        self._holds = DiskHolds(self.root)  # what other processes must not evict either (hard links)
         self._dir_bytes = 0  # the ledger's total when last seen
         self._tmp_seq = itertools.count()  # next() on itertools.count is atomic under the GIL
         self._pool: ThreadPoolExecutor | None = None
@@ -163,6 +168,7 @@ class LocalDiskBackend(StorageBackend):
         with self._idx_lock:
             for _, key, size in found:
                 self._index[key] = size
+        drop_dead_holders(self.root, self.options.tmp_max_age_s)
         try:
             with self._shared() as led:
                 if led.drop_dead_writers(self.options.tmp_max_age_s):
@@ -214,12 +220,21 @@ class LocalDiskBackend(StorageBackend):
         recounted = led.drop_dead_writers(self.options.tmp_max_age_s)
         if recounted:
             self._recount(led)
+        held: set[str] = set()  # blocks another process holds for a read: skipped (one eviction at a time:
+        # this runs under the directory's flock, so no other thread picks victims meanwhile)
         with led.unlinking(self._writer()) as marker:
             while led.total - marker + need > self.capacity:
                 with self._idx_lock:
-                    victim = next((k for k in self._index if k not in self._inflight), None)
-                    if victim is not None:
-                        del self._index[victim]
+                    victim = next((k for k in self._index if k not in self._inflight and k not in held), None)
+                if victim is not None and held_elsewhere(self._where(victim, checked=True)[1]):
+                    if not held:  # a holder that died would pin its blocks for good
+                        drop_dead_holders(self.root, self.options.tmp_max_age_s)
+                    if held_elsewhere(self._where(victim, checked=True)[1]):
+                        held.add(victim)
+                        continue
+                if victim is not None:
+                    with self._idx_lock:
+                        self._index.pop(victim, None)
                 if victim is None:
                     if recounted or not self._knows_less_than(led):
                         return False  # the room is held by in-flight writes and loads
@@ -438,6 +453,10 @@ class LocalDiskBackend(StorageBackend):
                 key, payload, path = keys[i], payloads[i], where[i][1]
                 try:
                     size, checksum = read(path, header, payload)
+                    if size is None and (linked := self._holds.path(key)) is not None:
+                        # A put elsewhere unlinked it in the instant before our hold: read it through
+                        # the hold's link (``_disk_holds``), the same bytes.
+                        size, checksum = read(linked, header, payload)
                 except OSError as e:
                     errors.append(e)
                     out.append(False)
@@ -549,16 +568,29 @@ class LocalDiskBackend(StorageBackend):
         return self.root
 
     def hold(self, keys: Sequence[str]) -> None:
+        """Keep ``keys`` from every process's evictions until ``release``: counted here (this process's
+        puts), and linked once into this instance's hold directory (other processes': ``_disk_holds``)."""
+        first: list[str] = []
         with self._idx_lock:
             for key in keys:
-                self._inflight[key] = self._inflight.get(key, 0) + 1
+                n = self._inflight.get(key, 0)
+                self._inflight[key] = n + 1
+                if n == 0:
+                    first.append(key)
+        for key in first:
+            self._holds.hold(key, self._where(key)[1])
 
     def release(self, keys: Sequence[str]) -> None:
+        last: list[str] = []
         with self._idx_lock:
             for key in keys:
                 n = self._inflight.pop(key, 0) - 1
                 if n > 0:
                     self._inflight[key] = n
+                else:
+                    last.append(key)
+        for key in last:
+            self._holds.release(key)
 
     def _eviction_order(self) -> list[StoredBlock]:
         """The index's LRU order (the order a put evicts in), in-flight writes excluded."""
@@ -577,6 +609,7 @@ class LocalDiskBackend(StorageBackend):
 
     def _close(self) -> None:
         self._closed = True
+        self._holds.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)

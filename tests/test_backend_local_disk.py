@@ -547,6 +547,64 @@ def test_a_fifo_under_a_block_name_is_counted_and_removed_by_the_stacks_lookup(t
         assert st.stats()["backends"]["disk"]["corrupt"] == 1 and not os.path.lexists(path)
 
 
+# ------------------------------------------------------------------ holds across processes
+
+_PUTTER = """
+import os, sys
+from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.keys import Namespace
+ns = Namespace("m", "bfloat16", 2, 2, 64, 16)
+b = LocalDiskBackend({"path": sys.argv[1], "capacity": int(sys.argv[2])})
+took = [b.put([k], [os.urandom(64)], ns.layout_id)[0] for k in ns.keys([os.urandom(16) for _ in range(int(sys.argv[3]))])]
+print(sum(took))
+b.close()
+"""
+
+
+def _put_elsewhere(root, capacity: int, n: int) -> int:
+    """Another process puts ``n`` new blocks into the directory; how many it stored."""
+    out = subprocess.run([sys.executable, "-c", _PUTTER, str(root), str(capacity), str(n)], check=True,
+                         capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip())
+
+
+def test_a_hold_keeps_another_processes_puts_from_evicting_the_blocks(tmp_path):
+    """Process A holds 4 blocks for a read; process B fills the shared directory: B evicts other blocks, or
+    is refused when only held ones are left, never a held one.  Once A releases them, B may evict them."""
+    cap = 8 * (H + 64)
+    a = mk(tmp_path, capacity=cap)
+    mine = newkeys(4)
+    data = [os.urandom(64) for _ in mine]
+    assert a.put(mine, data, LID) == [True] * 4
+    a.hold(mine)
+    try:
+        assert _put_elsewhere(tmp_path / "d", cap, 12) == 12  # 4 of the room are B's, evicted in turn
+        assert [get(a, k, 64) for k in mine] == data
+        assert _put_elsewhere(tmp_path / "d", cap, 0) == 0
+        # Only held blocks and B's own left: B evicts its own; a directory of held blocks only refuses.
+        full = LocalDiskBackend({"path": str(tmp_path / "d"), "capacity": 4 * (H + 64)})
+        assert full.put(newkeys(1), [os.urandom(64)], LID) == [False]
+        full.close()
+    finally:
+        a.release(mine)
+    assert _put_elsewhere(tmp_path / "d", cap, 8) == 8
+    assert [get(a, k, 64) for k in mine] == [None] * 4  # released: evicted like any block
+    a.close()
+
+
+def test_a_dead_holders_blocks_are_evictable(tmp_path):
+    cap = 4 * (H + 64)
+    root = tmp_path / "d"
+    code = ("import os, sys\nfrom kvtier.backends.local_disk import LocalDiskBackend\n"
+            "from kvtier.keys import Namespace\nns = Namespace('m', 'bfloat16', 2, 2, 64, 16)\n"
+            f"b = LocalDiskBackend({{'path': {str(root)!r}, 'capacity': {cap}}})\n"
+            "ks = ns.keys([os.urandom(16) for _ in range(4)])\n"
+            "b.put(ks, [os.urandom(64) for _ in ks], ns.layout_id)\nb.hold(ks)\nos._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # dies holding 4 blocks
+    assert _put_elsewhere(root, cap, 4) == 4  # its holds are dropped: its blocks evicted
+    assert not any((root / ".kvtier-holds").iterdir())
+
+
 # ------------------------------------------------------------------ the shared ledger (capacity of a directory)
 
 
