@@ -4,14 +4,15 @@ newcomer pastes them into one terminal, from a scratch directory where ``configs
 
 What runs and what does not:
 
-- **Skipped**: the install block (``pip install ...``, the ``torch==2.13.0`` pin file, ``kvtier doctor --fix``
-  and ``kvtier doctor --config ...``).  The test runs inside the environment the README's test command
-  installed; pip would reinstall it and ``kvtier doctor`` judges this machine, not the recipe (it has its
-  own tests).  The test checks that block holds nothing but those lines, so a new command there fails it.
+- **Skipped**: the install lines (``pip install ...``, the ``torch==2.13.0`` pin file, ``kvtier doctor --fix``)
+  and ``kvtier doctor --config ...``.  The test runs inside the environment the README's test command
+  installed; pip would reinstall it, and ``kvtier doctor`` judges this machine, not the recipe (it has its
+  own tests; on a small disk it warns, exit 1, that the YAML's disk capacity is more than is free).
+  The test checks the skipped lines are exactly those, so a new one fails it.
 - **Replaced**: the one ``export MODEL=...`` line, by ``export MODEL=<path>`` of a random-weight Llama
   built here with a byte-level tokenizer saved beside it (nothing downloaded).
 - **Run as written**: every other line: the ``export`` lines (``VLLM_CPU_KVCACHE_SPACE``,
-  ``KVTIER_HOST__CAPACITY``, ``PYTHONHASHSEED``), every ``python -m vllm.entrypoints.openai.api_server``
+  ``PYTHONHASHSEED``), every ``python -m vllm.entrypoints.openai.api_server``
   (the quick start's server, started twice, and the prefill / decode pair), ``redis-server`` and
   ``redis-cli``, the ``curl`` health loops, completions and ``/metrics`` reads, the prompt
   (``P=$(python -c ...)``), ``kill`` / ``wait``.
@@ -91,23 +92,22 @@ def commands(block: str) -> list[str]:
 
 @dataclass
 class Recipe:
-    install: list[str]          # the skipped install block's commands
-    blocks: list[str]           # the blocks that run, MODEL replaced
+    skipped: list[str]          # the install and doctor commands, not run
+    blocks: list[str]           # the blocks that run, without those, MODEL replaced
     model_line: str             # the README's export MODEL= line
 
 
 def vllm_recipe(model: str) -> Recipe:
     blocks = bash_blocks(readme_section(README.read_text(), SECTION))
-    installs = [b for b in blocks if any(INSTALL_LINE.match(c) for c in commands(b))]
-    assert len(installs) == 1, f"expected one install block in {SECTION!r}, found {len(installs)}"
-    install = commands(installs[0])
-    others = [c for c in install if not INSTALL_LINE.match(c)]
-    assert not others, f"the install block holds commands this test does not know to skip: {others}"
-    run = [b for b in blocks if b is not installs[0]]
+    skipped = [c for b in blocks for c in commands(b) if INSTALL_LINE.match(c)]
+    assert not [ln for b in blocks for ln in b.splitlines() if INSTALL_LINE.match(ln) and ln.endswith("\\")], (
+        "an install line continued on the next: this test skips single lines")
+    run = ["\n".join(ln for ln in b.splitlines() if not INSTALL_LINE.match(ln)) for b in blocks]
+    run = [b for b in run if commands(b)]
     model_lines = [ln for b in run for ln in b.splitlines() if ln.startswith("export MODEL=")]
     assert len(model_lines) == 1, model_lines
     run = [re.sub(r"^export MODEL=.*$", f"export MODEL={model}", b, flags=re.M) for b in run]
-    return Recipe(install, run, model_lines[0])
+    return Recipe(skipped, run, model_lines[0])
 
 
 @dataclass
@@ -303,10 +303,10 @@ def loadable(prompt_tokens: int, bs: int) -> int:
 
 
 def test_recipe_skips_only_the_install(ran):
-    assert ran.recipe.install == [
+    assert ran.recipe.skipped == [
         "pip install torch==2.13.0", "echo 'torch==2.13.0' > /tmp/torch-pin.txt",
         "pip install -c /tmp/torch-pin.txt -e '.[vllm,prometheus]'", "kvtier doctor --fix",
-        "kvtier doctor --config configs/vllm-local.yaml --engine vllm"], ran.recipe.install
+        "kvtier doctor --config configs/vllm-local.yaml --engine vllm"], ran.recipe.skipped
     assert ran.recipe.model_line.startswith("export MODEL=")
     assert set(ran.logs) == {"vllm.log", "prefill.log", "decode.log"}, sorted(ran.logs)
 
