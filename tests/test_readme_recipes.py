@@ -4,11 +4,11 @@ newcomer pastes them into one terminal, from a scratch directory where ``configs
 
 What runs and what does not:
 
-- **Skipped**: the install lines (``pip install ...``, the ``torch==2.13.0`` pin file, ``kvtier doctor --fix``)
-  and ``kvtier doctor --config ...``.  The test runs inside the environment the README's test command
-  installed; pip would reinstall it, and ``kvtier doctor`` judges this machine, not the recipe (it has its
-  own tests; on a small disk it warns, exit 1, that the YAML's disk capacity is more than is free).
-  The test checks the skipped lines are exactly those, so a new one fails it.
+- **Skipped**: the install lines (``pip install ...``, the ``torch==2.13.0`` pin file,
+  ``kvtier doctor --fix``) and ``kvtier doctor --config ...``.  The test runs inside the environment the
+  README's test command installed; pip would reinstall it, and ``kvtier doctor`` judges this machine, not
+  the recipe (it has its own tests; on a small disk it warns, exit 1, that the YAML's disk capacity is
+  more than is free).  The test checks the skipped lines are exactly those, so a new one fails it.
 - **Replaced**: the one ``export MODEL=...`` line, by ``export MODEL=<path>`` of a random-weight Llama
   built here with a byte-level tokenizer saved beside it (nothing downloaded).
 - **Run as written**: every other line: the ``export`` lines (``VLLM_CPU_KVCACHE_SPACE``,
@@ -100,8 +100,8 @@ class Recipe:
 def vllm_recipe(model: str) -> Recipe:
     blocks = bash_blocks(readme_section(README.read_text(), SECTION))
     skipped = [c for b in blocks for c in commands(b) if INSTALL_LINE.match(c)]
-    assert not [ln for b in blocks for ln in b.splitlines() if INSTALL_LINE.match(ln) and ln.endswith("\\")], (
-        "an install line continued on the next: this test skips single lines")
+    continued = [ln for b in blocks for ln in b.splitlines() if INSTALL_LINE.match(ln) and ln.endswith("\\")]
+    assert not continued, f"install lines continued on the next (this test skips single lines): {continued}"
     run = ["\n".join(ln for ln in b.splitlines() if not INSTALL_LINE.match(ln)) for b in blocks]
     run = [b for b in run if commands(b)]
     model_lines = [ln for b in run for ln in b.splitlines() if ln.startswith("export MODEL=")]
@@ -179,7 +179,8 @@ class Shell:
             with open(p, errors="replace") as f:
                 f.seek(before.get(p, 0))
                 new = f.read()
-            m = re.search(r"^.*(EngineCore failed to start|Engine core initialization failed|Address already in use).*$", new, re.M)
+            m = re.search(r"^.*(EngineCore failed to start|Engine core initialization failed"
+                          r"|Address already in use).*$", new, re.M)
             if m:
                 return f"{p.name}: {m.group(0)}"
         return ""
@@ -263,7 +264,8 @@ def ran(readme_model, tmp_path_factory) -> Ran:
         for block in recipe.blocks:
             out, rc = shell.run(block)
             outputs.append(out)
-            assert rc == 0, f"a README block ended with status {rc}:\n{block}\n--- output:\n{out}\n{shell.log_tails()}"
+            assert rc == 0, (f"a README block ended with status {rc}:\n{block}\n--- output:\n{out}\n"
+                             f"{shell.log_tails()}")
     finally:
         shell.close(finished=len(outputs) == len(recipe.blocks))
     logs = {p.name: p.read_text(errors="replace") for p in work.glob("*.log")}
@@ -358,15 +360,16 @@ def test_kvtier_logs_in_vllms_format_and_no_error(ran):
     of them is an ERROR (a line logged from a kvtier module, or naming kvtier, as a traceback through
     kvtier's code does).  Other ERROR lines (vLLM's own) are printed, not judged."""
     for name, log in ran.logs.items():
-        assert re.search(r"\(EngineCore\S* pid=\d+\) INFO .*kvtier: scheduler side up", log), (name, log[-3000:])
-        assert re.search(r"\(Worker\S* pid=\d+\) INFO .*kvtier: worker side up", log), (name, log[-3000:])
+        for proc, line in (("EngineCore", "scheduler side up"), ("Worker", "worker side up")):
+            assert re.search(rf"\({proc}\S* pid=\d+\) INFO .*kvtier: {line}", log), (name, log[-3000:])
     ours = kvtier_sources()
 
     def kvtiers(line: str) -> bool:
         m = re.search(r"\bERROR\b.*?\[([\w.]+):\d+\]", line)
         return "kvtier" in line or (m is not None and m.group(1) in ours)
 
-    errors = {name: [ln for ln in log.splitlines() if re.search(r"\bERROR\b", ln)] for name, log in ran.logs.items()}
+    errors = {name: [ln for ln in log.splitlines() if re.search(r"\bERROR\b", ln)]
+              for name, log in ran.logs.items()}
     others = {name: [ln for ln in lines if not kvtiers(ln)] for name, lines in errors.items()}
     print("ERROR lines not from kvtier:", json.dumps({k: v for k, v in others.items() if v}, indent=1))
     kvtier_errors = {name: [ln for ln in lines if kvtiers(ln)] for name, lines in errors.items()}
