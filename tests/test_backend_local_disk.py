@@ -539,12 +539,14 @@ def test_a_fifo_under_a_block_name_is_counted_and_removed_by_the_stacks_lookup(t
                                   "head_dim": 4, "block_size": 2},
                         "device": {"kind": "cpu", "num_blocks": 4}, "host": {"capacity": 0},
                         "backends": [{"name": "disk", "type": "local_disk", "options": {"path": str(tmp_path)}}]})
-    with TierStack(cfg) as st:
+    disk = LocalDiskBackend({"path": str(tmp_path)}, name="disk")
+    with TierStack(cfg, backends=[disk]) as st:
         hashes = st.namespace.hasher().hash_blocks([1, 2, 3, 4])
-        path = st.backends[0]._where(st.namespace.keys(hashes[:1])[0])[1]
+        path = disk._where(st.namespace.keys(hashes[:1])[0])[1]
         _plant_special(path, "fifo", [])
         assert st.lookup(hashes).num_blocks == 0
         assert st.stats()["backends"]["disk"]["corrupt"] == 1 and not os.path.lexists(path)
+    disk.close()
 
 
 # ------------------------------------------------------------------ holds across processes
