@@ -65,7 +65,14 @@ def main() -> None:
     ap.add_argument("--attention-backend", help="vLLM's attention backend by name (default: vLLM picks)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if a.abort_first:  # the engine core in this process: one LLMEngine.step() is exactly one engine step
+    if a.abort_first or (a.tp == 1 and not a.while_decoding):
+        # The engine core and its one worker in this process, as vLLM runs them without multiprocessing:
+        # the same scheduler and worker connector calls, with one vLLM import instead of three (its CPU
+        # build spawns the engine core and then the worker, each importing vLLM again: about 35 s of every
+        # run on this 2-core machine).  With abort_first one LLMEngine.step() is exactly one engine step.
+        # TP > 1 keeps vLLM's worker processes (the ranks' reports cross processes there), and so does
+        # --while-decoding (a free-running engine core decides a load's mode from the steps it really ran
+        # beside it); the README's recipe test runs real multi-process OpenAI servers.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if a.tp > 1:  # one NUMA node here: vLLM CPU cannot auto-bind several ranks, so one core per rank
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
