@@ -226,22 +226,22 @@ class LocalDiskBackend(StorageBackend):
             while led.total - marker + need > self.capacity:
                 with self._idx_lock:
                     victim = next((k for k in self._index if k not in self._inflight and k not in held), None)
-                if victim is not None and held_elsewhere(self._where(victim, checked=True)[1]):
-                    if not held:  # a holder that died would pin its blocks for good
-                        drop_dead_holders(self.root, self.options.tmp_max_age_s)
-                    if held_elsewhere(self._where(victim, checked=True)[1]):
-                        held.add(victim)
-                        continue
-                if victim is not None:
-                    with self._idx_lock:
-                        self._index.pop(victim, None)
                 if victim is None:
                     if recounted or not self._knows_less_than(led):
                         return False  # the room is held by in-flight writes and loads
                     self._recount(led)  # the room is held by blocks other processes wrote
                     recounted = True
                     continue
-                led.bytes -= _unlink_sized(self._where(victim, checked=True)[1])[1]
+                path = self._where(victim, checked=True)[1]
+                if held_elsewhere(path):
+                    if not held:  # a holder that died would pin its blocks for good
+                        drop_dead_holders(self.root, self.options.tmp_max_age_s)
+                    if held_elsewhere(path):
+                        held.add(victim)
+                        continue
+                with self._idx_lock:
+                    self._index.pop(victim, None)
+                led.bytes -= _unlink_sized(path)[1]
                 led.changed = True
                 if victims is not None:
                     victims.append(victim)

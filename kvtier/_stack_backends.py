@@ -9,9 +9,8 @@ Invariants:
   deals with that once (one thread at a time), so what was computed meanwhile can be written again;
 * the watcher (``start_watch``) asks each suspect backend every ``RECHECK_S`` whether it answers again
   (its ``health``), so one comes back without waiting for traffic, and reads each backend's restart
-  count (no I/O), so a restart one call noticed is dealt with even if no later call reaches it.  It is one daemon thread, stopped by
-  ``close``; its probes are not counted as unanswered keys (a probe has none).  A restart between two
-  calls is seen at the next call (a backend's ``restart_count``), with no probe.
+  count (no I/O), so a restart that any call noticed is dealt with even if no later call reaches it.
+  It is one daemon thread, stopped by ``close``; its probes are not counted as unanswered keys.
 """
 
 from __future__ import annotations
@@ -119,10 +118,6 @@ class BackendSet:
         finally:
             self._recovering.release()
 
-    def suspect(self, i: int) -> bool:
-        """Whether backend ``i`` is unreachable, or back but not yet dealt with (``on_recovered``)."""
-        return self._suspect[i]
-
     # ------------------------------------------------------------------ the watcher
 
     def start_watch(self) -> None:
@@ -138,10 +133,10 @@ class BackendSet:
                     return
                 self._restarted(i)  # a restart any call noticed (no I/O: the backend's own count)
                 if self._suspect[i]:
-                    self.check(i)
+                    self._check(i)
 
-    def check(self, i: int) -> bool:
-        """Ask backend ``i`` whether it answers (its ``health``); fold the answer in.  Whether it did."""
+    def _check(self, i: int) -> None:
+        """Ask backend ``i`` whether it answers (its ``health``) and fold the answer in."""
         b = self.backends[i]
         before = self._unavailable_count(i)
         try:
@@ -155,7 +150,6 @@ class BackendSet:
             self._answered(i)
         else:
             self._suspect[i] = True
-        return ok
 
     def _unavailable_count(self, i: int) -> int:
         try:
@@ -276,14 +270,12 @@ class BackendSet:
         for i in self.writable:
             self.put_manifest(i, namespace)
 
-    def put_manifest(self, i: int, namespace: Any) -> bool:
-        """Best effort: backend ``i`` records what the namespace id means; whether it did."""
+    def put_manifest(self, i: int, namespace: Any) -> None:
+        """Best effort: backend ``i`` records what the namespace id means."""
         try:
             self.backends[i].put_manifest(namespace)
-            return True
         except Exception as e:  # noqa: BLE001 - a manifest is informational
             self._fault(i, "put_manifest", e)
-            return False
 
     def stats(self) -> dict[str, dict[str, Any]]:
         out = {}
