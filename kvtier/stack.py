@@ -441,13 +441,15 @@ class TierStack:
     def _backend_back(self, i: int, in_host: list[bytes]) -> None:
         """Backend ``i`` answers again after an outage, or was found restarted (its marks are forgotten
         already): write to it, in the background, the namespace manifest and what host memory still holds
-        that it should have: the blocks it was known to hold (it may have come back empty) and those
-        whose writes failed or were skipped meanwhile.  Bounded: what host memory holds, in jobs of
-        ``REWRITE_CHUNK`` blocks queued behind the writes already waiting."""
+        that it should have: the blocks it was known to hold (it may have come back empty) and those the
+        write policy sent down whose writes failed or were skipped meanwhile.  Bounded: what host memory
+        holds, in jobs of ``REWRITE_CHUNK`` blocks queued behind the writes already waiting."""
         if i not in self._backends.writable or self._closed:
             return
         with self._lock:
-            wanted = dict.fromkeys([*in_host, *self._owed, *self._unwritten])
+            # Not the write-back victims that failed (``_unwritten``): write-back wants a block written
+            # when it is evicted, which those are again (and then written) at their next eviction.
+            wanted = dict.fromkeys([*in_host, *self._owed])
             keys = [k for k in wanted if self.index.host_slot(k) is not None]
         if keys:
             log.info("backend %r is back: writing again %d block(s) host memory holds that it lacks",
