@@ -320,9 +320,9 @@ def test_a_load_into_the_blocks_a_prefix_was_stored_from_reads_it_again(tmp_path
         want = [t[0:3].clone() for t in kv]
         ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes), (0, 1, 2))]))
         assert ws.stack.flush(10)
-        with ws.stack._lock:  # host memory pressure: the blocks are on the disk only
+        with ws.stack.planner.lock:  # host memory pressure: the blocks are on the disk only
             for h in hashes:
-                ws.stack._drop_host_locked(h)
+                ws.stack.planner.drop_host_locked(h)
         for t in kv:
             t[0] = torch.randn_like(t[0])  # vLLM wrote another request's decode KV into block 0
         ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (0, 1, 2), sync=True)]))
@@ -368,10 +368,10 @@ def test_an_idle_step_waits_for_a_background_load_to_end_within_a_bound(tmp_path
         hashes = ws.stack.namespace.hasher().hash_blocks(list(range(3 * BLOCK)))
         ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes), (0, 1, 2))]))
         assert ws.stack.flush(10)
-        with ws.stack._lock:  # on the disk only: the load must read it
+        with ws.stack.planner.lock:  # on the disk only: the load must read it
             for h in hashes:
-                ws.stack._drop_host_locked(h)
-        ws.stack._backends.backends[0] = fb  # the same disk, behind a gate
+                ws.stack.planner.drop_host_locked(h)
+        ws.stack.planner.backends.backends[0] = fb  # the same disk, behind a gate
         gate = fb.gate("get")
         ws.idle_wait_s = 2.0
         ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (10, 11, 12))]))

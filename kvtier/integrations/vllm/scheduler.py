@@ -1,6 +1,6 @@
 """The scheduler half of the vLLM connector: vLLM's requests and block ids in, plan objects out.
 
-It lives in vLLM's EngineCore process and holds a :class:`~kvtier.manager.TierManager` (no tensors).
+It lives in vLLM's EngineCore process and holds a :class:`~kvtier.tiering.manager.TierManager` (no tensors).
 
 * ``matched_tokens``: the longest run of stored blocks right after the prefix vLLM holds itself (full
   blocks, at most all but the last prompt token, since vLLM must compute one).  A backend probe in
@@ -28,8 +28,8 @@ from functools import partial
 from typing import Any
 
 from ...config import KvtierConfig
-from ...manager import TierManager
 from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
+from ...tiering.manager import TierManager
 
 log = logging.getLogger("kvtier.vllm")
 
