@@ -23,12 +23,12 @@ it runs the README's own quick start and P/D recipe.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +42,22 @@ from kvtier.keys import BlockHasher
 
 BS = 32
 DRIVER = Path(__file__).parent / "vllm" / "driver.py"
+
+
+def _load_forkserver() -> Any:
+    """tests/vllm/forkserver.py (by path: a ``vllm`` directory on sys.path would shadow vLLM itself)."""
+    spec = importlib.util.spec_from_file_location("kvtier_vllm_forkserver",
+                                                  Path(__file__).parent / "vllm" / "forkserver.py")
+    assert spec is not None and spec.loader is not None
+    mod = sys.modules.get(spec.name)
+    if mod is None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+forkserver = _load_forkserver()  # each vLLM run forked from one process that imported vLLM once
 _rng = random.Random(7)
 A = [_rng.randrange(1, 500) for _ in range(300)]
 B = A[:160] + [_rng.randrange(1, 500) for _ in range(100)]
@@ -79,7 +95,7 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
     pf.write_text(json.dumps(prompts))
-    cmd = [sys.executable, str(DRIVER), "--model", model, "--role", role, "--prompts", str(pf), "--out", str(out),
+    cmd = [str(DRIVER), "--model", model, "--role", role, "--prompts", str(pf), "--out", str(out),
            "--hash-algo", hash_algo, "--block-size", str(block_size), "--tp", str(tp)]
     if config is not None:
         cfg_path.write_text(yaml.safe_dump(config))
@@ -108,7 +124,9 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
     log_path = tmp / f"{tag}.log"
     with open(log_path, "w") as log:
         env = {**os.environ, "PYTHONHASHSEED": "0", "KVTIER_LOG_LEVEL": "DEBUG"}
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # --abort-first runs in a fresh interpreter: forked, B's 5 small blocks load before the abort
+        # arrives (measured: 2 of 2), and the case is about an abort that meets a load in flight.
+        proc = forkserver.popen(cmd, env, log, fresh=abort_first)
         try:
             if pause_after >= 0:
                 deadline = time.monotonic() + 300
@@ -589,9 +607,12 @@ def run_soak(model: str, tmp: Path, config: dict[str, Any] | None, seed: int) ->
     if config is not None:
         cfg.write_text(yaml.safe_dump(config))
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, str(SOAK), "--model", model, "--config", str(cfg) if config else "none",
-                             "--seed", str(seed), "--out", str(out)], stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONHASHSEED": "0"}, timeout=600).returncode
+        proc = forkserver.popen([str(SOAK), "--model", model, "--config", str(cfg) if config else "none",
+                                 "--seed", str(seed), "--out", str(out)], {**os.environ, "PYTHONHASHSEED": "0"}, f)
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            proc.kill()
     assert rc == 0, log.read_text()[-6000:]
     res: dict[str, Any] = json.loads(out.read_text())
     return res
