@@ -149,13 +149,17 @@ def _abort_while_loading(llm, prompt: list[int], params) -> dict[str, Any]:
     eng = llm.llm_engine
     scheduler = eng.engine_core.engine_core.scheduler
     eng.add_request("aborted", {"prompt_token_ids": prompt}, params)
-    for _ in range(1000):  # the connector answers "ask again" while its backend probe is in flight
+    # The connector answers "ask again" while its backend probe is in flight: step until the load starts,
+    # bounded by time, not by a count of steps (an idle step takes microseconds, a probe on a busy machine
+    # took longer than 1,000 of them).
+    deadline = time.perf_counter() + 60
+    while True:
         eng.step()
         req = next((r for i, r in scheduler.requests.items() if i.startswith("aborted")), None)
         if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             break
-    else:
-        raise RuntimeError("the connector never started a load for the prompt")
+        if time.perf_counter() > deadline:
+            raise RuntimeError("the connector never started a load for the prompt (60 s)")
     eng.abort_request(["aborted"])
     in_use_after_abort = not llm.reset_prefix_cache()
     t0, steps = time.perf_counter(), 0
