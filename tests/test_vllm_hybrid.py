@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm import A, assert_close_outputs, assert_same_outputs, block_files, damage_block, kv_config, run_vllm
+from test_vllm import (
+    A,
+    assert_close_outputs,
+    assert_same_outputs,
+    block_files,
+    damage_block,
+    run_vllm,
+)
 
 from kvtier.keys import BlockHasher
 from kvtier.testing.hybrid_models import BUILDERS, GDN_BLOCK_SIZE
