@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,6 @@ from test_vllm import (
 
 from kvtier.keys import BlockHasher
 from kvtier.testing.hybrid_models import BUILDERS, GDN_BLOCK_SIZE
-from kvtier.testing.redis_server import redis_available, start_redis
 
 B = A[:200] + [(7 * i) % 499 + 1 for i in range(100)]
 CHUNK = 96  # tokens vLLM prefills per step in every run here
@@ -89,23 +87,12 @@ def model(request, tmp_path_factory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def module_redis() -> Iterator[Any]:
-    """A real redis-server of this module's own (the shared one is emptied before every test)."""
-    why = redis_available()
-    if why:
-        pytest.skip(why)
-    srv = start_redis()
-    yield srv
-    srv.cleanup()
-
-
-@pytest.fixture(scope="module")
-def prefilled(model, module_redis, tmp_path_factory) -> dict[str, Any]:
+def prefilled(model, module_redis_server, tmp_path_factory) -> dict[str, Any]:
     """The prefill instance's run of [A, A] over local_disk and Redis (both written)."""
     tmp = tmp_path_factory.mktemp(f"prefill-{model['name']}")
-    module_redis.flushall()
-    got = run(model, tmp, "kv_producer", [A, A], hybrid_config(disk(tmp / "blocks"), redis(module_redis.url)))
-    return {**got, "disk": tmp / "blocks", "redis": module_redis.url}
+    module_redis_server.flushall()
+    got = run(model, tmp, "kv_producer", [A, A], hybrid_config(disk(tmp / "blocks"), redis(module_redis_server.url)))
+    return {**got, "disk": tmp / "blocks", "redis": module_redis_server.url}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from kvtier.integrations.vllm.facts import (
     rank_tally,
     worker_rank,
 )
+from kvtier.integrations.vllm.groups import GroupKind, group_config, host_shares, kv_groups
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
 from kvtier.integrations.vllm.worker import (
     WorkerSide,
@@ -130,12 +131,12 @@ def test_layer_order_is_by_layer_index_not_by_name():
     assert layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
 
 
-def test_hybrid_kv_cache_groups_are_refused_with_the_count():
+def test_kv_layers_is_the_one_group_path():
     one = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(layer_names=["a", "b"])])
     assert kv_layers(one) == ["a", "b"]
     two = types.SimpleNamespace(kv_cache_groups=one.kv_cache_groups * 2)
-    with pytest.raises(ValueError, match="models with 2 KV cache groups .* are not supported yet"):
-        kv_layers(two)
+    with pytest.raises(ValueError, match="models with 2 KV cache groups"):
+        kv_layers(two)  # a hybrid model's groups go through groups.kv_groups, one stream each
 
 
 # ---------------------------------------------------------------- the scheduler side's load mode
@@ -497,3 +498,112 @@ def test_kvtier_leaves_logging_alone_where_the_application_set_it_up(bare_loggin
     logging.getLogger().handlers = []
     logging.getLogger("vllm").handlers = []  # VLLM_CONFIGURE_LOGGING=0
     assert not join_vllm_logging() and not logging.getLogger("kvtier").handlers
+
+
+# ---------------------------------------------------------------- hybrid models: one stream per KV cache group
+
+
+def _hybrid_groups() -> list[Any]:
+    """vLLM's own specs for a sliding window group, a gated-delta-net state group and a full attention group."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    att = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
+    specs = [SlidingWindowSpec(**att, sliding_window=2 * BS + 1),
+             MambaSpec(block_size=BS, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32)),
+             FullAttentionSpec(**att)]
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.x"], s) for i, s in enumerate(specs)])
+    return kv_groups(cfg)
+
+
+def test_each_group_gets_a_namespace_naming_it_and_the_structure():
+    groups = _hybrid_groups()
+    assert [g.kind for g in groups] == [GroupKind.SLIDING, GroupKind.STATE, GroupKind.FULL]
+    assert groups[0].window_blocks() == 2  # cdiv(window - 1, block size), as vLLM counts a hit's blocks
+    assert groups[1].state_row_nbytes == 3 * 8 * 2 + 2 * 4 * 4 * 4  # conv bf16 + ssm fp32, unpadded
+    base = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "storage": {"block_tokens": 2 * BS}},
+                        env={})
+    shares = host_shares(groups)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    cfgs = [group_config(base, g, shares[g.index]) for g in groups]
+    ids = {c.namespace().id for c in cfgs}
+    assert len(ids) == 3 and base.namespace().id not in ids  # a hybrid deployment never reads a plain one's
+    assert "kv_group" not in base.namespace().manifest()  # one-group namespaces keep their keys
+    for g, c in zip(groups, cfgs):
+        assert g.label() in c.namespace().kv_group and "sliding_window(9) x1, state(" in c.namespace().kv_group
+    state = cfgs[1].namespace()
+    # a state value: one int8 row of the unpadded state per layer, never grouped with others
+    assert (state.kv_dtype, state.block_size, state.head_dim, state.attention, state.storage_blocks) == (
+        "int8", 1, groups[1].state_row_nbytes, "mla", 1)
+    assert cfgs[2].namespace().storage_blocks == 2
+    assert sum(c.host.capacity for c in cfgs) <= base.host.capacity
+
+
+def test_a_kind_kvtier_cannot_store_is_refused_at_start_up():
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    att = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0"], FullAttentionSpec(**att)),
+        KVCacheGroupSpec(["l1"], ChunkedLocalAttentionSpec(**att, attention_chunk_size=8))])
+    with pytest.raises(ValueError, match="group 1 .*ChunkedLocalAttentionSpec, which kvtier cannot store"):
+        kv_groups(cfg)
+
+
+def _hybrid_side(store: bool = False) -> tuple[SchedulerSide, list[Any]]:
+    groups = _hybrid_groups()
+    base = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+    cfgs = [group_config(base, g, 1 / 3) for g in groups]
+    return SchedulerSide(cfgs, load=True, store=store, vllm_hash_algo=None, groups=groups), groups
+
+
+def test_a_hybrid_hit_ends_where_every_group_can_be_restored():
+    """Full and window groups hold blocks 0-5, the state group the states after blocks 1 and 3: the hit ends
+    after block 3, the last state boundary inside the attention run.
+    The load restores the full group's blocks from vLLM's hit on, the window's trailing run (vLLM gives
+    it blocks only inside the window) and the one state; asynchronously, whatever the tier."""
+    side, groups = _hybrid_side()
+    prompt = list(range(1, 9 * BS + 2))
+    hashes = side.hasher.hash_blocks(prompt)
+    for g, held in ((0, hashes[:6]), (2, hashes[:6]), (1, [hashes[1], hashes[3]])):
+        side.apply(WorkerReport(in_host={h: i for i, h in enumerate(held)}, group=g))
+    req = _request("a", prompt)
+    assert _matched(side, req, BS) == (3 * BS, True)  # vLLM holds block 0; blocks 1-3 from kvtier
+    side.after_alloc(req, ([0, 0, 21, 22], [0, 0, 0, 31], [40, 41, 42, 43]), 3 * BS)
+    plan = _step(side, {})
+    assert sorted((lp.group, lp.block_ids, lp.start, lp.sync) for lp in plan.loads) == [
+        (0, (21, 22), 2, False), (1, (31,), 3, False), (2, (41, 42, 43), 1, False)]
+    # From the start, the same boundary; without any state stored, no hit at all.
+    side.apply(WorkerReport(left_host={hashes[1]}, group=1))
+    assert _matched(side, _request("b", prompt), 0) == (4 * BS, True)
+    side.apply(WorkerReport(left_host={hashes[3]}, group=1))
+    assert _matched(side, _request("c", prompt), 0) == (0, False)
+
+
+def test_a_hybrid_step_stores_attention_blocks_and_the_states_vllm_hands_over():
+    side, groups = _hybrid_side(store=True)
+    prompt = list(range(1, 3 * BS + 2))
+    hashes = side.hasher.hash_blocks(prompt)
+    tables = ([0, 11, 12, 13], [0, 0, 21, 22], [30, 31, 32, 33])  # the window group freed block 0 already
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: tables)
+    req = _request("a", prompt)
+    assert _matched(side, req, 0) == (0, False)
+    # One step computes the 3 full blocks; vLLM hands over the state after block 2 (and one inside a block,
+    # a partial prompt tail, which has no block key).
+    out = types.SimpleNamespace(num_scheduled_tokens={"a": 3 * BS + 1}, kv_connector_block_state=types.SimpleNamespace(
+        boundary_state_offloads={"a": [(1, 22, 3 * BS), (1, 23, 3 * BS + 1)]}))
+    plan = side.build_plan(out)
+    assert sorted((sp.group, sp.block_ids, sp.start) for sp in plan.stores) == [
+        (0, (11, 12), 1), (1, (22,), 2), (2, (30, 31, 32), 0)]
+    assert [sp.hashes for sp in plan.stores if sp.group == 1] == [(hashes[2],)]
