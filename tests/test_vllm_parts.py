@@ -513,7 +513,7 @@ def _hybrid_groups() -> list[Any]:
         SlidingWindowSpec,
     )
 
-    att = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
+    att: dict[str, Any] = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
     specs = [SlidingWindowSpec(**att, sliding_window=2 * BS + 1),
              MambaSpec(block_size=BS, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32)),
              FullAttentionSpec(**att)]
@@ -553,7 +553,7 @@ def test_a_kind_kvtier_cannot_store_is_refused_at_start_up():
         KVCacheGroupSpec,
     )
 
-    att = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
+    att: dict[str, Any] = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
     cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["l0"], FullAttentionSpec(**att)),
         KVCacheGroupSpec(["l1"], ChunkedLocalAttentionSpec(**att, attention_chunk_size=8))])
