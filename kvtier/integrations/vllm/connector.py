@@ -176,6 +176,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s",
                      cfg.summary(getattr(kv_cache_config, "num_blocks", None), engine="vLLM"),
                      ", ".join(c.namespace().id for c in configs), self._scheduler.load_mode.value)
+            if hybrid and mode is not LoadMode.ASYNC:
+                log.warning("kvtier: load_mode %s is ignored for a hybrid model: its loads run in the background "
+                            "(vLLM takes a failed load of a model with several KV cache groups only from a load "
+                            "it waits for)", mode.value)
             if hybrid:
                 log.info("kvtier: vLLM's hybrid KV cache manager is on: %d KV cache groups, each stored as a "
                          "stream of its own: %s; a hit is offered only where every group can be restored, "
