@@ -90,7 +90,7 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
              max_model_len: int | None = None, max_batched_tokens: int | None = None,
              salts: list[str | None] | None = None, reset_between: bool = False, block_size: int = BS,
-             attention_backend: str | None = None) -> dict[str, Any]:
+             attention_backend: str | None = None, kv_events: bool = False) -> dict[str, Any]:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
@@ -118,6 +118,9 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
                         ("--max-batched-tokens", max_batched_tokens), ("--attention-backend", attention_backend)):
         if value is not None:
             cmd += [flag, str(value)]
+    events = tmp / f"{tag}.events.json"
+    if kv_events:
+        cmd += ["--kv-events-out", str(events)]
     ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
     if pause_after >= 0:
         cmd += ["--pause-after", str(pause_after), "--ready", str(ready), "--go", str(go)]
@@ -144,6 +147,8 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
     assert rc == 0, f"vLLM ({role}) exited {rc}:\n{text[-6000:]}"
     res: dict[str, Any] = json.loads(out.read_text())
     res["log"] = text
+    if kv_events:
+        res["events"] = json.loads(events.read_text())
     return res
 
 
@@ -651,6 +656,45 @@ def test_randomised_soak_leaks_nothing_and_serves_exact_tokens(model_dir, soak_r
     # evictions a step late.  Measured 0 in 6 runs here, 9 of 112 once under CI; the bugs this guards
     # against failed 16 of 79 (evictions never reported) and 26-86 (two-block values) per run.
     assert st["stats"]["failed_blocks"] <= max(1, st["stats"]["loaded_blocks"] // 10), st
+
+
+def test_kvtier_tiers_in_vllms_kv_event_stream(model_dir, tmp_path):
+    """vLLM started with --kv-events-config (ZMQ on loopback), decoded with vLLM's own event classes: A's
+    and C's blocks appear as stored in kvtier's host memory (medium CPU) and on its disk (LOCAL_DISK, LOCAL),
+    under vLLM's own block hashes with their tokens and parents; a host tier of 10 blocks and a disk of 10
+    evict, and each eviction is a BlockRemoved of a block announced there before."""
+    d = tmp_path / "blocks"
+    cfg = kv_config({"name": "disk", "type": "local_disk", "options": {"path": str(d), "capacity": "330KiB"}},
+                    host="320KiB")
+    got = run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg, kv_events=True)
+    ev = [e for e in got["events"] if e["medium"] in ("CPU", "LOCAL_DISK")]
+    assert ev, got["events"][:5]
+    want = [h.hex() for h in vllm_block_hashes(A) + vllm_block_hashes(C)]
+    stored = {m: [h for e in ev if e["type"] == "BlockStored" and e["medium"] == m for h in e["hashes"]]
+              for m in ("CPU", "LOCAL_DISK")}
+    # Each once, under vLLM's hashes.  Every block was written to disk; a block that entered the 10-block host
+    # tier and left it again between two of the workers' reports was never loadable from it at a report,
+    # and is not announced there.
+    assert sorted(stored["LOCAL_DISK"]) == sorted(want)
+    assert len(set(stored["CPU"])) == len(stored["CPU"]) >= 4 and set(stored["CPU"]) <= set(want)
+    assert all(e["locality"] == "LOCAL" and e["group_idx"] == 0 for e in ev)
+    first = next(e for e in ev if e["type"] == "BlockStored" and e["hashes"] == [want[1]])
+    assert (first["parent"], first["tokens"]) == (want[0], BS)
+    # Removals: only of blocks announced before, in the same medium; the host tier holds 10 blocks, the
+    # disk about 10 of the 15, so both evicted.
+    seen: dict[str, set[str]] = {"CPU": set(), "LOCAL_DISK": set()}
+    removed = {"CPU": 0, "LOCAL_DISK": 0}
+    for e in ev:
+        for h in e["hashes"]:
+            if e["type"] == "BlockStored":
+                seen[e["medium"]].add(h)
+            else:
+                assert h in seen[e["medium"]], e
+                seen[e["medium"]].discard(h)
+                removed[e["medium"]] += 1
+    assert removed["CPU"] >= len(stored["CPU"]) - 10 and removed["LOCAL_DISK"] >= 4, removed
+    on_disk = set(block_files(d))
+    assert seen["LOCAL_DISK"] == on_disk  # what the stream says is on disk is what the disk holds
 
 
 def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path):

@@ -28,6 +28,7 @@ from kvtier.integrations.vllm.worker import (
     kv_view,
     layer_order,
 )
+from kvtier.keys import BlockHasher
 from kvtier.plans import LoadPlan, RankTally, StepPlan, StorePlan, WorkerReport
 
 
@@ -607,3 +608,33 @@ def test_a_hybrid_step_stores_attention_blocks_and_the_states_vllm_hands_over():
     assert sorted((sp.group, sp.block_ids, sp.start) for sp in plan.stores) == [
         (0, (11, 12), 1), (1, (22,), 2), (2, (30, 31, 32), 0)]
     assert [sp.hashes for sp in plan.stores if sp.group == 1] == [(hashes[2],)]
+
+
+# ---------------------------------------------------------------- kvtier's tiers in vLLM's KV event stream
+
+
+def test_tier_events_announce_each_block_once_per_medium_and_remove_only_what_was_announced():
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvtier.integrations.vllm.events import TierEvents
+
+    ev = TierEvents(["local_disk", "redis"], BS)
+    prompt = list(range(1, 3 * BS + 1))
+    h = BlockHasher(BS, "sha256_cbor", seed="0").hash_blocks(prompt)
+    ev.learn(h[1:3], prompt, 1, h[0])
+    ev.record(WorkerReport(in_host={h[1]: 0, h[2]: 1}, in_backend={(h[1], 0), (h[1], 1)}))
+    ev.record(WorkerReport(in_host={h[1]: 0}))  # said again: no second announcement
+    got = ev.take()
+    assert [(type(e).__name__, e.medium, e.locality, e.block_hashes) for e in got] == [
+        ("BlockStored", "CPU", "LOCAL", [h[1]]), ("BlockStored", "CPU", "LOCAL", [h[2]]),
+        ("BlockStored", "LOCAL_DISK", "LOCAL", [h[1]]), ("BlockStored", "REDIS", "REMOTE", [h[1]])]
+    assert isinstance(got[0], BlockStored) and got[0].parent_block_hash == h[0]
+    assert got[0].token_ids == prompt[BS:2 * BS] and got[0].block_size == BS
+    assert ev.take() == []
+    # Redis evicted h1 itself (its notice reached the manager); a load found h2 corrupt; h0 was never
+    # announced, so its removal is not sent.
+    ev.forgotten(0, h[1], 1)
+    ev.record(WorkerReport(lost={h[2]}, left_host={h[0]}))
+    got = ev.take()
+    assert all(isinstance(e, BlockRemoved) for e in got)
+    assert sorted((e.medium, tuple(e.block_hashes)) for e in got) == [("CPU", (h[2],)), ("REDIS", (h[1],))]

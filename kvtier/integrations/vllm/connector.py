@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,11 @@ class KvtierStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def _kv_events_on(vllm_config: Any) -> bool:
+    kec = getattr(vllm_config, "kv_events_config", None)
+    return bool(kec is not None and kec.enable_kv_cache_events)
+
+
 def _group_line(g: KvGroup) -> str:
     what = {"full": "every prompt block", "sliding_window": "every prompt block, loads the window",
             "state": "the state at block boundaries"}[g.kind.value]
@@ -172,7 +178,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(configs, load=self._load, store=self._store,
                                             vllm_hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
                                             load_mode=mode, ranks=rank_tally(vllm_config, writes=self._store),
-                                            groups=self._groups if hybrid else None)
+                                            groups=self._groups if hybrid else None,
+                                            events=_kv_events_on(vllm_config))
             log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s",
                      cfg.summary(getattr(kv_cache_config, "num_blocks", None), engine="vLLM"),
                      ", ".join(c.namespace().id for c in configs), self._scheduler.load_mode.value)
@@ -370,6 +377,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return KvtierMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def take_events(self) -> Iterable[Any]:
+        """kvtier's tiers' changes as vLLM KV events (``--kv-events-config``): :mod:`.events`."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -30,6 +30,7 @@ from typing import Any, cast
 from ...config import KvtierConfig
 from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 from ...tiering.manager import TierManager
+from .events import TierEvents
 from .groups import GroupKind, KvGroup
 
 log = logging.getLogger("kvtier.vllm")
@@ -100,7 +101,7 @@ class SchedulerSide:
 
     def __init__(self, config: KvtierConfig | list[KvtierConfig], *, load: bool, store: bool,
                  vllm_hash_algo: str | None, load_mode: LoadMode = LoadMode.ASYNC, ranks: RankTally | None = None,
-                 groups: list[KvGroup] | None = None):
+                 groups: list[KvGroup] | None = None, events: bool = False):
         configs = config if isinstance(config, list) else [config]
         groups = groups or [KvGroup(0, GroupKind.FULL, (), configs[0].model.block_size)]
         if len(groups) != len(configs):
@@ -127,6 +128,11 @@ class SchedulerSide:
         # would hold up (vLLM schedules running requests before it asks about waiting ones).
         self._running: set[str] = set()
         self.kv_cache_manager: Any = None
+        # vLLM's KV event stream (--kv-events-config): what kvtier's tiers hold, for routers
+        self.events = TierEvents([b.type for b in self.config.backends], self.block_size) if events else None
+        if self.events is not None:
+            for s in self.streams:
+                s.manager.on_forgotten = partial(self.events.forgotten, s.group.index)
 
     @property
     def attention_streams(self) -> list[Stream]:
@@ -287,6 +293,7 @@ class SchedulerSide:
                     block_id = ids(g)[upto - 1] if upto <= len(ids(g)) else NULL_BLOCK
                     if block_id != NULL_BLOCK and upto - 1 not in st.stored_states.setdefault(g, set()):
                         st.stored_states[g].add(upto - 1)
+                        self._learn(st, upto - 1, upto)
                         plan.stores.append(StorePlan(req_id, (st.hashes[upto - 1],), (block_id,), upto - 1, group=g))
         if self.state_streams:
             plan.stores.extend(self._state_stores(scheduler_output))
@@ -310,6 +317,7 @@ class SchedulerSide:
                 if not 0 <= i < len(st.hashes) or i in st.stored_states.setdefault(g, set()):
                     continue
                 st.stored_states[g].add(i)
+                self._learn(st, i, i + 1)
                 out.append(StorePlan(req_id, (st.hashes[i],), (block_id,), i, group=g))
         return out
 
@@ -332,7 +340,17 @@ class SchedulerSide:
         lo = -(-lo // k) * k
         if lo >= upto:
             return None
+        self._learn(st, lo, upto)
         return StorePlan(st.request.request_id, tuple(st.hashes[lo:upto]), tuple(ids[lo:upto]), lo, group=g)
+
+    def _learn(self, st: _Request, lo: int, upto: int) -> None:
+        """Tell the event stream the token ids and parents of blocks ``lo..upto`` of ``st`` (being stored)."""
+        if self.events is not None:
+            self.events.learn(st.hashes[lo:upto], list(st.request.prompt_token_ids or ()), lo,
+                              st.hashes[lo - 1] if lo else None)
+
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
 
     def apply(self, *reports: WorkerReport) -> None:
         """Fold the reports the workers sent with one step (one per rank and group that had something to say)."""
@@ -342,6 +360,8 @@ class SchedulerSide:
                 continue
             report = s.ranks.fold(mine)
             s.manager.apply(report)
+            if self.events is not None:
+                self.events.record(report, s.group.index)
             # vLLM recomputes what a load did not deliver: store it once computed (the plan counted it stored).
             for req_id, pos in report.unloaded.items():
                 st = self._reqs.get(req_id)
