@@ -638,3 +638,23 @@ def test_tier_events_announce_each_block_once_per_medium_and_remove_only_what_wa
     got = ev.take()
     assert all(isinstance(e, BlockRemoved) for e in got)
     assert sorted((e.medium, tuple(e.block_hashes)) for e in got) == [("CPU", (h[2],)), ("REDIS", (h[1],))]
+
+
+def test_hybrid_stores_group_attention_values_and_never_state_values():
+    """storage.block_tokens of two blocks: attention groups store whole two-block values (a sliding window
+    group from the first whole value after the blocks vLLM freed), a state group one value per state."""
+    groups = _hybrid_groups()
+    base = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": [],
+                         "storage": {"block_tokens": 2 * BS}}, env={})
+    side = SchedulerSide([group_config(base, g, 1 / 3) for g in groups], load=True, store=True,
+                         vllm_hash_algo=None, groups=groups)
+    prompt = list(range(1, 5 * BS + 2))
+    tables = ([0, 0, 0, 13, 14], [0, 0, 0, 0, 24], [30, 31, 32, 33, 34])
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: tables)
+    req = _request("a", prompt)
+    assert _matched(side, req, 0) == (0, False)
+    out = types.SimpleNamespace(num_scheduled_tokens={"a": 5 * BS}, kv_connector_block_state=None)
+    plan = side.build_plan(out)
+    assert sorted((sp.group, sp.block_ids, sp.start) for sp in plan.stores) == [
+        (1, (24,), 4),  # the step ended on a boundary: the state after block 4, one value
+        (2, (30, 31, 32, 33), 0)]  # 4 of 5 blocks: two whole values; the window group has no whole value
