@@ -646,7 +646,7 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 # storage.block_tokens); the engine checks the file's keys against its own values at start-up.
 _ENGINE_PLACEHOLDERS: dict[str, Any] = {"id": "<the engine's model>", "kv_dtype": "bfloat16", "num_layers": 1,
                                         "num_kv_heads": 1, "head_dim": 1, "block_size": 1, "attention": "mha",
-                                        "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+                                        "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "kv_group": ""}
 
 
 def load_config_as_deployed(path: str | os.PathLike[str] | None, engine: str = "auto", *,
