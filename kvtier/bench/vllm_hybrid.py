@@ -3,13 +3,14 @@ vLLM's hybrid KV cache manager (HMA) on and forced off, and the bytes kvtier sto
 
 Two models with random weights built locally (:mod:`kvtier.testing.hybrid_models`): ``swa``, Gemma-3-shaped
 (every fourth layer full attention, the others a 128-token sliding window; block size 32), and ``hybrid``,
-Qwen3-Next-shaped (every fourth layer full attention, the others gated delta net; vLLM's CPU build makes
-its block size 96).  With HMA on (vLLM's default with kvtier's connector, which supports it) each KV cache
-group is its own stream of stored values: a sliding window load restores only the window's blocks, a
-state group one state per hit.  With HMA off (``disable_hybrid_kv_cache_manager=True``) vLLM serves a
-sliding-window model as one full-attention group (every layer keeps, and kvtier stores and loads, every
-block); a hybrid SSM model needs HMA, so vLLM is expected to refuse to start: that row then reads
-``refused: <the error's first line>``.
+Qwen3-Next-shaped (every fourth layer full attention, the others gated delta net; vLLM raises its block
+size until an attention page holds a state page: 96 tokens at head dim 64, 64 at head dim 128).  With HMA
+on (vLLM's default with kvtier's connector, which supports it) each KV cache group is its own stream of
+stored values: a sliding window load restores only the window's blocks, a state group one state per hit.
+With HMA off (``disable_hybrid_kv_cache_manager=True``) vLLM serves a sliding-window model as one
+full-attention group (every layer keeps, and kvtier stores and loads, every block); a hybrid SSM model
+needs HMA, so vLLM is expected to refuse to start: that row then reads ``refused: <the error's first
+line>``.
 
 Rows, per HMA setting, all on the same ``--repeats`` random prompts of ``--tokens`` (+2) tokens:
 
@@ -22,14 +23,17 @@ Rows, per HMA setting, all on the same ``--repeats`` random prompts of ``--token
   loads the prefix from that backend alone (local_disk: the files the prefill just wrote, synced, in the
   page cache as the prefill left them).
 
-Each process first serves a short warm-up prompt (shorter than one block: nothing stored or loaded), not
-timed.  Every run prefills in chunks of ``--chunk-tokens`` (``max_num_batched_tokens``; a multiple of both
-block sizes), so the GDN model's state exists at several block boundaries of each prompt.
+Each process first serves a warm-up prompt of the same length, untimed (the prefill computes and stores
+it, each decode loads it): a process's first long prefill or load pays one-time costs.  Every run
+prefills in chunks of ``--chunk-tokens`` (``max_num_batched_tokens``; a multiple of every block size
+here), so the GDN model's state exists at several block boundaries of each prompt.  vLLM's CPU step times
+swing by up to 10x with anything else on the cores: the bench prints the load average before each process.
 
 Second table: bytes kvtier wrote per prompt token: local_disk, the sizes of the files under its directory
-after the prefill; Redis, the STRLEN of every key; each over the prompt tokens stored (``--repeats`` prompts
-x their full blocks' tokens).  Headers included; every stream counted (full-attention blocks,
-sliding-window blocks, states).  ``groups`` is the KV cache groups kvtier saw (1: one stream).
+after the prefill; Redis, the STRLEN of every key; each over the prompt tokens stored (``--repeats``
+prompts and the warm-up, x their full blocks' tokens).  Headers included; every stream counted
+(full-attention blocks, sliding-window blocks, states).  ``groups``: the streams stored (namespaces under
+local_disk's directory: one per KV cache group; 1 with HMA off).
 """
 
 from __future__ import annotations
@@ -55,7 +59,6 @@ HELP = ("TTFT of hybrid models (sliding window; gated delta net) inside a real v
 
 #: --model -> the hybrid_models builder's key
 MODELS = {"swa": "swa", "hybrid": "gdn"}
-WARMUP_TOKENS = 20  # shorter than any block size here: nothing stored, nothing loaded
 
 
 def _positive(text: str) -> int:
@@ -74,8 +77,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=_positive, default=128, help="swa / hybrid: attention head dim (default 128)")
     p.add_argument("--kv-heads", type=_positive, default=2, help="swa / hybrid: KV heads (default 2)")
     p.add_argument("--chunk-tokens", type=_positive, default=768,
-                   help="swa / hybrid: max_num_batched_tokens, the prefill chunk (a multiple of the block size: "
-                        "32 swa, 96 hybrid; default 768)")
+                   help="swa / hybrid: max_num_batched_tokens, the prefill chunk (default 768: a multiple of every "
+                        "block size vLLM picks here, 32 swa; 64 or 96 hybrid, by head dim)")
     p.add_argument("--kv-space-gib", type=_positive, default=2, help="swa / hybrid: VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="swa / hybrid: keep the model, each vLLM process's spec and log and the stored values "
@@ -102,12 +105,11 @@ class Refused(RuntimeError):
 
 
 def _error_line(log: str) -> str:
-    """The first line of the error a failed vLLM process ended with: its last ``SomeError: ...`` line."""
-    lines = [ln for ln in log.splitlines() if re.match(r"^(\w+\.)*\w*(Error|Exception)\b.*:", ln.strip())]
-    if lines:
-        return lines[-1].strip()
-    tail = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    return tail[-1] if tail else "(no output)"
+    """The first line of the error a failed vLLM process ended with: its last ``SomeError: ...`` line (less
+    vLLM's ``[rank0]:`` prefix), else its last line."""
+    tail = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in log.splitlines() if ln.strip()]
+    errors = [ln for ln in tail if re.match(r"^([\w.]+\.)?\w*(Error|Exception)\b[^:]*:", ln)]
+    return errors[-1] if errors else tail[-1] if tail else "(no output)"
 
 
 def _run(tmp: Path, tag: str, spec: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
@@ -115,6 +117,8 @@ def _run(tmp: Path, tag: str, spec: dict[str, Any]) -> tuple[list[dict[str, Any]
     spec = {**spec, "out": str(tmp / f"{tag}.json")}
     (tmp / f"{tag}.spec.json").write_text(json.dumps(spec))
     log_path = tmp / f"{tag}.log"
+    # vLLM CPU's step times swing with anything else on the cores: say how busy the machine was
+    print(f"  {tmp.name}/{tag}: load average {os.getloadavg()[0]:.2f} before", flush=True)
     with open(log_path, "w") as log:
         rc = subprocess.run([sys.executable, "-m", "kvtier.bench._vllm_driver", str(tmp / f"{tag}.spec.json")],
                             stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
@@ -125,10 +129,19 @@ def _run(tmp: Path, tag: str, spec: dict[str, Any]) -> tuple[list[dict[str, Any]
     return rows, text
 
 
-def _groups(log: str) -> int:
-    """KV cache groups kvtier saw (its start-up line for a hybrid model; else one)."""
+def _groups(log: str, disk: Path | None) -> int | str:
+    """The streams kvtier stored: namespaces under local_disk's directory (one per KV cache group), else
+    its start-up line for a hybrid model (at INFO: not in the log where something else set up logging)."""
+    if disk is not None and disk.is_dir():
+        return sum(1 for d in disk.iterdir() if d.is_dir())
     m = re.search(r"hybrid KV cache manager is on: (\d+) KV cache groups", log)
-    return int(m.group(1)) if m else 1
+    return int(m.group(1)) if m else "?"
+
+
+def _block_size(log: str, asked: int) -> int:
+    """The block size vLLM ran with: a hybrid SSM model's is raised until an attention page holds a state page."""
+    m = re.search(r"Setting attention block size to (\d+) tokens", log)
+    return int(m.group(1)) if m else asked
 
 
 def _kvtier(role: str, cfg: Path) -> dict[str, Any]:
@@ -164,8 +177,6 @@ def _build(model: str, d: Path, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.hybrid_models import GDN_BLOCK_SIZE
-
     model_name: str = args.model
     tokens: int = args.tokens or 2048
     n: int = args.repeats
@@ -174,19 +185,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier bench vllm --model {model_name}: --backends: expected disk and / or redis, got "
               f"{args.backends!r}", file=sys.stderr)
         return 2
-    bs = GDN_BLOCK_SIZE if model_name == "hybrid" else 32
-    if args.chunk_tokens % bs:
-        print(f"kvtier bench vllm --model {model_name}: --chunk-tokens {args.chunk_tokens} is not a multiple of "
-              f"the {bs}-token block", file=sys.stderr)
-        return 2
     rng = random.Random(0)
-    # tokens + 2, as the Llama bench: the first `tokens` can be loaded (vLLM computes at least the last one)
-    prompts = [[rng.randrange(1, 500) for _ in range(tokens + 2)] for _ in range(n)]  # vocab: 512
-    prompts.append([rng.randrange(1, 500) for _ in range(WARMUP_TOKENS)])
+    # tokens + 2, as the Llama bench: the first `tokens` can be loaded (vLLM computes at least the last one).
+    # Prompt n is every process's warm-up (untimed): its first long prefill (or load) pays one-time costs.
+    prompts = [[rng.randrange(1, 500) for _ in range(tokens + 2)] for _ in range(n + 1)]  # vocab: 512
     warm = ["ttft", n]
-    stored_tokens = n * ((tokens + 2) // bs * bs)
+    timed = [["ttft", i] for i in range(n)]
     rows: list[dict[str, Any]] = []
     sizes: list[dict[str, Any]] = []
+    blocks: set[int] = set()
     with ExitStack() as stack:
         if args.work_dir:
             tmp = Path(args.work_dir)
@@ -200,35 +207,38 @@ def run(args: argparse.Namespace) -> int:
             where = tmp / f"hma-{hma}"
             where.mkdir()
             spec = {**base, "disable_hybrid_kv_cache_manager": True if hma == "off" else None}
-            secs = {b: backend_section(b, stack, str(where), capacity="16GiB") for b in backends}  # own server
+            secs = {b: backend_section(b, stack, str(where), capacity="16GiB") for b in backends}  # own servers
             key = {"model": model_name, "hma": hma}
             tag = f"{model_name}-hma-{hma}"
             print(f"[{tag}] prefill (kv_producer, {'+'.join(backends)})", flush=True)
             # prefill: the warm-up, every prompt (recompute), every prompt again (vLLM's own cache)
             cfg = _config(where / "all.yaml", [secs[b] for b in backends])
             try:
-                pre, log = _run(where, "prefill", {**spec, "steps": [warm] + [["ttft", i] for i in range(n)] * 2,
+                pre, log = _run(where, "prefill", {**spec, "steps": [warm] + timed + timed,
                                                    "kv_transfer": _kvtier("kv_producer", cfg)})
             except Refused as e:
                 print(f"[{tag}] refused: {e}", flush=True)
                 rows.append({**key, "source": "(every row)", "ttft_ms": f"refused: {e.line}"})
                 sizes.append({**key, "groups": "-", **{f"bytes_per_token_{b}": "refused" for b in backends}})
                 continue
-            groups = _groups(log)
+            bs = _block_size(log, 32)
+            blocks.add(bs)
             ttft = [r for r in pre if "ttft_s" in r][1:]
             got: dict[str, list[dict[str, Any]]] = {"recompute": ttft[:n], "vllm-device-cache": ttft[n:]}
             os.sync()
-            size: dict[str, Any] = {**key, "groups": groups, "tokens_stored": stored_tokens}
-            if "disk" in secs:
-                size["bytes_per_token_disk"] = _disk_bytes(Path(secs["disk"]["options"]["path"])) / stored_tokens
+            disk = Path(secs["disk"]["options"]["path"]) if "disk" in secs else None
+            stored = (n + 1) * ((tokens + 2) // bs * bs)  # the warm-up prompt is stored too
+            size: dict[str, Any] = {**key, "groups": _groups(log, disk), "block": bs, "tokens_stored": stored}
+            if disk is not None:
+                size["bytes_per_token_disk"] = _disk_bytes(disk) / stored
             if "redis" in secs:
-                size["bytes_per_token_redis"] = _redis_bytes(secs["redis"]["options"]["url"]) / stored_tokens
+                size["bytes_per_token_redis"] = _redis_bytes(secs["redis"]["options"]["url"]) / stored
             sizes.append(size)
             for b in backends:
                 print(f"[{tag}] decode (kv_consumer, {b})", flush=True)
                 cfg = _config(where / f"{b}.yaml", [secs[b]])
                 try:
-                    dec, _ = _run(where, f"decode-{b}", {**spec, "steps": [warm] + [["ttft", i] for i in range(n)],
+                    dec, _ = _run(where, f"decode-{b}", {**spec, "steps": [warm] + timed,
                                                         "kv_transfer": _kvtier("kv_consumer", cfg)})
                 except Refused as e:
                     print(f"[{tag}] decode {b} failed: {e}", flush=True)
@@ -245,11 +255,13 @@ def run(args: argparse.Namespace) -> int:
     layers = args.layers or 8
     print(f"\nTTFT of a {tokens}-token prompt, {model_name} model: {layers} layers "
           f"({layers // 4} full attention), {args.kv_heads} kv heads x {args.head_dim} head dim (bf16), "
-          f"block {bs}, prefill chunks of {args.chunk_tokens} tokens; medians of {n}")
+          f"block {'/'.join(map(str, sorted(blocks))) or '?'}, prefill chunks of {args.chunk_tokens} tokens; "
+          f"medians of {n}")
     print_table(rows, ["model", "hma", "source", "ttft_ms", "x_floor", "spread", "runs", "cached_tokens"])
     print("x_floor: / vllm-device-cache of the same hma setting; spread: min-max ms; cached_tokens: per run, "
           "the prompt tokens vLLM did not compute (its cache or kvtier's load)")
-    print(f"\nbytes kvtier stored per prompt token ({n} prompts x their full blocks' tokens, headers included)")
-    print_table(sizes, ["model", "hma", "groups"] + [f"bytes_per_token_{b}" for b in backends])
+    print(f"\nbytes kvtier stored per prompt token ({n + 1} prompts, the warm-up's included, x their full blocks' "
+          "tokens; headers included; groups: the streams stored)")
+    print_table(sizes, ["model", "hma", "groups", "block"] + [f"bytes_per_token_{b}" for b in backends])
     write_json(args.json, {"rows": rows, "bytes": sizes})
     return 0

@@ -18,8 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-#: Tokens per block vLLM gives the GDN model on CPU (it raises the attention block size until one attention
-#: page holds a state page: 96 here, whatever block size is asked for).
+#: Tokens per block vLLM gives the GDN model on CPU at its default head dim of 64 (vLLM raises the attention
+#: block size until one attention page holds a state page: 96 here whatever block size is asked for; 64 at
+#: head dim 128).
 GDN_BLOCK_SIZE = 96
 SWA_WINDOW = 128
 
