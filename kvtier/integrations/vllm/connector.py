@@ -165,7 +165,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvtier: loads are off: %s; %s", why,
                             "this instance only stores" if self._store else "this kv_consumer does nothing")
                 self._load = False
-            hybrid = len(self._groups) > 1
             layers = (sum(len(g.layer_names) for g in self._groups) if hybrid
                       else len(kv_layers(kv_cache_config)))
             cfg = kvtier_config(vllm_config, layers, layout=cpu_kv_layout(vllm_config))

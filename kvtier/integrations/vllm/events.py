@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,7 @@ class TierEvents:
         self._announced: OrderedDict[tuple[int, bytes], set[Medium]] = OrderedDict()
         self._info: OrderedDict[bytes, BlockInfo] = OrderedDict()
 
-    def learn(self, hashes: Iterable[bytes], tokens: list[int], start: int, parent: bytes | None) -> None:
+    def learn(self, hashes: Iterable[bytes], tokens: Sequence[int], start: int, parent: bytes | None) -> None:
         """Token ids and parents of blocks about to be stored (``hashes[0]`` is block ``start`` of ``tokens``,
         its parent ``parent``): a ``BlockStored`` event carries them."""
         with self._lock:

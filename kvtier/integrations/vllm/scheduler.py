@@ -115,8 +115,13 @@ class SchedulerSide:
         # with one group), and vLLM takes that only from a load it waits for: every hybrid load is async.
         self.load_mode = LoadMode.ASYNC if self.hybrid else load_mode
         self.manager = self.streams[0].manager
-        self.hasher = self.manager.namespace.hasher() if not self.hybrid else _token_hasher(self.config, groups)
-        self.block_size = groups[0].block_size if self.hybrid else self.manager.block_size
+        # Keys and token counts come from an attention group's namespace (a state group's value is one row,
+        # its namespace's block size 1); every hybrid model vLLM serves has one.
+        tokens = next((s.manager for s in self.streams if s.group.is_attention), None)
+        if tokens is None:
+            raise ValueError("kvtier: a model whose KV cache groups are all state groups is not supported")
+        self.hasher = tokens.namespace.hasher()
+        self.block_size = tokens.block_size
         self.load, self.store = load, store
         self.check_vllm_hashes = (self.config.keys.algo == "sha256_cbor" and vllm_hash_algo == "sha256_cbor")
         self.key_checks = 0
@@ -287,7 +292,7 @@ class SchedulerSide:
             # A step that ends on a block boundary leaves the state there in the group's block at that
             # position (vLLM's "align" mode), whether or not vLLM keeps it for its own cache: a prompt that
             # shares only part of this one resumes from the last such boundary.
-            if done % self.block_size == 0 and done > req.num_computed_tokens and 0 < upto <= len(st.hashes):
+            if done % self.block_size == 0 and done > req.num_computed_tokens and upto > 0:
                 for s in self.state_streams:
                     g = s.group.index
                     block_id = ids(g)[upto - 1] if upto <= len(ids(g)) else NULL_BLOCK
@@ -346,7 +351,7 @@ class SchedulerSide:
     def _learn(self, st: _Request, lo: int, upto: int) -> None:
         """Tell the event stream the token ids and parents of blocks ``lo..upto`` of ``st`` (being stored)."""
         if self.events is not None:
-            self.events.learn(st.hashes[lo:upto], list(st.request.prompt_token_ids or ()), lo,
+            self.events.learn(st.hashes[lo:upto], st.request.prompt_token_ids or (), lo,
                               st.hashes[lo - 1] if lo else None)
 
     def take_events(self) -> list[Any]:
@@ -400,9 +405,3 @@ def _run_start(ids: list[int], first: int, last: int) -> int:
             lo = i + 1
     return lo
 
-
-def _token_hasher(config: KvtierConfig, groups: list[KvGroup]) -> Any:
-    """The block hasher of a hybrid model: its attention block size, not a state stream's one row."""
-    from ...keys.hasher import BlockHasher
-
-    return BlockHasher(groups[0].block_size, config.keys.algo, config.keys.seed)
