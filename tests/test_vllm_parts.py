@@ -658,3 +658,15 @@ def test_hybrid_stores_group_attention_values_and_never_state_values():
     assert sorted((sp.group, sp.block_ids, sp.start) for sp in plan.stores) == [
         (1, (24,), 4),  # the step ended on a boundary: the state after block 4, one value
         (2, (30, 31, 32, 33), 0)]  # 4 of 5 blocks: two whole values; the window group has no whole value
+
+
+def test_a_state_tensor_that_is_not_vllms_state_page_is_refused_with_its_shape():
+    from kvtier.integrations.vllm.connector import state_rows
+
+    page = torch.zeros(4, 1, 1, 48, dtype=torch.int8)
+    assert state_rows(page, "model.layers.0.linear_attn", 48).shape == (4, 1, 48)
+    with pytest.raises(ValueError, match=r"state layer model.layers.0.linear_attn: expected vLLM's state page "
+                                         r"tensor \[N, \.\.\., 40\] of int8, got shape \(4, 1, 1, 48\)"):
+        state_rows(page, "model.layers.0.linear_attn", 40)
+    with pytest.raises(ValueError, match=r"got shape \(4, 1, 1, 24\) torch.bfloat16"):
+        state_rows(torch.zeros(4, 1, 1, 24, dtype=torch.bfloat16), "model.layers.0.linear_attn", 24)
