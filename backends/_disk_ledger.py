@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from kvtier.backends._disk_removals import append_removals
+
 HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 LEDGER_NAME = ".kvtier-usage.json"  # at the root: a dot name, never a namespace, never a block
 _PAGE = 4096  # the ledger is rewritten in place, padded to whole pages: never truncated, never shrunk
@@ -36,6 +38,7 @@ class Ledger:
     changed: bool = False
     fd: int = -1  # the descriptor of the session that read it (the flock holder)
     filed: frozenset[str] = frozenset()  # the writers whose entries are in the file as last read or written
+    removed: list[str] = field(default_factory=list)  # block keys unlinked in this session (``_disk_removals``)
 
     @property
     def total(self) -> int:
@@ -107,7 +110,8 @@ class Ledger:
 @contextlib.contextmanager
 def shared_ledger(root: str, count: Callable[[Ledger], None]) -> Iterator[Ledger]:
     """The ledger of the directory ``root``, held exclusively (an flock), written back on the way out,
-    also after an error: every change made to it stands for a filesystem change already done.  A new,
+    also after an error: every change made to it stands for a filesystem change already done; so are the
+    block keys the session unlinked (``Ledger.removed``), appended to the removal journal.  A new,
     empty or unreadable file is first filled by ``count`` (a scan of the directory).
 
     Opened per session, on a descriptor of its own: flocks on two descriptors exclude each other even
@@ -127,6 +131,7 @@ def shared_ledger(root: str, count: Callable[[Ledger], None]) -> Iterator[Ledger
         finally:
             if led.changed:
                 led.write()
+            append_removals(root, led.removed)  # still under the flock: in the order of the unlinks
     finally:
         os.close(fd)
 

@@ -32,6 +32,11 @@ Invariants:
   process) is dropped when a read or an ``exists`` finds it gone, and ``exists`` always asks the directory.
   Each process evicts in its own LRU order, so across processes eviction is only roughly LRU.  The
   blocks a put evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
+* Every block unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix`` included) is
+  noted in the directory's removal journal in the same lock session (``_disk_removals``); each backend
+  polls it every ``removals_poll_s`` and tells ``on_evicted`` the keys it had indexed that another process
+  removed.  So another process's eviction reaches this process's stack (and the KV events routers read)
+  within about ``removals_poll_s``, without waiting for a read to miss.
   Manifests are not blocks: never evicted, not counted.
 * A held block (``hold``: a load will read it) is evicted by no process sharing the directory until its
   holder releases it or dies: this process counts its holds, other processes see them as hard links
@@ -46,6 +51,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +77,8 @@ from kvtier.backends._disk_files import unlink as _unlink
 from kvtier.backends._disk_files import unlink_sized as _unlink_sized  # (a test replaces it here)
 from kvtier.backends._disk_holds import DiskHolds, drop_dead_holders, held_elsewhere
 from kvtier.backends._disk_ledger import HOST_TAG, Ledger, shared_ledger
+from kvtier.backends._disk_removals import JOURNAL_NAME as JOURNAL_NAME  # public, as LEDGER_NAME
+from kvtier.backends._disk_removals import RemovalFeed
 from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key
 from kvtier.units import ByteSize
@@ -92,6 +100,8 @@ class LocalDiskBackend(StorageBackend):
         fsync: bool = Field(False, description="fsync each file and its directory before a put returns")
         tmp_max_age_s: float = Field(3600.0, gt=0, description="temp files of other hosts older than "
                                      "this are removed at start-up")
+        removals_poll_s: float = Field(1.0, ge=0, description="how often the blocks other processes "
+                                       "removed from the directory are read from its journal (0: never)")
 
         @field_validator("path")
         @classmethod
@@ -119,9 +129,26 @@ class LocalDiskBackend(StorageBackend):
         self._closed = False
         self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
         os.makedirs(self.root, exist_ok=True)
+        self._stop_watch = threading.Event()
+        # Opened before the index is built: a removal made meanwhile is then read, not missed.
+        feed = RemovalFeed(self.root) if o.removals_poll_s > 0 else None
         t0 = time.perf_counter()
         self._rebuild()
         self.startup_seconds = time.perf_counter() - t0
+        if feed is not None:
+            threading.Thread(target=_watch_removals, args=(weakref.ref(self), feed, self._stop_watch,
+                             o.removals_poll_s), name="kvtier-local-disk-removals", daemon=True).start()
+
+    def removed_elsewhere(self, keys: Sequence[str]) -> list[str]:
+        """Blocks removed from the directory by some process (its journal says): those this process had
+        indexed are dropped from the index and told to ``on_evicted``.  (This process's own removals left
+        the index before they were unlinked, so they are not told twice.)  Returns the keys told."""
+        if not keys:
+            return []
+        with self._idx_lock:
+            mine = [k for k in keys if self._index.pop(k, None) is not None]
+        self._evicted(mine)
+        return mine
 
     # ------------------------------------------------------------------ paths
 
@@ -241,8 +268,11 @@ class LocalDiskBackend(StorageBackend):
                         continue
                 with self._idx_lock:
                     self._index.pop(victim, None)
-                led.bytes -= _unlink_sized(path)[1]
+                removed, freed = _unlink_sized(path)
+                led.bytes -= freed
                 led.changed = True
+                if removed:
+                    led.removed.append(victim)
                 if victims is not None:
                     victims.append(victim)
         return True
@@ -533,9 +563,11 @@ class LocalDiskBackend(StorageBackend):
                 with self._idx_lock:
                     self._index.pop(key, None)
                 removed, freed = _unlink_sized(path)
-                if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger
+                if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger, nor in the journal
                     led.bytes -= freed
                     led.changed = True
+                    if removed:
+                        led.removed.append(key)
                 n += removed
         return n
 
@@ -609,7 +641,26 @@ class LocalDiskBackend(StorageBackend):
 
     def _close(self) -> None:
         self._closed = True
+        self._stop_watch.set()
         self._holds.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def _watch_removals(backend: weakref.ref[LocalDiskBackend], feed: RemovalFeed, stop: threading.Event,
+                    period_s: float) -> None:
+    """A backend's journal reader.  It holds the backend only weakly: a backend dropped without ``close``
+    (a tool, a test) ends its reader instead of keeping it alive."""
+    try:
+        while not stop.wait(period_s):
+            b = backend()
+            if b is None:
+                return
+            try:
+                b.removed_elsewhere(feed.poll())
+            except OSError as e:  # a read of the journal failed: retried next period, the data path untouched
+                log.debug("local_disk: %s: reading the removal journal: %s", b.root, e)
+            del b
+    finally:
+        feed.close()
