@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -506,15 +507,46 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     9 blocks (the scheduler now remembers them on disk), then C's 6 blocks evict A's 5 least recently
     read ones (0-4).  The worker tells the scheduler, so A's third run is a miss, computed, not an offer
     of 288 tokens whose load fails at block 0 (vLLM would hold the request for it, then recompute).  The
-    run publishes vLLM's KV events: kvtier's disk is in them, evictions included (``assert_disk_events``)."""
+    run publishes vLLM's KV events: kvtier's disk is in them, evictions included (``assert_disk_events``).
+
+    Then, while this instance stays up, a second vLLM instance sharing the directory stores a prompt of
+    its own (evicting 4 of this instance's blocks) and ``kvtier gc`` trims the directory to 2 values: every
+    block of this instance's that they removed is announced removed in this instance's stream."""
     value = blockformat.HEADER_SIZE + 2 * 2 * BS * 2 * 64 * 2  # layers x K/V x tokens x kv heads x dim x bf16
+    root = tmp_path / "disk"
     cfg = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "0"},
-           "backends": [{"name": "disk", "type": "local_disk",
-                         "options": {"path": str(tmp_path / "disk"), "capacity": 10 * value}}]}
-    res = run_vllm(model_dir, tmp_path, "kv_both", [A, A, C, A], cfg, reset_between=True, kv_events=True)
+           "backends": [{"name": "disk", "type": "local_disk", "options": {"path": str(root), "capacity": 10 * value}}]}
+    other = [random.Random(43).randrange(1, 500) for _ in range(4 * BS)]
+    seen: dict[str, set[str]] = {}
+
+    def second_instance_and_gc() -> None:
+        deadline = time.monotonic() + 60  # the last prompt's writes may still be landing: a full directory
+        while len(block_files(root)) < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen["before"] = set(block_files(root))
+        run_vllm(model_dir, tmp_path, "kv_producer", [other], cfg)
+        seen["after_other"] = set(block_files(root))
+        small = tmp_path / "gc.yaml"
+        small.write_text(yaml.safe_dump({**cfg, "backends": [
+            {"name": "disk", "type": "local_disk", "options": {"path": str(root), "capacity": 2 * value}}]}))
+        gc = subprocess.run([sys.executable, "-m", "kvtier", "gc", "--config", str(small), "--engine", "vllm"],
+                            capture_output=True, text=True, timeout=120)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        seen["after_gc"] = set(block_files(root))
+
+    res = run_vllm(model_dir, tmp_path, "kv_both", [A, A, C, A, A[:20]], cfg, reset_between=True, kv_events=True,
+                   pause_after=4, between=second_instance_and_gc)
     r = res["results"]
-    assert [x["cached"] for x in r] == [0, 288, 0, 0], ([x["cached"] for x in r], res["log"][-3000:])
-    assert_disk_events(res["events"], A + C, tmp_path / "disk", evicted=5)
+    assert [x["cached"] for x in r] == [0, 288, 0, 0, 0], ([x["cached"] for x in r], res["log"][-3000:])
+    theirs = {h.hex() for h in vllm_block_hashes(other)}
+    ours = seen["before"]
+    assert len(ours) == 10 and not ours & theirs
+    by_other, by_gc = ours - seen["after_other"], seen["after_other"] - seen["after_gc"] - theirs
+    assert len(by_other) == 4 and len(by_gc) == 6, (len(by_other), len(by_gc))
+    assert_disk_events(res["events"], A + C, root, evicted=5 + 10, others=frozenset(theirs))
+    removed_later = {h for e in res["events"] if e["type"] == "BlockRemoved" and e["medium"] == "LOCAL_DISK"
+                     for h in e["hashes"]} & ours
+    assert removed_later == by_other | by_gc, "another instance's evictions and gc's deletes reach this stream"
     assert r[0]["tokens"] == r[1]["tokens"] == r[3]["tokens"] == cold[1]["tokens"]
     assert "not loaded" not in res["log"], res["log"][-3000:]
     # Both halves log vLLM's own KV block count (not the standalone pool's device.num_blocks).
@@ -524,12 +556,13 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     assert len(sched) == len(worker) == 1 and sched == worker != ["1024"], (sched, worker)
 
 
-def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_dir: Path, evicted: int) -> None:
+def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_dir: Path, evicted: int,
+                       others: frozenset[str] = frozenset()) -> None:
     """The run was started with --kv-events-config (ZMQ on loopback; decoded with vLLM's own classes):
     kvtier's disk appears in vLLM's KV event stream.  Every block of ``prompts`` is announced stored on
     the disk (medium LOCAL_DISK, locality LOCAL) under vLLM's own block hash, with its tokens and parent;
     each removal is of a block announced there before (at least ``evicted`` of them); and what the stream
-    says the disk holds at the end is what the disk holds."""
+    says the disk holds at the end is what the disk holds (less ``others``: blocks another instance stored)."""
     ev = [e for e in events if e["medium"] == "LOCAL_DISK"]
     want = [h.hex() for h in vllm_block_hashes(prompts[:300]) + vllm_block_hashes(prompts[300:])]
     assert {h for e in ev if e["type"] == "BlockStored" for h in e["hashes"]} == set(want), events[:5]
@@ -548,7 +581,7 @@ def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_di
                 held.discard(h)
                 removed += 1
     assert removed >= evicted
-    assert held == set(block_files(disk_dir))
+    assert held == set(block_files(disk_dir)) - others
     # vLLM's own device blocks are in the same stream, as its GPU medium
     assert any(e["medium"] == "GPU" for e in events)
 
