@@ -638,6 +638,16 @@ def test_tier_events_announce_each_block_once_per_medium_and_remove_only_what_wa
     got = ev.take()
     assert all(isinstance(e, BlockRemoved) for e in got)
     assert sorted((e.medium, tuple(e.block_hashes)) for e in got) == [("CPU", (h[2],)), ("REDIS", (h[1],))]
+    # Redis answers again after an outage (it may have come back empty): what was announced there goes,
+    # and only there; a block written again is announced again.
+    ev.record(WorkerReport(in_backend={(h[0], 1), (h[1], 1), (h[1], 0)}))  # h1 on the disk: announced already
+    assert sorted((e.medium, e.block_hashes[0]) for e in ev.take()) == sorted([("REDIS", h[0]), ("REDIS", h[1])])
+    ev.backend_reset(0, 1)
+    got = ev.take()
+    assert [(type(e).__name__, e.medium, sorted(e.block_hashes)) for e in got] == [
+        ("BlockRemoved", "REDIS", sorted([h[0], h[1]]))]
+    ev.record(WorkerReport(in_backend={(h[1], 1)}))
+    assert [(type(e).__name__, e.medium) for e in ev.take()] == [("BlockStored", "REDIS")]
 
 
 def test_hybrid_stores_group_attention_values_and_never_state_values():

@@ -7,8 +7,11 @@ holds it) and from backends' own eviction notices, and turns each change into an
 
 * ``BlockStored`` when a block becomes loadable from a tier: landed in host memory, written to a backend;
 * ``BlockRemoved`` when it stops being: dropped from host memory, evicted by a backend (its own LRU, a
-  Redis ``maxmemory`` / TTL notice, another instance's eviction in a shared local_disk directory, as the
-  backend reports them), or found missing or corrupt by a load (removed from every tier it was announced in).
+  Redis ``maxmemory`` / TTL notice, another process's eviction or delete in a shared local_disk directory:
+  another instance, ``kvtier gc``, ``verify --fix``, read from the directory's removal journal), found
+  missing or corrupt by a load (removed from every tier it was announced in), or in a backend that answers
+  again after an outage (it may have come back empty: every block announced there is removed, and
+  announced again as it is written again).
 
 ``medium`` names the tier: ``CPU`` for kvtier's host memory (vLLM's own name for it), the backend's kind in
 capitals for a backend (``LOCAL_DISK``, ``REDIS``, ``S3``, a plugin's type name).  ``locality``: ``LOCAL``
@@ -110,6 +113,16 @@ class TierEvents:
         removed: dict[Medium, list[bytes]] = {}
         with self._lock:
             self._drop(removed, self.backends[backend], group, block_hash)
+            self._emit({}, removed, group)
+
+    def backend_reset(self, group: int, backend: int) -> None:
+        """Backend ``backend`` answers again after an outage or a restart and may have come back empty: no
+        block is known to be loadable there any more (``TierManager.on_backend_back``)."""
+        removed: dict[Medium, list[bytes]] = {}
+        m = self.backends[backend]
+        with self._lock:
+            for g, h in [k for k, media in self._announced.items() if k[0] == group and m in media]:
+                self._drop(removed, m, g, h)
             self._emit({}, removed, group)
 
     def take(self) -> list[Any]:

@@ -138,6 +138,7 @@ class SchedulerSide:
         if self.events is not None:
             for s in self.streams:
                 s.manager.on_forgotten = partial(self.events.forgotten, s.group.index)
+                s.manager.on_backend_back = partial(_backend_back, self.events, s.group.index)
 
     @property
     def attention_streams(self) -> list[Stream]:
@@ -405,3 +406,8 @@ def _run_start(ids: list[int], first: int, last: int) -> int:
             lo = i + 1
     return lo
 
+
+
+def _backend_back(events: TierEvents, group: int, backend: int, _host_blocks: list[bytes]) -> None:
+    """A scheduler-side manager's backend answers again after an outage: the blocks announced there go."""
+    events.backend_reset(group, backend)
