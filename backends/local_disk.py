@@ -77,9 +77,9 @@ from kvtier.backends._disk_files import unlink as _unlink
 from kvtier.backends._disk_files import unlink_sized as _unlink_sized  # (a test replaces it here)
 from kvtier.backends._disk_holds import DiskHolds, drop_dead_holders, held_elsewhere
 from kvtier.backends._disk_ledger import HOST_TAG, Ledger, shared_ledger
+from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
 from kvtier.backends._disk_removals import JOURNAL_NAME as JOURNAL_NAME  # public, as LEDGER_NAME
 from kvtier.backends._disk_removals import RemovalFeed
-from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key
 from kvtier.units import ByteSize
 

@@ -538,13 +538,14 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
                    pause_after=4, between=second_instance_and_gc)
     r = res["results"]
     assert [x["cached"] for x in r] == [0, 288, 0, 0, 0], ([x["cached"] for x in r], res["log"][-3000:])
-    theirs = {h.hex() for h in vllm_block_hashes(other)}
-    ours = seen["before"]
+    theirs = {event_hash(h.hex()) for h in vllm_block_hashes(other)}
+    ours = {event_hash(name) for name in seen["before"]}
     assert len(ours) == 10 and not ours & theirs
-    by_other, by_gc = ours - seen["after_other"], seen["after_other"] - seen["after_gc"] - theirs
+    after_other, after_gc = ({event_hash(name) for name in seen[k]} for k in ("after_other", "after_gc"))
+    by_other, by_gc = ours - after_other, after_other - after_gc - theirs
     assert len(by_other) == 4 and len(by_gc) == 6, (len(by_other), len(by_gc))
     assert_disk_events(res["events"], A + C, root, evicted=5 + 10, others=frozenset(theirs))
-    removed_later = {h for e in res["events"] if e["type"] == "BlockRemoved" and e["medium"] == "LOCAL_DISK"
+    removed_later = {h for e in res["events"] if e["type"] == "BlockRemoved" and e["ownership"] == "kvtier:local_disk"
                      for h in e["hashes"]} & ours
     assert removed_later == by_other | by_gc, "another instance's evictions and gc's deletes reach this stream"
     assert r[0]["tokens"] == r[1]["tokens"] == r[3]["tokens"] == cold[1]["tokens"]
@@ -556,6 +557,12 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     assert len(sched) == len(worker) == 1 and sched == worker != ["1024"], (sched, worker)
 
 
+def event_hash(hex_hash: str) -> str:
+    """A block hash as vLLM's events carry it (``maybe_convert_block_hash``: the digest's last 8 bytes as an
+    integer), as the driver writes it (decimal)."""
+    return str(int(hex_hash, 16) & ((1 << 64) - 1))
+
+
 def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_dir: Path, evicted: int,
                        others: frozenset[str] = frozenset()) -> None:
     """The run was started with --kv-events-config (ZMQ on loopback; decoded with vLLM's own classes):
@@ -563,10 +570,10 @@ def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_di
     the disk (medium LOCAL_DISK, locality LOCAL) under vLLM's own block hash, with its tokens and parent;
     each removal is of a block announced there before (at least ``evicted`` of them); and what the stream
     says the disk holds at the end is what the disk holds (less ``others``: blocks another instance stored)."""
-    ev = [e for e in events if e["medium"] == "LOCAL_DISK"]
-    want = [h.hex() for h in vllm_block_hashes(prompts[:300]) + vllm_block_hashes(prompts[300:])]
+    ev = [e for e in events if e["ownership"] == "kvtier:local_disk"]
+    want = [event_hash(h.hex()) for h in vllm_block_hashes(prompts[:300]) + vllm_block_hashes(prompts[300:])]
     assert {h for e in ev if e["type"] == "BlockStored" for h in e["hashes"]} == set(want), events[:5]
-    assert all(e["locality"] == "LOCAL" and e["group_idx"] == 0 for e in ev)
+    assert all(e["medium"] == "STORAGE" and e["locality"] == "LOCAL" and e["group_idx"] == 0 for e in ev)
     second = next(e for e in ev if e["type"] == "BlockStored" and e["hashes"] == [want[1]])
     assert (second["parent"], second["tokens"]) == (want[0], BS)
     held: set[str] = set()
@@ -581,7 +588,7 @@ def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_di
                 held.discard(h)
                 removed += 1
     assert removed >= evicted
-    assert held == set(block_files(disk_dir)) - others
+    assert held == {event_hash(name) for name in block_files(disk_dir)} - others
     # vLLM's own device blocks are in the same stream, as its GPU medium
     assert any(e["medium"] == "GPU" for e in events)
 

@@ -620,34 +620,39 @@ def test_tier_events_announce_each_block_once_per_medium_and_remove_only_what_wa
 
     ev = TierEvents(["local_disk", "redis"], BS)
     prompt = list(range(1, 3 * BS + 1))
-    h = BlockHasher(BS, "sha256_cbor", seed="0").hash_blocks(prompt)
-    ev.learn(h[1:3], prompt, 1, h[0])
-    ev.record(WorkerReport(in_host={h[1]: 0, h[2]: 1}, in_backend={(h[1], 0), (h[1], 1)}))
-    ev.record(WorkerReport(in_host={h[1]: 0}))  # said again: no second announcement
+    raw = BlockHasher(BS, "sha256_cbor", seed="0").hash_blocks(prompt)
+    ev.learn(raw[1:3], prompt, 1, raw[0])
+    ev.record(WorkerReport(in_host={raw[1]: 0, raw[2]: 1}, in_backend={(raw[1], 0), (raw[1], 1)}))
+    ev.record(WorkerReport(in_host={raw[1]: 0}))  # said again: no second announcement
     got = ev.take()
-    assert [(type(e).__name__, e.medium, e.locality, e.block_hashes) for e in got] == [
-        ("BlockStored", "CPU", "LOCAL", [h[1]]), ("BlockStored", "CPU", "LOCAL", [h[2]]),
-        ("BlockStored", "LOCAL_DISK", "LOCAL", [h[1]]), ("BlockStored", "REDIS", "REMOTE", [h[1]])]
+    # Hashes as vLLM publishes its own: the digest's last 8 bytes, an integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    h = [int.from_bytes(x[-8:], "big") for x in raw]
+    assert [(type(e).__name__, e.medium, e.locality, e.ownership, e.block_hashes) for e in got] == [
+        ("BlockStored", "CPU", "LOCAL", "kvtier:host", [h[1]]), ("BlockStored", "CPU", "LOCAL", "kvtier:host", [h[2]]),
+        ("BlockStored", "STORAGE", "LOCAL", "kvtier:local_disk", [h[1]]),
+        ("BlockStored", "STORAGE", "REMOTE", "kvtier:redis", [h[1]])]
     assert isinstance(got[0], BlockStored) and got[0].parent_block_hash == h[0]
     assert got[0].token_ids == prompt[BS:2 * BS] and got[0].block_size == BS
     assert ev.take() == []
     # Redis evicted h1 itself (its notice reached the manager); a load found h2 corrupt; h0 was never
     # announced, so its removal is not sent.
-    ev.forgotten(0, h[1], 1)
-    ev.record(WorkerReport(lost={h[2]}, left_host={h[0]}))
+    ev.forgotten(0, raw[1], 1)
+    ev.record(WorkerReport(lost={raw[2]}, left_host={raw[0]}))
     got = ev.take()
     assert all(isinstance(e, BlockRemoved) for e in got)
-    assert sorted((e.medium, tuple(e.block_hashes)) for e in got) == [("CPU", (h[2],)), ("REDIS", (h[1],))]
+    assert sorted((e.ownership, tuple(e.block_hashes)) for e in got) == [("kvtier:host", (h[2],)),
+                                                                         ("kvtier:redis", (h[1],))]
     # Redis answers again after an outage (it may have come back empty): what was announced there goes,
     # and only there; a block written again is announced again.
-    ev.record(WorkerReport(in_backend={(h[0], 1), (h[1], 1), (h[1], 0)}))  # h1 on the disk: announced already
-    assert sorted((e.medium, e.block_hashes[0]) for e in ev.take()) == sorted([("REDIS", h[0]), ("REDIS", h[1])])
+    ev.record(WorkerReport(in_backend={(raw[0], 1), (raw[1], 1), (raw[1], 0)}))  # h1 on the disk: announced already
+    assert sorted((e.ownership, e.block_hashes[0]) for e in ev.take()) == sorted([("kvtier:redis", h[0]),
+                                                                                  ("kvtier:redis", h[1])])
     ev.backend_reset(0, 1)
     got = ev.take()
-    assert [(type(e).__name__, e.medium, sorted(e.block_hashes)) for e in got] == [
-        ("BlockRemoved", "REDIS", sorted([h[0], h[1]]))]
-    ev.record(WorkerReport(in_backend={(h[1], 1)}))
-    assert [(type(e).__name__, e.medium) for e in ev.take()] == [("BlockStored", "REDIS")]
+    assert [(type(e).__name__, e.ownership, sorted(e.block_hashes)) for e in got] == [
+        ("BlockRemoved", "kvtier:redis", sorted([h[0], h[1]]))]
+    ev.record(WorkerReport(in_backend={(raw[1], 1)}))
+    assert [(type(e).__name__, e.ownership) for e in ev.take()] == [("BlockStored", "kvtier:redis")]
 
 
 def test_hybrid_stores_group_attention_values_and_never_state_values():

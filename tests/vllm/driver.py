@@ -189,14 +189,14 @@ class _EventSubscriber:
             batch = dec.decode(payload)
             for ev in batch.events:
                 row = {"seq": int.from_bytes(seq, "big"), "type": type(ev).__name__}
-                for f in ("medium", "locality", "group_idx"):
+                for f in ("medium", "locality", "ownership", "group_idx"):
                     row[f] = getattr(ev, f, None)
                 if hasattr(ev, "block_hashes"):
                     row["hashes"] = [h.hex() if isinstance(h, bytes) else str(h) for h in ev.block_hashes]
                 if isinstance(ev, BlockStored):
                     row["tokens"] = len(ev.token_ids)
                     p = ev.parent_block_hash
-                    row["parent"] = p.hex() if isinstance(p, bytes) else p
+                    row["parent"] = p.hex() if isinstance(p, bytes) else None if p is None else str(p)
                 out.append(row)
         return out
 

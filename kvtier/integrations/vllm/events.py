@@ -13,12 +13,17 @@ holds it) and from backends' own eviction notices, and turns each change into an
   again after an outage (it may have come back empty: every block announced there is removed, and
   announced again as it is written again).
 
-``medium`` names the tier: ``CPU`` for kvtier's host memory (vLLM's own name for it), the backend's kind in
-capitals for a backend (``LOCAL_DISK``, ``REDIS``, ``S3``, a plugin's type name).  ``locality``: ``LOCAL``
-for host memory and local_disk (this instance, or its host, reads it), ``REMOTE`` for a network store
-every instance can load from (Redis, S3, and any plugin that says it is shared).  Block hashes are kvtier's
-keys, which are vLLM's own ``request.block_hashes`` with ``keys.algo: sha256_cbor`` and vLLM's
-``--prefix-caching-hash-algo sha256_cbor``; ``group_idx`` is the KV cache group (0 for a one-group model).
+The fields use vLLM's own vocabulary (``vllm.v1.kv_offload.base.Medium`` / ``Locality``), so that routers
+which know vLLM's media take them (Dynamo 1.6.1 drops an event whose medium it does not know):
+``medium`` is ``CPU`` for kvtier's host memory and ``STORAGE`` for every backend; ``ownership`` (vLLM:
+"secondary offloading tier identifier") names the tier: ``kvtier:host``, ``kvtier:<backend type>``
+(``kvtier:local_disk``, ``kvtier:redis``, ``kvtier:s3``, a plugin's type).  ``locality``: ``LOCAL`` for
+host memory and local_disk (this instance, or its host, reads it), ``REMOTE`` for a network store every
+instance can load from (Redis, S3).  Block hashes are kvtier's keys, which are vLLM's own
+``request.block_hashes`` with ``keys.algo: sha256_cbor`` and vLLM's ``--prefix-caching-hash-algo
+sha256_cbor``, published as vLLM publishes its own (``maybe_convert_block_hash``: the digest's last 8 bytes
+as an integer, unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); ``group_idx`` is the KV cache group (0
+for a one-group model).
 
 Invariants: a block is announced stored in a medium at most once until it is announced removed there; a
 removal is sent only for a block announced in that medium (the announced set keeps the latest
@@ -35,25 +40,27 @@ from typing import Any
 
 from ...plans import WorkerReport
 
-#: ``medium`` of kvtier's host memory (vLLM's MEDIUM_CPU).
+#: ``medium`` of kvtier's host memory and of its backends (vLLM's ``Medium.CPU`` / ``Medium.STORAGE``).
 HOST_MEDIUM = "CPU"
+STORAGE_MEDIUM = "STORAGE"
 #: Backend kinds whose values every instance can load (``locality`` REMOTE); any other is LOCAL.
 SHARED_KINDS = frozenset({"redis", "s3"})
 
 
 @dataclass(frozen=True)
 class Medium:
-    """Where a block is loadable from, as an event names it."""
+    """Where a block is loadable from, as an event names it (``medium``, ``locality``, ``ownership``)."""
 
     name: str
     locality: str
+    ownership: str
 
     @classmethod
     def of_backend(cls, kind: str) -> Medium:
-        return cls(kind.upper(), "REMOTE" if kind in SHARED_KINDS else "LOCAL")
+        return cls(STORAGE_MEDIUM, "REMOTE" if kind in SHARED_KINDS else "LOCAL", f"kvtier:{kind}")
 
 
-HOST = Medium(HOST_MEDIUM, "LOCAL")
+HOST = Medium(HOST_MEDIUM, "LOCAL", "kvtier:host")
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class BlockInfo:
 
     parent: bytes | None
     token_ids: tuple[int, ...]
+    order: int  # when it was learnt: a chain's blocks in prefix order
 
 
 class TierEvents:
@@ -76,6 +84,7 @@ class TierEvents:
         # (group, hash) -> media it is announced in; insertion order = age (oldest first)
         self._announced: OrderedDict[tuple[int, bytes], set[Medium]] = OrderedDict()
         self._info: OrderedDict[bytes, BlockInfo] = OrderedDict()
+        self._learnt = 0
 
     def learn(self, hashes: Iterable[bytes], tokens: Sequence[int], start: int, parent: bytes | None) -> None:
         """Token ids and parents of blocks about to be stored (``hashes[0]`` is block ``start`` of ``tokens``,
@@ -84,7 +93,9 @@ class TierEvents:
             prev = parent
             for j, h in enumerate(hashes):
                 i = start + j
-                self._info[h] = BlockInfo(prev, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+                self._learnt += 1
+                self._info[h] = BlockInfo(prev, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]),
+                                          self._learnt)
                 self._info.move_to_end(h)
                 prev = h
             while len(self._info) > self.max_tracked:
@@ -153,16 +164,24 @@ class TierEvents:
 
     def _emit(self, stored: dict[Medium, list[bytes]], removed: dict[Medium, list[bytes]], group: int) -> None:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+        def ext(h: bytes) -> Any:  # int (vLLM's default), or the bytes themselves
+            return maybe_convert_block_hash(BlockHash(h))
 
         for m, hashes in removed.items():
-            self._pending.append(BlockRemoved(block_hashes=list(hashes), medium=m.name, group_idx=group,
-                                              locality=m.locality))
+            self._pending.append(BlockRemoved(block_hashes=[ext(h) for h in hashes], medium=m.name, group_idx=group,
+                                              locality=m.locality, ownership=m.ownership))
+        unknown = self._learnt + 1
         for m, hashes in stored.items():
             # One event per block: a report's blocks need not be one chain (vLLM's own events are runs of a
-            # chain, each naming its first block's parent).
+            # chain, each naming its first block's parent).  Parents first, in the order the blocks were
+            # planned: a router's tree (Dynamo's) skips a block whose parent it has not seen.
+            hashes.sort(key=lambda h: info.order if (info := self._info.get(h)) is not None else unknown)
             for h in hashes:
                 info = self._info.get(h)
+                parent = info.parent if info else None
                 self._pending.append(BlockStored(
-                    block_hashes=[h], parent_block_hash=info.parent if info else None,
+                    block_hashes=[ext(h)], parent_block_hash=ext(parent) if parent is not None else None,
                     token_ids=list(info.token_ids) if info else [], block_size=self.block_size, lora_id=None,
-                    medium=m.name, lora_name=None, group_idx=group, locality=m.locality))
+                    medium=m.name, lora_name=None, group_idx=group, locality=m.locality, ownership=m.ownership))
