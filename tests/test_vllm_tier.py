@@ -1,0 +1,252 @@
+"""kvtier under vLLM's own KV offloading: ``KvtierTier`` as a secondary tier of vLLM's tiering manager.
+
+vLLM's native offloading refuses to build its worker on a CPU platform, so the engine cannot run it here.
+These tests drive vLLM's *own* ``TieringOffloadingSpec`` / ``TieringOffloadingManager`` in process, as its
+scheduler does (``prepare_store`` -> the worker's copy into the primary row -> ``complete_store`` cascades;
+``lookup`` -> RETRY while the probe runs -> promotion -> HIT -> ``prepare_load``), over vLLM's real shared
+offload region (``/dev/shm``), with the tier loaded by vLLM's factory from ``module_path``, and real
+backends: files, a real redis-server, moto's S3 server over HTTP.  What the GPU worker would copy into a
+row is written by the test (random bytes per chunk), and a promotion must return exactly those bytes.
+
+The cross-engine case runs a real vLLM (CPU build) with ``KvtierConnector``: the connector's values are
+promoted by the tier into vLLM's primary region byte for byte, and values the tier stored from those rows
+are loaded by the connector in another vLLM process, which then serves the prompt's prefix from them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    Locality,
+    LookupResult,
+    Medium,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from kvtier.keys import BlockHasher  # noqa: E402
+
+BS = 32
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+HEADS, HEAD_DIM = 2, 64
+PAGE = len(LAYERS) * 2 * BS * HEADS * HEAD_DIM * 2  # bf16 K and V of one block, all layers: 32 KiB
+TIER = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm_tier"}
+MODEL = {"id": "kvtier/tier-test", "num_kv_heads": HEADS, "head_dim": HEAD_DIM}
+
+
+def disk(path: Path, **options: Any) -> dict[str, Any]:
+    return {"name": "disk", "type": "local_disk", "options": {"path": str(path), "capacity": "64MiB", **options}}
+
+
+def write_yaml(tmp: Path, backends: list[dict[str, Any]], model: dict[str, Any] | None = MODEL) -> str:
+    p = tmp / f"tier-{uuid.uuid4().hex[:8]}.yaml"
+    data: dict[str, Any] = {"keys": {"algo": "sha256_cbor", "seed": "0"}, "backends": backends}
+    if model is not None:
+        data["model"] = model
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+def offloading_config(tier: dict[str, Any], *, chunks: int = 16, model: str = "kvtier/tier-test",
+                      events: bool = False, bp: dict[str, Any] | None = None) -> OffloadingConfig:
+    extra: dict[str, Any] = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": chunks * PAGE,
+                             "secondary_tiers": [dict(tier)]}
+    if bp is not None:
+        extra["secondary_tiers"][0]["backpressure"] = bp
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=BS, layer_names=LAYERS, group_id=0),),
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=events, extra_config=extra,
+        engine_id=f"kvtier-tier-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=BS, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=True))
+
+
+class Scheduler:
+    """vLLM's scheduler side of native offloading, driven as OffloadingConnectorScheduler drives it."""
+
+    def __init__(self, cfg: OffloadingConfig):
+        self.spec = TieringOffloadingSpec(cfg)
+        self.manager: Any = self.spec.get_manager()
+        self.tier: Any = self.manager.secondary_tiers[0]
+        self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+        self._n = 0
+        self.promotions: set[int] = set()
+
+    def ctx(self) -> ReqContext:
+        self._n += 1
+        ctx = ReqContext(req_id=f"req-{self._n}")
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def step(self) -> None:
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Step until no transfer is in flight (the engine keeps stepping while has_pending_work)."""
+        deadline = time.monotonic() + timeout
+        while self.manager.has_pending_work():
+            assert time.monotonic() < deadline, "tier jobs never finished"
+            self.step()
+            time.sleep(0.005)
+        self.step()
+
+    def store(self, keys: list[bytes], payloads: list[bytes]) -> None:
+        """GPU -> primary (the test plays the worker's copy) -> cascade to the tier."""
+        ctx = self.ctx()
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None
+        want = dict(zip(keys, payloads))
+        for k, c in zip(out.keys_to_store, out.store_spec.chunk_ids):
+            self.rows[int(c), :PAGE] = np.frombuffer(want[k], dtype=np.uint8)
+        self.manager.complete_store(out.keys_to_store, ctx)
+        self.manager.on_request_finished(ctx)
+        self.settle()
+
+    def lookup_all(self, keys: list[bytes], timeout: float = 30.0) -> tuple[list[LookupResult], ReqContext]:
+        """Each step, look the chain up as vLLM's scheduler does (RETRY does not stop the scan, a MISS
+        does) until the answer no longer changes: every key HIT, or a HIT prefix then a MISS."""
+        ctx = self.ctx()
+        deadline = time.monotonic() + timeout
+        while True:
+            res = []
+            for k in keys:
+                r = self.manager.lookup(k, ctx)
+                res.append(r)
+                if r is LookupResult.MISS:
+                    break
+            if all(r in (LookupResult.HIT, LookupResult.MISS) for r in res):
+                return res, ctx
+            assert time.monotonic() < deadline, f"lookups never settled: {res}"
+            self.step()
+            time.sleep(0.005)
+
+    def load(self, keys: list[bytes]) -> list[bytes]:
+        """The prefix of ``keys`` vLLM would load, as the bytes of the primary rows it loads from."""
+        res, ctx = self.lookup_all(keys)
+        hits = [k for k, r in zip(keys, res) if r is LookupResult.HIT]
+        assert hits == keys[:len(hits)]
+        out = []
+        if hits:
+            spec = self.manager.prepare_load(hits, ctx)
+            out = [self.rows[int(c), :PAGE].tobytes() for c in spec.chunk_ids]
+            self.manager.complete_load(hits, ctx)
+        self.manager.on_request_finished(ctx)
+        self.settle()
+        return out
+
+    def close(self) -> None:
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def sched_factory() -> Iterator[Any]:
+    made: list[Scheduler] = []
+
+    def make(cfg: OffloadingConfig) -> Scheduler:
+        s = Scheduler(cfg)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def spy_jobs(s: Scheduler) -> list[Any]:
+    """Every JobResult the tier hands vLLM's manager, as it hands it (and the promotion job ids in
+    ``s.promotions``)."""
+    finished: list[Any] = []
+    s.promotions = set()
+    tier = s.tier
+    orig_results, orig_load = tier.get_finished_jobs, tier.submit_load
+
+    def results() -> Any:
+        got = list(orig_results())
+        finished.extend(got)
+        return got
+
+    def load(job: Any) -> None:
+        s.promotions.add(job.job_id)
+        orig_load(job)
+    tier.get_finished_jobs, tier.submit_load = results, load
+    return finished
+
+
+def chain(n: int, seed: int = 1) -> tuple[list[bytes], list[bytes]]:
+    """vLLM offload keys of a prompt of ``n`` blocks (its block hashes: kvtier's sha256_cbor = vLLM's, seed
+    "0") and random KV bytes per chunk."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 30000, n * BS).tolist()
+    hashes = BlockHasher(BS, "sha256_cbor", seed="0").hash_blocks(tokens)
+    return [make_offload_key(h, 0) for h in hashes], [rng.bytes(PAGE) for _ in range(n)]
+
+
+def fresh(sched_factory: Any, tier: dict[str, Any], **kw: Any) -> Scheduler:
+    return sched_factory(offloading_config(tier, **kw))
+
+
+def test_stores_cascade_to_local_disk_and_promotions_return_the_same_bytes(sched_factory, tmp_path):
+    """A prompt's chunks cascade from vLLM's primary region to local_disk as kvtier values; an instance
+    with an empty primary finds them (RETRY while its probe runs, never blocking), promotes them and
+    serves exactly the bytes stored.  Files are kvtier's verified values (header + payload)."""
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, [disk(tmp_path / "d")])}
+    keys, payloads = chain(5)
+    a = fresh(sched_factory, tier)
+    a.store(keys, payloads)
+    files = sorted(p.name for p in (tmp_path / "d").rglob("*") if re.fullmatch(r"[0-9a-f]{64}", p.name))
+    assert files == sorted(k[:-4].hex() for k in keys)
+    b = fresh(sched_factory, tier)
+    ctx = b.ctx()
+    assert b.manager.lookup(keys[0], ctx) is LookupResult.RETRY  # the probe is in flight, nothing waited
+    b.manager.on_request_finished(ctx)
+    assert b.load(keys) == payloads
+    assert b.load(keys) == payloads  # now from vLLM's primary tier
+    st = b.tier.stats()["backends"]["disk"]
+    assert st["hits"] == 5 and st["corrupt"] == 0
+
+
+def test_a_damaged_value_is_a_failed_key_never_promoted(sched_factory, tmp_path):
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, [disk(tmp_path / "d")])}
+    keys, payloads = chain(4, seed=2)
+    fresh(sched_factory, tier).store(keys, payloads)
+    victim = next(p for p in (tmp_path / "d").rglob(keys[2][:-4].hex()))
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF  # one payload bit flipped: the checksum fails
+    victim.write_bytes(bytes(raw))
+    b = fresh(sched_factory, tier)
+    finished = spy_jobs(b)
+    res, ctx = b.lookup_all(keys)
+    b.manager.on_request_finished(ctx)
+    assert res == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]  # key 2: a miss once its load failed
+    promo = [r for r in finished if r.job_id in b.promotions]
+    assert len(promo) == 1 and promo[0].success is False
+    assert set(promo[0].successful_keys) == {keys[0], keys[1], keys[3]}  # verified ones only
+    assert not victim.exists()  # deleted by the backend
+    assert b.load(keys) == payloads[:2]
+    assert b.tier.stats()["backends"]["disk"]["corrupt"] == 1
