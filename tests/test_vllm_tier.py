@@ -110,11 +110,11 @@ class Scheduler:
     def settle(self, timeout: float = 30.0) -> None:
         """Step until no transfer is in flight (the engine keeps stepping while has_pending_work)."""
         deadline = time.monotonic() + timeout
+        self.step()  # promotions reserved by lookups are submitted at the end of a step
         while self.manager.has_pending_work():
             assert time.monotonic() < deadline, "tier jobs never finished"
-            self.step()
             time.sleep(0.005)
-        self.step()
+            self.step()
 
     def store(self, keys: list[bytes], payloads: list[bytes]) -> None:
         """GPU -> primary (the test plays the worker's copy) -> cascade to the tier."""
@@ -161,6 +161,7 @@ class Scheduler:
         return out
 
     def close(self) -> None:
+        del self.rows  # the region's mmap cannot close while a view of it lives
         self.manager.shutdown()
 
 
@@ -250,3 +251,130 @@ def test_a_damaged_value_is_a_failed_key_never_promoted(sched_factory, tmp_path)
     assert not victim.exists()  # deleted by the backend
     assert b.load(keys) == payloads[:2]
     assert b.tier.stats()["backends"]["disk"]["corrupt"] == 1
+
+
+def redis(url: str, **options: Any) -> dict[str, Any]:
+    return {"name": "redis", "type": "redis", "options": {"url": url, **options}}
+
+
+def s3(bucket: str, endpoint: str) -> dict[str, Any]:
+    return {"name": "s3", "type": "s3", "options": {"bucket": bucket, "endpoint_url": endpoint, "region": "us-east-1"}}
+
+
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_stores_cascade_to_redis_and_s3_and_promote_byte_identical(kind, request, sched_factory, tmp_path):
+    if kind == "redis":
+        backend = redis(request.getfixturevalue("redis_server").url)
+    else:
+        backend = s3(request.getfixturevalue("s3_bucket"), request.getfixturevalue("moto_server").endpoint_url)
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, [backend])}
+    keys, payloads = chain(4, seed=3)
+    a = fresh(sched_factory, tier)
+    a.store(keys, payloads)
+    assert a.tier.stats()["backends"][kind]["puts"] == 4
+    b = fresh(sched_factory, tier)
+    assert b.load(keys) == payloads
+    assert b.tier.locality is Locality.REMOTE
+
+
+def test_a_backend_outage_is_misses_and_failed_jobs_never_an_exception(sched_factory, tmp_path, redis_server):
+    """Redis stops after the probe found the chunks: the promotion fails (keys become misses, vLLM
+    recomputes), and stores while it is down are failed jobs; no method of the tier raises, and the
+    manager has no pending work left once the jobs are reported."""
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, [redis(redis_server.url, timeout_s=1.0)])}
+    keys, payloads = chain(3, seed=4)
+    fresh(sched_factory, tier).store(keys, payloads)
+    b = fresh(sched_factory, tier)
+    finished = spy_jobs(b)
+    ctx = b.ctx()
+    assert [b.manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 3
+    b.step()  # the probe batch goes to vLLM's lookup thread
+    deadline = time.monotonic() + 10
+    while b.tier._probes._pending_results.empty():  # noqa: SLF001 - waiting for the probe, not polling the tier
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    redis_server.stop()
+    assert b.manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING  # found: promotion reserved
+    b.manager.on_request_finished(ctx)
+    b.settle()
+    assert [r.success for r in finished if r.job_id in b.promotions] == [False]
+    res, ctx2 = b.lookup_all(keys)
+    b.manager.on_request_finished(ctx2)
+    assert res == [LookupResult.MISS]
+    more, more_payloads = chain(2, seed=5)
+    b.store(more, more_payloads)  # cascades fail while Redis is down
+    stores = [r for r in finished if r.job_id not in b.promotions]
+    assert stores and not any(r.success for r in stores)
+    assert not b.manager.has_pending_work()
+    stats = b.tier.stats()
+    assert stats["backends"]["redis"]["unavailable"] > 0
+    redis_server.start()
+
+
+def test_has_pending_work_while_a_cascade_is_in_flight(sched_factory, tmp_path, redis_server):
+    """A store to a stalled Redis (paused: it accepts nothing) stays in flight: has_pending_work is True
+    for the tier and vLLM's manager, and every method keeps answering at once; resumed, it completes."""
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, [redis(redis_server.url, timeout_s=20.0)])}
+    s = fresh(sched_factory, tier)
+    keys, payloads = chain(2, seed=6)
+    redis_server.pause()
+    ctx = s.ctx()
+    out = s.manager.prepare_store(keys, ctx)
+    for k, c in zip(out.keys_to_store, out.store_spec.chunk_ids):
+        s.rows[int(c), :PAGE] = np.frombuffer(payloads[keys.index(k)], dtype=np.uint8)
+    t0 = time.monotonic()
+    s.manager.complete_store(out.keys_to_store, ctx)
+    s.manager.on_request_finished(ctx)
+    for _ in range(5):
+        s.step()
+        assert s.manager.has_pending_work() and s.tier.has_pending_work()
+        assert list(s.tier.get_finished_jobs()) == []
+    assert time.monotonic() - t0 < 2.0  # nothing waited on the stalled server
+    redis_server.resume()
+    s.settle()
+    assert not s.tier.has_pending_work()
+    assert fresh(sched_factory, tier).load(keys) == payloads
+
+
+def test_back_pressure_drops_cascades_as_vllms_detector_decides(sched_factory, tmp_path):
+    """The tier reports each cascade's bytes and time; vLLM's EMA detector (water marks set below any real
+    store's latency) goes under pressure after its warm-up and vLLM drops later cascades to this tier."""
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, [disk(tmp_path / "d")])}
+    bp = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy",
+          "high_water_s": 1e-9, "low_water_s": 1e-10, "warmup_completions": 2, "decay_half_life_s": 0}
+    s = fresh(sched_factory, tier, bp=bp)
+    keys, payloads = chain(6, seed=7)
+    for k, p in zip(keys, payloads):  # one prompt block after another: one cascade each
+        s.store([k], [p])
+    det = s.tier.bp_detector
+    assert det.is_under_pressure()
+    files = {p.name for p in (tmp_path / "d").rglob("*") if re.fullmatch(r"[0-9a-f]{64}", p.name)}
+    assert files == {k[:-4].hex() for k in keys[:3]}  # 2 warm-up completions, 1 that set the pressure
+    stats = s.manager.get_stats()
+    assert stats is not None
+    dropped = stats.reduce()
+    assert any("backpressure_stores_dropped" in name and v == 3 for name, v in dropped.items()), dropped
+
+
+def test_events_carry_storage_medium_locality_and_the_kvtier_backend(sched_factory, tmp_path, redis_server):
+    """Stored chunks are announced per backend: vLLM's medium STORAGE, locality LOCAL for local_disk and
+    REMOTE for Redis, and the kvtier backend's kind as the event's ownership; local_disk's own evictions
+    (capacity for 3 values) are announced removed."""
+    backends = [disk(tmp_path / "d", capacity=3 * (PAGE + 88) + 100), redis(redis_server.url)]
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, backends), "enable_kv_events": True}
+    s = fresh(sched_factory, tier, events=True)
+    keys, payloads = chain(5, seed=8)
+    s.store(keys[:3], payloads[:3])
+    s.store(keys[3:], payloads[3:])  # local_disk makes room: the two oldest values go
+    evs = [e for e in s.manager.take_events() if e.ownership is not None]
+    stored: dict[Any, set[bytes]] = {}
+    for e in evs:
+        if not e.removed:
+            stored.setdefault((e.ownership, e.locality, e.medium), set()).update(e.keys)
+    assert stored == {("LOCAL_DISK", Locality.LOCAL, Medium.STORAGE): set(keys),
+                      ("REDIS", Locality.REMOTE, Medium.STORAGE): set(keys)}
+    removed = [e for e in evs if e.removed]
+    assert removed and all(e.ownership == "LOCAL_DISK" and e.medium is Medium.STORAGE for e in removed)
+    assert {k for e in removed for k in e.keys} == set(keys[:2])  # the two least recently written
+    assert fresh(sched_factory, tier).load(keys) == payloads  # Redis still has all five
+    assert s.tier.locality is None  # local and remote backends together: vLLM's filters match either

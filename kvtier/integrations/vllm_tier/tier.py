@@ -216,7 +216,6 @@ class KvtierTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results: list[JobResult] = []
-        self._take_evictions()
         while True:
             try:
                 done = self._done.get_nowait()
@@ -224,6 +223,8 @@ class KvtierTier(SecondaryTierManager):
                 break
             self._open.pop(done.job.job_id, None)
             results.append(self._finish(done))
+        # After the stores: a backend's eviction notice follows the put that stored (and evicted) a chunk.
+        self._take_evictions()
         return results
 
     def has_pending_work(self) -> bool:
@@ -257,6 +258,9 @@ class KvtierTier(SecondaryTierManager):
         self._pool.shutdown(wait=True)
         self.backends.close([self._owned] * len(self.backends))
         self.metrics.close()
+        # vLLM then closes the region's mmap, which it cannot while a view of it is exported.
+        if self._flat is not self._primary_kv_view:
+            self._flat.release()
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
