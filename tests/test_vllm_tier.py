@@ -15,9 +15,7 @@ are loaded by the connector in another vLLM process, which then serves the promp
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -378,3 +376,53 @@ def test_events_carry_storage_medium_locality_and_the_kvtier_backend(sched_facto
     assert {k for e in removed for k in e.keys} == set(keys[:2])  # the two least recently written
     assert fresh(sched_factory, tier).load(keys) == payloads  # Redis still has all five
     assert s.tier.locality is None  # local and remote backends together: vLLM's filters match either
+
+
+# --------------------------------------------------------------------------- with KvtierConnector in real vLLM
+
+import test_vllm as tv  # noqa: E402 - its model fixture, prompts and driver
+from test_vllm import model_dir  # noqa: E402,F401 - the fixture, for this module
+
+
+def test_kvtier_connector_values_and_the_tiers_are_the_same_values(model_dir, tmp_path):  # noqa: F811
+    """Where the layouts agree (vLLM's CPU build, one worker, one block per chunk, the connector with
+    ``storage.payload: engine``), the tier and ``KvtierConnector`` store the same values under the same
+    keys.  A real vLLM with the connector computes prompt A (9 blocks); the tier, named from vLLM's own
+    offloading config and the model's HF config (no model section in its YAML), promotes those values into
+    vLLM's primary region byte for byte; it cascades those rows to a second directory; a second real vLLM
+    with the connector loads A's 9 blocks from the tier's values (288 cached tokens) and decodes A's tokens."""
+    from kvtier.backends.local_disk import LocalDiskBackend
+
+    producer_dir, tier_dir = tmp_path / "connector", tmp_path / "tier"
+
+    def conn_cfg(d: Path) -> dict[str, Any]:
+        return {**tv.kv_config(tv.disk(d)), "storage": {"payload": "engine"}}
+
+    pre = tv.run_vllm(model_dir, tmp_path, "kv_producer", [tv.A], conn_cfg(producer_dir))
+    hashes = tv.vllm_block_hashes(tv.A)
+    keys = [make_offload_key(h, 0) for h in hashes]
+    # LAYERS, PAGE: the test model's (2 layers, 2 KV heads of 64, bf16, blocks of 32)
+    a = Scheduler(offloading_config({**TIER, "kvtier_config": write_yaml(tmp_path, [tv.disk(producer_dir)],
+                                                                         model=None)}, model=model_dir))
+    try:
+        assert a.tier.naming.connector_compatible
+        got = a.load(keys)
+        assert len(got) == 9
+        ns = a.tier.naming.namespace
+        with LocalDiskBackend({"path": str(producer_dir)}) as raw:  # the connector's values, read directly
+            bufs = [bytearray(PAGE) for _ in keys]
+            assert raw.get_into(ns.keys(hashes), bufs, ns.layout_id) == [True] * 9
+        assert got == [bytes(b) for b in bufs]
+    finally:
+        a.close()
+    b = Scheduler(offloading_config({**TIER, "kvtier_config": write_yaml(tmp_path, [tv.disk(tier_dir)], model=None)},
+                                    model=model_dir))
+    try:
+        b.store(keys, got)
+    finally:
+        b.close()
+    assert set(tv.block_files(tier_dir)) == {h.hex() for h in hashes}
+    post = tv.run_vllm(model_dir, tmp_path, "kv_consumer", [tv.A], conn_cfg(tier_dir))
+    assert [r["cached"] for r in post["results"]] == [288]  # A's 9 full blocks, all from the tier's values
+    tv.assert_close_outputs(post["results"], pre["results"])
+

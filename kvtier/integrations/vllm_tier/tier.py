@@ -202,7 +202,7 @@ class KvtierTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         rows = [int(c) for c in job_metadata.chunk_ids]
         todo = [j for j, k in enumerate(keys) if k not in self._known]
-        for j, k in enumerate(keys):
+        for k in keys:
             if k in self._known:
                 self._known.move_to_end(k)
         job = _Job(job_metadata.job_id, Direction.STORE, [keys[j] for j in todo], [rows[j] for j in todo])
