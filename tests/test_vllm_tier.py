@@ -114,14 +114,17 @@ class Scheduler:
             time.sleep(0.005)
             self.step()
 
-    def store(self, keys: list[bytes], payloads: list[bytes]) -> None:
-        """GPU -> primary (the test plays the worker's copy) -> cascade to the tier."""
+    def store(self, keys: list[bytes], payloads: list[bytes], copy: Any = None) -> None:
+        """GPU -> primary (the test plays the worker's copy: ``copy(chunk, i)`` puts chunk ``i`` into row
+        ``chunk``, else the bytes are written from the CPU) -> cascade to the tier."""
         ctx = self.ctx()
         out = self.manager.prepare_store(keys, ctx)
         assert out is not None
-        want = dict(zip(keys, payloads))
         for k, c in zip(out.keys_to_store, out.store_spec.chunk_ids):
-            self.rows[int(c), :PAGE] = np.frombuffer(want[k], dtype=np.uint8)
+            if copy is not None:
+                copy(int(c), keys.index(k))
+            else:
+                self.rows[int(c), :PAGE] = np.frombuffer(payloads[keys.index(k)], dtype=np.uint8)
         self.manager.complete_store(out.keys_to_store, ctx)
         self.manager.on_request_finished(ctx)
         self.settle()
@@ -376,6 +379,43 @@ def test_events_carry_storage_medium_locality_and_the_kvtier_backend(sched_facto
     assert {k for e in removed for k in e.keys} == set(keys[:2])  # the two least recently written
     assert fresh(sched_factory, tier).load(keys) == payloads  # Redis still has all five
     assert s.tier.locality is None  # local and remote backends together: vLLM's filters match either
+
+
+@pytest.mark.gpu
+def test_the_same_cascade_and_promotion_with_the_primary_region_pinned_on_a_gpu(sched_factory, tmp_path):
+    """As on a GPU node: vLLM's region registered as pinned memory (vLLM's own host_register), chunks copied
+    into it from GPU memory, cascaded to local_disk, promoted by another instance and copied back to the
+    GPU equal to what was stored."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vllm.v1.kv_offload.cpu.host_register import host_register
+
+    tier = {**TIER, "kvtier_config": write_yaml(tmp_path, [disk(tmp_path / "d")])}
+
+    def pinned(s: Scheduler) -> torch.Tensor:
+        region = s.spec._scheduler_mmap
+        base = region.base_tensor
+        assert host_register(base.data_ptr(), region.total_size_bytes)
+        region.is_pinned, region.pinned_addresses = True, [base.data_ptr()]  # vLLM unregisters at cleanup
+        return torch.from_numpy(s.rows)
+
+    keys, payloads = chain(4, seed=9)
+    kv = torch.tensor(np.frombuffer(b"".join(payloads), dtype=np.uint8), device="cuda").view(4, PAGE)
+    a = fresh(sched_factory, tier)
+    rows_a = pinned(a)
+    assert rows_a.is_pinned()
+
+    def gpu_to_row(chunk: int, i: int) -> None:
+        rows_a[chunk, :PAGE].copy_(kv[i], non_blocking=True)
+        torch.cuda.synchronize()
+    a.store(keys, payloads, copy=gpu_to_row)
+    b = fresh(sched_factory, tier)
+    pinned(b)
+    got = b.load(keys)
+    back = torch.tensor(np.frombuffer(b"".join(got), dtype=np.uint8)).view(4, PAGE).cuda(non_blocking=True)
+    assert torch.equal(back, kv)
 
 
 # --------------------------------------------------------------------------- with KvtierConnector in real vLLM
