@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvtier.keys import BlockHasher  # noqa: E402
@@ -90,7 +91,9 @@ class Scheduler:
 
     def __init__(self, cfg: OffloadingConfig):
         self.spec = TieringOffloadingSpec(cfg)
-        self.manager: Any = self.spec.get_manager()
+        manager = self.spec.get_manager()
+        assert isinstance(manager, TieringOffloadingManager)
+        self.manager: Any = manager  # driven with plain bytes keys (OffloadKey is a NewType of bytes)
         self.tier: Any = self.manager.secondary_tiers[0]
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
         self._n = 0
@@ -114,7 +117,7 @@ class Scheduler:
             time.sleep(0.005)
             self.step()
 
-    def store(self, keys: list[bytes], payloads: list[bytes], copy: Any = None) -> None:
+    def store(self, keys: Sequence[Any], payloads: list[bytes], copy: Any = None) -> None:
         """GPU -> primary (the test plays the worker's copy: ``copy(chunk, i)`` puts chunk ``i`` into row
         ``chunk``, else the bytes are written from the CPU) -> cascade to the tier."""
         ctx = self.ctx()
@@ -129,7 +132,7 @@ class Scheduler:
         self.manager.on_request_finished(ctx)
         self.settle()
 
-    def lookup_all(self, keys: list[bytes], timeout: float = 30.0) -> tuple[list[LookupResult], ReqContext]:
+    def lookup_all(self, keys: Sequence[Any], timeout: float = 30.0) -> tuple[list[LookupResult], ReqContext]:
         """Each step, look the chain up as vLLM's scheduler does (RETRY does not stop the scan, a MISS
         does) until the answer no longer changes: every key HIT, or a HIT prefix then a MISS."""
         ctx = self.ctx()
@@ -147,7 +150,7 @@ class Scheduler:
             self.step()
             time.sleep(0.005)
 
-    def load(self, keys: list[bytes]) -> list[bytes]:
+    def load(self, keys: Sequence[Any]) -> list[bytes]:
         """The prefix of ``keys`` vLLM would load, as the bytes of the primary rows it loads from."""
         res, ctx = self.lookup_all(keys)
         hits = [k for k, r in zip(keys, res) if r is LookupResult.HIT]
@@ -210,7 +213,8 @@ def chain(n: int, seed: int = 1) -> tuple[list[bytes], list[bytes]]:
 
 
 def fresh(sched_factory: Any, tier: dict[str, Any], **kw: Any) -> Scheduler:
-    return sched_factory(offloading_config(tier, **kw))
+    s: Scheduler = sched_factory(offloading_config(tier, **kw))
+    return s
 
 
 def test_stores_cascade_to_local_disk_and_promotions_return_the_same_bytes(sched_factory, tmp_path):
@@ -396,6 +400,7 @@ def test_the_same_cascade_and_promotion_with_the_primary_region_pinned_on_a_gpu(
 
     def pinned(s: Scheduler) -> torch.Tensor:
         region = s.spec._scheduler_mmap
+        assert region is not None
         base = region.base_tensor
         assert host_register(base.data_ptr(), region.total_size_bytes)
         region.is_pinned, region.pinned_addresses = True, [base.data_ptr()]  # vLLM unregisters at cleanup
