@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import KvtierConfig, _config_text, _read_yaml, load_engine_config
+from ...config import ConfigError, KvtierConfig, load_engine_config
 from ...keys import HEAD_MAJOR_KINDS, Namespace
 from ...layout import dtype_name, parse_dtype
 
@@ -90,6 +90,20 @@ def _hf_shape(model: str) -> tuple[int, int] | None:
     return kv_heads, head_dim
 
 
+def _engine_config_keeping_yaml(path: str | os.PathLike[str] | None, facts: dict[str, Any],
+                                env: Mapping[str, str] | None) -> KvtierConfig:
+    """``load_engine_config`` where the HF-derived shape yields to a YAML that sets one of the two fields."""
+    try:
+        return load_engine_config(path, facts, engine="vLLM's offloading", env=env)
+    except ConfigError as e:
+        mine = [k for k in ("num_kv_heads", "head_dim") if any(p.startswith(f"model.{k}:") and "the YAML says" in p
+                                                               for p in e.problems)]
+        if not mine:
+            raise
+        return load_engine_config(path, {k: v for k, v in facts.items() if k not in mine},
+                                  engine="vLLM's offloading", env=env)
+
+
 def row_payload_name(config: Any, kv_dtype: str, block_size: int, head_dim: int) -> str:
     """The ``Namespace.payload`` of a primary row (see the module docstring): vLLM CPU's own layouts by
     the names kvtier's connector gives them, else ``vllm_<layout>`` with its worker / chunk suffixes."""
@@ -134,22 +148,20 @@ def tier_naming(config: Any, kvtier_config: str | os.PathLike[str] | None, *,
     facts: dict[str, Any] = {"id": str(config.model.name), "kv_dtype": kv_dtype,
                              "num_layers": len(group.layer_names), "block_size": block_size,
                              "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
-    source, text = _config_text(kvtier_config)
-    data = _read_yaml(text, source) if kvtier_config is not None else None
-    mine = data.get("model") if isinstance(data, dict) else None
-    mine = mine if isinstance(mine, dict) else {}
-    if "num_kv_heads" not in mine or "head_dim" not in mine:
+    try:  # KV heads and head dim from the YAML (or its KVTIER_ overrides) when it sets them
+        cfg = load_engine_config(kvtier_config, facts, engine="vLLM's offloading", env=env)
+    except ConfigError as e:
+        if not any(p.startswith(("model.num_kv_heads", "model.head_dim")) for p in e.problems):
+            raise
         shape = _hf_shape(str(config.model.name))
         if shape is None:
             raise ValueError(f"kvtier tier: cannot read {config.model.name!r}'s Hugging Face config for its KV "
-                             "heads and head dim; set model.num_kv_heads and model.head_dim in the kvtier YAML")
-        if "num_kv_heads" not in mine:
-            facts["num_kv_heads"] = max(1, shape[0] // max(1, int(config.parallel.tp_size)))
-        if "head_dim" not in mine:
-            facts["head_dim"] = shape[1]
-    head_dim = int(mine.get("head_dim", facts.get("head_dim", 0)))
-    payload = row_payload_name(config, kv_dtype, block_size, head_dim)
-    cfg = load_engine_config(kvtier_config, facts, engine="vLLM's offloading", env=env)
+                             "heads and head dim; set model.num_kv_heads and model.head_dim in the kvtier YAML"
+                             ) from None
+        facts["num_kv_heads"] = max(1, shape[0] // max(1, int(config.parallel.tp_size)))
+        facts["head_dim"] = shape[1]
+        cfg = _engine_config_keeping_yaml(kvtier_config, facts, env)
+    payload = row_payload_name(config, kv_dtype, block_size, cfg.model.head_dim)
     if cfg.storage.block_tokens not in (None, cfg.model.block_size):
         raise ValueError(f"kvtier tier: storage.block_tokens must be null here (vLLM's blocks_per_chunk groups "
                          f"blocks), got {cfg.storage.block_tokens}")
