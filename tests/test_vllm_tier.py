@@ -363,7 +363,7 @@ def test_back_pressure_drops_cascades_as_vllms_detector_decides(sched_factory, t
 
 def test_events_carry_storage_medium_locality_and_the_kvtier_backend(sched_factory, tmp_path, redis_server):
     """Stored chunks are announced per backend: vLLM's medium STORAGE, locality LOCAL for local_disk and
-    REMOTE for Redis, and the kvtier backend's kind as the event's ownership; local_disk's own evictions
+    REMOTE for Redis, and the kvtier backend as the event's ownership (kvtier:<type>); local_disk's own evictions
     (capacity for 3 values) are announced removed."""
     backends = [disk(tmp_path / "d", capacity=3 * (PAGE + 88) + 100), redis(redis_server.url)]
     tier = {**TIER, "kvtier_config": write_yaml(tmp_path, backends), "enable_kv_events": True}
@@ -376,10 +376,10 @@ def test_events_carry_storage_medium_locality_and_the_kvtier_backend(sched_facto
     for e in evs:
         if not e.removed:
             stored.setdefault((e.ownership, e.locality, e.medium), set()).update(e.keys)
-    assert stored == {("LOCAL_DISK", Locality.LOCAL, Medium.STORAGE): set(keys),
-                      ("REDIS", Locality.REMOTE, Medium.STORAGE): set(keys)}
+    assert stored == {("kvtier:local_disk", Locality.LOCAL, Medium.STORAGE): set(keys),
+                      ("kvtier:redis", Locality.REMOTE, Medium.STORAGE): set(keys)}
     removed = [e for e in evs if e.removed]
-    assert removed and all(e.ownership == "LOCAL_DISK" and e.medium is Medium.STORAGE for e in removed)
+    assert removed and all(e.ownership == "kvtier:local_disk" and e.medium is Medium.STORAGE for e in removed)
     assert {k for e in removed for k in e.keys} == set(keys[:2])  # the two least recently written
     assert fresh(sched_factory, tier).load(keys) == payloads  # Redis still has all five
     assert s.tier.locality is None  # local and remote backends together: vLLM's filters match either

@@ -430,10 +430,10 @@ class KvtierTier(SecondaryTierManager):
         if not self._events_on:
             return
         m = self.media[backend]
-        # vLLM's medium is STORAGE for every secondary tier; which kvtier backend holds the chunk (its kind
-        # in capitals, as kvtier's connector names media) goes in the event's ownership.
+        # vLLM's medium is STORAGE for every secondary tier; which kvtier backend holds the chunk goes in the
+        # event's ownership (kvtier:<backend type>), as kvtier's connector names its tiers.
         self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=removed,
-                                            locality=Locality(m.locality), ownership=m.name))
+                                            locality=Locality(m.locality), ownership=m.ownership))
 
     def _evicted_listener(self, backend: int) -> Any:
         def listener(keys: list[str]) -> None:  # a backend's thread: queued for the scheduler thread
