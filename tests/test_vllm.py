@@ -150,6 +150,7 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
     res["log"] = text
     if kv_events:
         res["events"] = json.loads(events.read_text())
+        res["event_payloads"] = [bytes.fromhex(p) for p in json.loads(Path(f"{events}.raw").read_text())]
     return res
 
 
@@ -187,11 +188,17 @@ def test_null_connector_tokens_equal_plain_vllm(model_dir, cold, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def stored_on_disk(model_dir, tmp_path_factory) -> Path:
-    """A local_disk directory a prefill vLLM filled with [A, C]."""
+def prefill_on_disk(model_dir, tmp_path_factory) -> tuple[Path, list[bytes]]:
+    """A local_disk directory a prefill vLLM filled with [A, C], and the KV event batches it published."""
     tmp: Path = tmp_path_factory.mktemp("disk")
-    run_vllm(model_dir, tmp, "kv_producer", [A, C], kv_config(disk(tmp / "blocks")))
-    return tmp / "blocks"
+    pre = run_vllm(model_dir, tmp, "kv_producer", [A, C], kv_config(disk(tmp / "blocks")), kv_events=True)
+    return tmp / "blocks", pre["event_payloads"]
+
+
+@pytest.fixture(scope="module")
+def stored_on_disk(prefill_on_disk) -> Path:
+    """A local_disk directory a prefill vLLM filled with [A, C]."""
+    return prefill_on_disk[0]
 
 
 def assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
@@ -253,12 +260,27 @@ def test_keys_equal_vllm_block_hashes(stored_on_disk):
     assert set(block_files(stored_on_disk)) == {h.hex() for h in want}
 
 
-def test_disk_prefill_then_decode(model_dir, stored_on_disk, warm, tmp_path, figures):
+def test_disk_prefill_then_decode(model_dir, prefill_on_disk, warm, tmp_path, figures):
+    """The decode loads what the prefill stored.  And a router nobody here wrote, fed the prefill's KV
+    events (Dynamo's radix tree, as its vLLM listener converts them: ``DynamoRouterView``), scores the
+    directory's overlap with each prompt as exactly the blocks the decode then finds (B: its 5 blocks shared
+    with A; A: all 9); the prefill's host memory is its own process's, gone with it."""
+    stored_on_disk, payloads = prefill_on_disk
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
     assert_same_outputs(got["results"], warm)
     assert [r["cached"] for r in got["results"]] == [160, 288]
+    from kvtier.testing.dynamo_router import DynamoRouterView
+
+    router = DynamoRouterView(BS)
+    outcomes = router.apply_all(1, payloads)
+    assert not any(o.rejected for o in outcomes), [o.rejected for o in outcomes if o.rejected]
+    scores = [router.overlap(1, p, tier="disk") for p in (B, A)]
+    assert scores == [r["cached"] // BS for r in got["results"]] == [5, 9]
+    assert router.overlap(1, C, tier="disk") == 6 and router.overlap(1, C, tier="host_pinned") == 6
+    figures("Dynamo's disk-tier overlap for B, A (blocks) / blocks the decode loaded",
+            f"{scores} / {[r['cached'] // BS for r in got['results']]}")
     assert load_modes(got["log"]) == ["in the background"] * 2  # load_mode async, the default
     assert "block keys differ" not in got["log"]
     figures("vllm startup s", round(got["startup_s"], 1))

@@ -144,8 +144,11 @@ def main() -> None:
             llm.llm_engine.step()
             time.sleep(0.05)
         time.sleep(0.5)  # the last batches are published from vLLM's publisher thread
+        rows = events.stop()
         with open(a.kv_events_out, "w") as f:
-            json.dump(events.stop(), f)
+            json.dump(rows, f)
+        with open(a.kv_events_out + ".raw", "w") as f:  # the payloads as published, for a router's own decoder
+            json.dump([payload.hex() for _, _, payload in events.frames], f)
 
 
 class _EventSubscriber:
@@ -161,7 +164,7 @@ class _EventSubscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self._frames: list[list[bytes]] = []
+        self.frames: list[list[bytes]] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -173,7 +176,7 @@ class _EventSubscriber:
         poller.register(self._sock, zmq.POLLIN)
         while not self._done.is_set():
             if poller.poll(100):
-                self._frames.append(self._sock.recv_multipart())
+                self.frames.append(self._sock.recv_multipart())
 
     def stop(self) -> list[dict[str, Any]]:
         import msgspec
@@ -185,7 +188,7 @@ class _EventSubscriber:
         self._ctx.term()
         dec = msgspec.msgpack.Decoder(type=KVEventBatch)
         out = []
-        for _topic, seq, payload in self._frames:
+        for _topic, seq, payload in self.frames:
             batch = dec.decode(payload)
             for ev in batch.events:
                 row = {"seq": int.from_bytes(seq, "big"), "type": type(ev).__name__}
