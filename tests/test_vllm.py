@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -529,14 +530,15 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     9 blocks (the scheduler now remembers them on disk), then C's 6 blocks evict A's 5 least recently
     read ones (0-4).  The worker tells the scheduler, so A's third run is a miss, computed, not an offer
     of 288 tokens whose load fails at block 0 (vLLM would hold the request for it, then recompute).  The
-    run publishes vLLM's KV events: kvtier's disk is in them, evictions included (``assert_disk_events``).
+    run publishes vLLM's KV events: kvtier's disk is in them, evictions included (``assert_disk_events``),
+    and so is its host memory (12 values: C's blocks evict 3 of A's there).
 
     Then, while this instance stays up, a second vLLM instance sharing the directory stores a prompt of
     its own (evicting 4 of this instance's blocks) and ``kvtier gc`` trims the directory to 2 values: every
     block of this instance's that they removed is announced removed in this instance's stream."""
     value = blockformat.HEADER_SIZE + 2 * 2 * BS * 2 * 64 * 2  # layers x K/V x tokens x kv heads x dim x bf16
     root = tmp_path / "disk"
-    cfg = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "0"},
+    cfg = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": 12 * (value - blockformat.HEADER_SIZE)},
            "backends": [{"name": "disk", "type": "local_disk", "options": {"path": str(root), "capacity": 10 * value}}]}
     other = [random.Random(43).randrange(1, 500) for _ in range(4 * BS)]
     seen: dict[str, set[str]] = {}
@@ -570,6 +572,9 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     removed_later = {h for e in res["events"] if e["type"] == "BlockRemoved" and e["ownership"] == "kvtier:local_disk"
                      for h in e["hashes"]} & ours
     assert removed_later == by_other | by_gc, "another instance's evictions and gc's deletes reach this stream"
+    host = announced(res["events"], "kvtier:host")
+    assert host.removed >= 3 and 0 < len(host.held) <= 12
+    assert all(e["medium"] == "CPU" and e["locality"] == "LOCAL" for e in res["events"] if e["ownership"] == "kvtier:host")
     assert r[0]["tokens"] == r[1]["tokens"] == r[3]["tokens"] == cold[1]["tokens"]
     assert "not loaded" not in res["log"], res["log"][-3000:]
     # Both halves log vLLM's own KV block count (not the standalone pool's device.num_blocks).
@@ -585,6 +590,30 @@ def event_hash(hex_hash: str) -> str:
     return str(int(hex_hash, 16) & ((1 << 64) - 1))
 
 
+@dataclass
+class Announced:
+    held: set[str]
+    removed: int
+
+
+def announced(events: list[dict[str, Any]], ownership: str) -> Announced:
+    """What one of kvtier's tiers holds by the stream's account, checking each block is announced once
+    until removed, and removed only after it was announced."""
+    out = Announced(set(), 0)
+    for e in events:
+        if e["ownership"] != ownership:
+            continue
+        for h in e["hashes"]:
+            if e["type"] == "BlockStored":
+                assert h not in out.held, f"{h} announced twice in {ownership}"
+                out.held.add(h)
+            else:
+                assert h in out.held, f"{h} removed from {ownership} before it was announced"
+                out.held.discard(h)
+                out.removed += 1
+    return out
+
+
 def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_dir: Path, evicted: int,
                        others: frozenset[str] = frozenset()) -> None:
     """The run was started with --kv-events-config (ZMQ on loopback; decoded with vLLM's own classes):
@@ -598,19 +627,9 @@ def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_di
     assert all(e["medium"] == "STORAGE" and e["locality"] == "LOCAL" and e["group_idx"] == 0 for e in ev)
     second = next(e for e in ev if e["type"] == "BlockStored" and e["hashes"] == [want[1]])
     assert (second["parent"], second["tokens"]) == (want[0], BS)
-    held: set[str] = set()
-    removed = 0
-    for e in ev:
-        for h in e["hashes"]:
-            if e["type"] == "BlockStored":
-                assert h not in held, f"{h} announced twice"
-                held.add(h)
-            else:
-                assert h in held, f"{h} removed before it was announced"
-                held.discard(h)
-                removed += 1
-    assert removed >= evicted
-    assert held == {event_hash(name) for name in block_files(disk_dir)} - others
+    tier = announced(events, "kvtier:local_disk")
+    assert tier.removed >= evicted
+    assert tier.held == {event_hash(name) for name in block_files(disk_dir)} - others
     # vLLM's own device blocks are in the same stream, as its GPU medium
     assert any(e["medium"] == "GPU" for e in events)
 
