@@ -199,7 +199,8 @@ def prefill_on_disk(model_dir, tmp_path_factory) -> tuple[Path, list[bytes]]:
 @pytest.fixture(scope="module")
 def stored_on_disk(prefill_on_disk) -> Path:
     """A local_disk directory a prefill vLLM filled with [A, C]."""
-    return prefill_on_disk[0]
+    root: Path = prefill_on_disk[0]
+    return root
 
 
 def assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
