@@ -105,7 +105,7 @@ class StoreEvents:
             with self._lock:
                 self._gone_while_listing[i] = set()
             try:
-                present = {h for h in self._hashes([blk.key for blk in b.backend.scan(self.namespace_id)])}
+                present = set(self._hashes([blk.key for blk in b.backend.scan(self.namespace_id)]))
             except Exception as e:  # noqa: BLE001 - a store that cannot be listed is announced empty, not fatal
                 why = f"{type(e).__name__}: {e}"
                 if self.failed[i] != why:
@@ -136,12 +136,6 @@ class StoreEvents:
         """The events since the last call, in batches of at most ``BATCH_EVENTS``."""
         evs = self.events.take()
         return [evs[j:j + BATCH_EVENTS] for j in range(0, len(evs), BATCH_EVENTS)]
-
-    def known(self, name: str) -> int:
-        """Blocks announced in backend ``name`` now."""
-        i = next(j for j, b in enumerate(self.backends) if b.name == name)
-        with self._lock:
-            return len(self._known[i])
 
 
 __all__ = ["BATCH_EVENTS", "StoreEvents", "WatchedBackend"]
