@@ -12,7 +12,9 @@ Optional keys (left out: vLLM's own defaults, as before): ``block_size`` (32 unl
 ``max_model_len`` (8192 unless given), ``max_num_batched_tokens`` (vLLM's token budget per step: a longer
 prompt is prefilled in chunks of it), ``disable_hybrid_kv_cache_manager`` (bool: force vLLM's hybrid KV
 cache manager off, or explicitly on), ``in_process`` (true: the engine core and its worker run in this
-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one vLLM import instead of three).
+process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one vLLM import instead of three), ``reserved_cpus``
+(``VLLM_CPU_NUM_OF_RESERVED_CPU``: vLLM CPU reserves a different number of cores for its own threads when a
+KV connector is configured, so rows compared side by side pin the same value).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def main(spec_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 4)))
     if spec.get("in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if spec.get("reserved_cpus") is not None:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(spec["reserved_cpus"])
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt

@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payloads", default="canonical,engine",
                    help="storage.payload values to run kvtier's rows with (comma-separated): canonical "
                         "(token-major, any engine reads it) and engine (vLLM CPU's own arrangement)")
+    p.add_argument("--reserved-cpus", type=int, default=2, metavar="N",
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU in every vLLM process of the run (default %(default)s: what "
+                        "vLLM reserves by itself at TP 1 when a KV connector is configured), so every row runs "
+                        "the model on the same cores")
     p.add_argument("--json", type=out_file, metavar="PATH")
     vllm_hybrid.add_model_options(p)
 
@@ -88,10 +93,16 @@ def _model(d: Path, layers: int) -> str:
     return str(d)
 
 
+#: per vLLM process of the run, the cores its model's OpenMP threads were bound to (vLLM CPU logs its binding),
+#: for the fairness line
+RAN_ON: dict[str, str] = {}
+_BOUND = re.compile(r"local_rank=0, core ids=\[([^\]]*)\]")
+
+
 def _run(tmp: Path, tag: str, model: str, prompts: list[list[int]], steps: list[list[Any]],
-         kv_transfer: dict[str, Any] | None) -> list[dict[str, Any]]:
+         kv_transfer: dict[str, Any] | None, reserved_cpus: int | None = None) -> list[dict[str, Any]]:
     spec = {"model": model, "prompts": prompts, "steps": steps, "kv_transfer": kv_transfer,
-            "out": str(tmp / f"{tag}.json"), "kv_space_gib": 2}
+            "out": str(tmp / f"{tag}.json"), "kv_space_gib": 2, "reserved_cpus": reserved_cpus}
     (tmp / f"{tag}.spec.json").write_text(json.dumps(spec))
     with open(tmp / f"{tag}.log", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "kvtier.bench._vllm_driver", str(tmp / f"{tag}.spec.json")],
@@ -99,6 +110,8 @@ def _run(tmp: Path, tag: str, model: str, prompts: list[list[int]], steps: list[
     if rc != 0:
         raise RuntimeError(f"vLLM run {tag!r} failed ({rc}); see {tmp / (tag + '.log')}:\n"
                            + (tmp / f"{tag}.log").read_text()[-3000:])
+    bound = _BOUND.findall((tmp / f"{tag}.log").read_text())
+    RAN_ON[tag] = f"cores [{bound[-1]}]" if bound else "cores not logged"
     rows: list[dict[str, Any]] = json.loads((tmp / f"{tag}.json").read_text())
     return rows
 
@@ -189,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             pre = _run(tmp, f"prefill-{be['name']}-{payload}", model, prompts,
                        [["ttft", i] for i in mine] + [["ttft", i] for i in mine]
                        + [["ttft", i] for i in extra] + [["itl", arrivals]],
-                       _kvtier("kv_producer", cfg, args.load_mode))
+                       _kvtier("kv_producer", cfg, args.load_mode), args.reserved_cpus)
             rows.setdefault("recompute", []).extend(r["ttft_s"] for r in pre[:n])
             rows.setdefault("vllm-device-cache", []).extend(r["ttft_s"] for r in pre[n:2 * n])
             if not itl:
@@ -213,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
                 first = [["ttft", i] for i in mine]
             dec = _run(tmp, f"decode-{be['name']}-{payload}", model, prompts,
                        first + [["reset"]] + [["ttft", i] for i in mine] + [["ttft", i] for i in mine]
-                       + [["itl", arrivals]], _kvtier("kv_consumer", cfg, args.load_mode))
+                       + [["itl", arrivals]], _kvtier("kv_consumer", cfg, args.load_mode), args.reserved_cpus)
             ttft = [r for r in dec if "ttft_s" in r]
             loads, host, again = ttft[:n + len(extra)], ttft[n + len(extra):2 * n + len(extra)], ttft[-n:]
             if disk:
@@ -238,11 +251,12 @@ def run(args: argparse.Namespace) -> int:
             # page-cache local_disk row.
             ex = {"kv_connector": "ExampleConnector",
                   "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
-            _run(tmp, "example-prefill", model, prompts, [["ttft", i] for i in range(n)], {**ex, "kv_role": "kv_both"})
+            _run(tmp, "example-prefill", model, prompts, [["ttft", i] for i in range(n)], {**ex, "kv_role": "kv_both"},
+                 args.reserved_cpus)
             os.sync()
             ex_files = [str(p) for p in (tmp / "example").rglob("*") if p.is_file()]
             steps = [s for i in range(n) for s in (["files", "page cache", ex_files], ["ttft", i])]
-            dec = _run(tmp, "example-decode", model, prompts, steps, {**ex, "kv_role": "kv_both"})
+            dec = _run(tmp, "example-decode", model, prompts, steps, {**ex, "kv_role": "kv_both"}, args.reserved_cpus)
             got = [r for r in dec if "ttft_s" in r]
             rows["example-connector (page cache)"] = [r["ttft_s"] for r in got]
             if any(r["cached"] < args.tokens // 32 * 32 for r in got):
@@ -256,6 +270,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"TTFT of a {args.tokens}-token prompt, {args.layers} layers x 8 kv heads x 128 head dim (bf16, "
           f"{args.tokens * args.layers * 2 * 8 * 128 * 2 / 2**20:.0f} MiB of KV), medians")
     print_table(table, ["source", "ttft_ms", "x_floor", "x_quiet_floor", "runs"])
+    threads = sorted(set(RAN_ON.values()))
+    print(f"every vLLM process ran with VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}; the model's threads "
+          f"bound to: {', '.join(threads)}" + ("" if len(threads) == 1 else
+                                             " (NOT the same in every process: " + ", ".join(
+                                                 f"{k} {v}" for k, v in RAN_ON.items()) + ")"))
     read_rows = [{"source": row, "raw_read_ms": statistics.median(v) * 1e3,
                   "raw_read_x_floor": statistics.median(v) / floor, "raw_read_x_quiet_floor":
                   statistics.median(v) / quiet, "kvtier_ttft_ms": statistics.median(rows[row]) * 1e3,
