@@ -270,7 +270,7 @@ def test_disk_prefill_then_decode(model_dir, prefill_on_disk, warm, tmp_path, fi
     stored_on_disk, payloads = prefill_on_disk
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
-    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), load_mode="async")
     assert_same_outputs(got["results"], warm)
     assert [r["cached"] for r in got["results"]] == [160, 288]
     from kvtier.testing.dynamo_router import DynamoRouterView
@@ -283,7 +283,7 @@ def test_disk_prefill_then_decode(model_dir, prefill_on_disk, warm, tmp_path, fi
     assert router.overlap(1, C, tier="disk") == 6 and router.overlap(1, C, tier="host_pinned") == 6
     figures("Dynamo's disk-tier overlap for B, A (blocks) / blocks the decode loaded",
             f"{scores} / {[r['cached'] // BS for r in got['results']]}")
-    assert load_modes(got["log"]) == ["in the background"] * 2  # load_mode async, the default
+    assert load_modes(got["log"]) == ["in the background"] * 2  # load_mode async
     assert "block keys differ" not in got["log"]
     figures("vllm startup s", round(got["startup_s"], 1))
     # kvtier's threads run on every CPU this process may use, whatever core vLLM bound its worker thread to
@@ -310,11 +310,11 @@ def test_disk_load_while_another_request_decodes(model_dir, stored_on_disk, warm
     assert_close_outputs(got["results"], warm)
 
 
-@pytest.mark.parametrize("load_mode, how", [("auto", "in the step"), (None, "in the background")])
+@pytest.mark.parametrize("load_mode, how", [(None, "in the step"), ("async", "in the background")])
 def test_damaged_block_is_recomputed(model_dir, stored_on_disk, warm, cold, tmp_path, load_mode, how):
     """A flipped payload byte in A's block 3: B loads blocks 0-2 and recomputes from 3; never served,
-    whether the load ran in the step (load_mode auto, one prompt at a time: vLLM rewinds the running
-    request) or in the background (the default: vLLM rewinds the waiting one).  No reference run computes B's blocks 3-4 the way this one does (after
+    whether the load ran in the step (load_mode auto, the default, one prompt at a time: vLLM rewinds the
+    running request) or in the background (async: vLLM rewinds the waiting one).  No reference run computes B's blocks 3-4 the way this one does (after
     cached blocks 0-2), so the greedy tokens must be exact and the logprobs equal to within vLLM's own
     cached-vs-fresh noise."""
     d = tmp_path / "blocks"
@@ -373,9 +373,11 @@ def test_request_aborted_while_its_blocks_load(model_dir, stored_on_disk, warm, 
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
     victim = damage_block(d, vllm_block_hashes(A)[3]) if damaged else None
+    # In the background (async; the default, auto, loads in the step when nothing else runs).
     # idle_wait_ms 0: vLLM computes nothing in the step that starts B's load, and B's 5 small blocks load
     # within the worker's default wait in that step: the abort would come after the load ended.
-    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), abort_first=True, idle_wait_ms=0)
+    got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), abort_first=True, idle_wait_ms=0,
+                   load_mode="async")
     assert got["abort"]["in_use_after_abort"], "the abort did not meet a load in flight"
     assert got["abort"]["freed_after_steps"] is not None, "the aborted request's blocks were never freed"
     assert got["abort"]["freed_after_steps"] <= 5
@@ -468,7 +470,7 @@ def test_identical_prompts_arriving_together_load_the_same_blocks_at_once(model_
     # idle_wait_ms 0: with the worker's default wait in vLLM's empty steps, the first B's small load ends
     # in the step that starts it, and the second B then finds B in vLLM's own cache: no loads at once.
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, B, A, A], kv_config(disk(d)), together=True,
-                   idle_wait_ms=0)
+                   idle_wait_ms=0, load_mode="async")
     loads: dict[str, list[int]] = {}
     for req, n in re.findall(r"request (\d+)-\S+: (\d+) blocks loaded", got["log"]):
         loads.setdefault(req, []).append(int(n))

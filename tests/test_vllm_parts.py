@@ -279,9 +279,10 @@ def test_extra_config_refuses_a_key_the_connector_does_not_read():
 
 
 def test_load_mode_from_extra_config_names_the_key_and_the_choices():
-    assert LoadMode.from_extra_config(None) is LoadMode.ASYNC
-    assert LoadMode.from_extra_config({"kvtier_config": "x.yaml"}) is LoadMode.ASYNC
+    assert LoadMode.from_extra_config(None) is LoadMode.AUTO  # the default (LoadMode says why)
+    assert LoadMode.from_extra_config({"kvtier_config": "x.yaml"}) is LoadMode.AUTO
     assert LoadMode.from_extra_config({"load_mode": "sync"}) is LoadMode.SYNC
+    assert LoadMode.from_extra_config({"load_mode": "async"}) is LoadMode.ASYNC
     with pytest.raises(ValueError, match=r"kv_connector_extra_config.load_mode: 'later' is not one of "
                                          r"\['auto', 'async', 'sync'\]"):
         LoadMode.from_extra_config({"load_mode": "later"})

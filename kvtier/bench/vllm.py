@@ -67,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=positive_int, default=None,
                    help="storage.block_tokens for kvtier's backends (tokens per stored value; default: one "
                         "vLLM block)")
-    p.add_argument("--load-mode", choices=["async", "sync", "auto"], default="async",
-                   help="the connector's kv_connector_extra_config.load_mode (default async, as vLLM runs "
+    p.add_argument("--load-mode", choices=["async", "sync", "auto"], default="auto",
+                   help="the connector's kv_connector_extra_config.load_mode (default auto, as vLLM runs "
                         "it when the flag does not say)")
     p.add_argument("--payloads", default="canonical,engine",
                    help="storage.payload values to run kvtier's rows with (comma-separated): canonical "

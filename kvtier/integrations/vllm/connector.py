@@ -182,7 +182,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("kvtier: scheduler side up (%s), namespace %s, load_mode %s",
                      cfg.summary(getattr(kv_cache_config, "num_blocks", None), engine="vLLM"),
                      ", ".join(c.namespace().id for c in configs), self._scheduler.load_mode.value)
-            if hybrid and mode is not LoadMode.ASYNC:
+            asked = (ktc.kv_connector_extra_config or {}).get("load_mode")  # the default is not a request
+            if hybrid and asked is not None and mode is not LoadMode.ASYNC:
                 log.warning("kvtier: load_mode %s is ignored for a hybrid model: its loads run in the background "
                             "(vLLM takes a failed load of a model with several KV cache groups only from a load "
                             "it waits for)", mode.value)

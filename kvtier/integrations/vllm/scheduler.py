@@ -42,16 +42,19 @@ class LoadMode(enum.Enum):
 
     A hit wholly in host memory (no backend I/O, only a copy) is loaded in the step in every mode.
 
-    * ``async`` (default): a hit that needs backend reads loads in the background; no step ever waits
-      on kvtier's I/O.
+    * ``auto`` (default): ``sync`` when no other request ran in the last step (nobody to hold up), else
+      ``async``.
+    * ``async``: a hit that needs backend reads loads in the background; no step ever waits on kvtier's I/O.
     * ``sync``: always in the step, as LMCache loads: the request skips the step(s) between its load's
       end and vLLM scheduling it, and every request running in that step waits for the load.
-    * ``auto``: ``sync`` when no other request ran in the last step (nobody to hold up), else ``async``.
 
-    Measured inside vLLM here (512 MiB of KV from local_disk in the page cache, 2 CPU cores, 18 loads
-    each, interleaved): 262 ms TTFT in the step, 304 ms in the background, vLLM's ExampleConnector 315 ms.
-    The background load stays the default: a step that loads from a slow backend (S3, a busy Redis)
-    would hold every running request for as long.
+    ``auto`` is the default because it takes the step's path only where that holds nobody up: a load in
+    the background costs the steps between its end and vLLM scheduling the request (on 2 cores vLLM's
+    empty steps also spin on the cores the load needs), while a load in the step makes every running
+    request wait for it, which ``auto`` never does (a running request's inter-token latency is the same as
+    with ``async``).  Measured inside vLLM here (local_disk in the page cache): 512 MiB of KV, 262 ms TTFT
+    in the step against 304 ms in the background (2026-11-25); figures for both modes:
+    docs/performance.md, "vLLM: time to first token".
     """
 
     AUTO = "auto"
@@ -60,7 +63,7 @@ class LoadMode(enum.Enum):
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LoadMode:
-        value = (extra or {}).get("load_mode", cls.ASYNC.value)
+        value = (extra or {}).get("load_mode", cls.AUTO.value)
         try:
             return cls(value)
         except ValueError:
@@ -100,7 +103,7 @@ class SchedulerSide:
     ``configs``: one config per KV cache group (``groups``), or one config for a model with one group."""
 
     def __init__(self, config: KvtierConfig | list[KvtierConfig], *, load: bool, store: bool,
-                 vllm_hash_algo: str | None, load_mode: LoadMode = LoadMode.ASYNC, ranks: RankTally | None = None,
+                 vllm_hash_algo: str | None, load_mode: LoadMode = LoadMode.AUTO, ranks: RankTally | None = None,
                  groups: list[KvGroup] | None = None, events: bool = False):
         configs = config if isinstance(config, list) else [config]
         groups = groups or [KvGroup(0, GroupKind.FULL, (), configs[0].model.block_size)]
