@@ -59,7 +59,6 @@ from typing import Any, TypeVar, cast
 
 from pydantic import Field, field_validator
 
-from kvtier import blockformat
 from kvtier import threads as kvthreads
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 from kvtier.backends._disk_files import (

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 from . import blockformat
-from .security import Forged, Seal
 from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
 from .plugins import strict_options
+from .security import Forged, Seal
 
 if TYPE_CHECKING:
     from .keys import Namespace
