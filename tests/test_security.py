@@ -102,8 +102,8 @@ def store(request, tmp_path):
         b.close()
 
 
-def _local_path(tmp_path, key):
-    return tmp_path / "kv" / key[:32] / key[33:35] / key[33:]
+def _local_path(tmp_path, key, name="kv"):
+    return tmp_path / name / key[:32] / key[33:35] / key[33:]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -339,3 +339,37 @@ def test_verify_reports_forged_and_inspect_counts_without_the_key(tmp_path):
     keyfile.unlink()  # inspect counts without the key
     rc, doc = run("inspect")
     assert rc == 0 and doc["backends"][0]["blocks"] == 4 and doc["backends"][0]["security"] == "authenticate"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_stack_serves_sealed_blocks_and_recomputes_a_forged_one(tmp_path, mode):
+    """Through the config and the tier stack (what kvtier run, P/D and the connectors use): a stored prompt
+    loads in a second stack; a block replaced by a well-formed version 1 value is recomputed, never loaded."""
+    import torch
+    from _stack_helpers import TIMEOUT, chain, config, fill, read
+
+    from kvtier.stack import TierStack
+
+    keyfile = tmp_path / "key"
+    keyfile.write_text(os.urandom(32).hex())
+    cfg = config(tmp_path, backends=[{"name": "disk", "type": "local_disk", "security": mode,
+                                      "options": {"path": str(tmp_path / "disk")}}],
+                 security={"keys": [{"id": 1, "file": str(keyfile)}]})
+    with TierStack(cfg) as st:
+        hs = chain(st, 3)
+        rows = fill(st, [0, 1, 2], seed=5)
+        st.store(hs, [0, 1, 2]).wait(TIMEOUT)
+        st.flush(TIMEOUT)
+        key = st.namespace.key(hs[1])
+        nbytes = st.layout.block_nbytes
+    path = _local_path(tmp_path, key, "disk")
+    assert bf.stored_version(path.read_bytes()) == 2
+    if mode == "encrypt":
+        assert rows[1].numpy().tobytes()[:64] not in path.read_bytes()
+    fake = bytes([7]) * nbytes
+    path.write_bytes(frame(key, memoryview(fake), st.namespace.layout_id) + fake)
+    with TierStack(cfg) as st2:
+        lr = st2.load(hs, [5, 6, 7]).wait(TIMEOUT)
+        assert lr.ok == (True, False, False) and lr.recompute == [6, 7]
+        assert torch.equal(read(st2, [5]), rows[:1])
+        assert st2.backends[0].stats().forged == 1 and not path.exists()
