@@ -59,9 +59,8 @@ from typing import Any, TypeVar, cast
 
 from pydantic import Field, field_validator
 
-from kvtier import blockformat
 from kvtier import threads as kvthreads
-from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame
+from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 from kvtier.backends._disk_files import (
     HASH,
     NS,
@@ -452,9 +451,9 @@ class LocalDiskBackend(StorageBackend):
 
     def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
         where = self._check_keys(keys)
-        sizes = [blockformat.HEADER_SIZE + p.nbytes for p in payloads]
+        sizes = [self.header_size + p.nbytes for p in payloads]
         # Framed in the workers: each payload is checksummed right before it is written.
-        return self._store(keys, where, sizes, lambda i: (frame(keys[i], payloads[i], layout_id), payloads[i]),
+        return self._store(keys, where, sizes, lambda i: self._frame(keys[i], payloads[i], layout_id),
                            "put")
 
     def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
@@ -471,7 +470,7 @@ class LocalDiskBackend(StorageBackend):
         verification needs: keys were checked once for the batch, verified keys are made most recent in
         one index update at the end."""
         where = self._check_keys(keys)
-        check, read, hsize = blockformat.check_block, read_file, blockformat.HEADER_SIZE
+        check, read, hsize = self._verify, read_file, self.header_size
         errors: list[OSError] = []
         verified: list[tuple[str, int]] = []  # list.append is atomic: shared by the workers
         forgotten: list[str] = []
@@ -496,12 +495,8 @@ class LocalDiskBackend(StorageBackend):
                     out.append(False)
                 elif isinstance(size, str):
                     out.append(f"{path} is {size}")  # corrupt: counted and deleted by get_into
-                elif size != hsize + payload.nbytes:
-                    out.append(f"stored value is {size} bytes, expected {hsize + payload.nbytes}")
                 else:
-                    # The key is canonical (checked above): its two halves are hex.
-                    why = check(header, payload, bytes.fromhex(key[:32]), bytes.fromhex(key[33:]), layout_id,
-                                checksum)
+                    why = check(key, size, header, payload, layout_id, checksum)  # the size too
                     if why is None:
                         verified.append((key, size))
                         out.append(True)

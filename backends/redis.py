@@ -38,8 +38,8 @@ from urllib.parse import quote, unquote, urlsplit
 
 from pydantic import Field, SecretStr, model_validator
 
-from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
-from kvtier.blockformat import HEADER_SIZE, Segments
+from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
+from kvtier.blockformat import Segments
 
 from ._redis_events import EvictionEvents, EvictionListener
 from ._resp import (
@@ -231,12 +231,12 @@ class RedisBackend(StorageBackend):
 
     # ------------------------------------------------------------------ the data path
 
-    def _set(self, keys: Sequence[str], header_of: Callable[[int], bytes],
-             payloads: Sequence[memoryview]) -> list[bool]:
+    def _set(self, keys: Sequence[str], value_of: Callable[[int], tuple[bytes, memoryview]]) -> list[bool]:
+        """SET each key to ``value_of(i)`` (header, payload), built just before it is sent."""
         rkeys, argc, tail = self._rkeys(keys), self._set_argc, self._set_tail
 
         def build(i: int) -> tuple[list[Buf], int]:
-            k, header, payload = rkeys[i], header_of(i), payloads[i]
+            k, (header, payload) = rkeys[i], value_of(i)
             n = len(header) + payload.nbytes
             head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(k), k, n) + header
             return ([head, payload, tail] if n > len(header) else [head, tail]), 5
@@ -259,7 +259,7 @@ class RedisBackend(StorageBackend):
         return [r if isinstance(r, int) else None for r in self._pipelined(rkeys, build, read, None, self._stripes)]
 
     def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        return self._set(keys, lambda i: values[i][0], [memoryview(v[1]).cast("B") for v in values])
+        return self._set(keys, lambda i: (values[i][0], memoryview(values[i][1]).cast("B")))
 
     def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
                    payloads: Sequence[memoryview]) -> list[int | None]:
@@ -269,19 +269,19 @@ class RedisBackend(StorageBackend):
         """Frame each block just before its SET is sent, not the whole batch up front: the server is
         still draining the socket buffer while the next checksum runs, and the payload is then in
         cache for the kernel's copy."""
-        return self._set(keys, lambda i: frame(keys[i], payloads[i], layout_id), payloads)
+        return self._set(keys, lambda i: self._frame(keys[i], payloads[i], layout_id))
 
     def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int,
                     on_verified: Callable[[int], None] | None = None) -> list[bool | str]:
         """Verify each block right after it arrived (hot in cache), while the server keeps filling the
         socket buffer with the next ones; no verification pass over the whole batch at the end.  A
         verified block is reported at once (``on_verified``), still hot for the caller's copy."""
-        headers = [memoryview(bytearray(HEADER_SIZE)) for _ in keys]
+        headers = [memoryview(bytearray(self.header_size)) for _ in keys]
         results: list[bool | str] = [False] * len(keys)
         told = bytearray(len(keys))  # a key read again (a retried stripe) is reported once
 
         def on_value(i: int, size: int) -> None:
-            results[i] = verify(keys[i], size, headers[i], payloads[i], layout_id) or True
+            results[i] = self._verify(keys[i], size, headers[i], payloads[i], layout_id) or True
             if results[i] is True and on_verified is not None and not told[i]:
                 told[i] = 1
                 on_verified(i)

@@ -30,9 +30,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, SecretStr
 
-from kvtier import blockformat
 from kvtier import threads as kvthreads
-from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock, frame, verify
+from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 from kvtier.keys import key_problem
 
 log = logging.getLogger("kvtier.backends.s3")
@@ -243,16 +242,16 @@ class S3Backend(StorageBackend):
         # Frame in the workers: each payload is checksummed right before it is sent, in parallel.
         guard = _ReadGuard()
         return self._batch(keys, lambda i: self._put_one(
-            keys[i], (frame(keys[i], payloads[i], layout_id), payloads[i]), guard), guard, writes=True)
+            keys[i], self._frame(keys[i], payloads[i], layout_id), guard), guard, writes=True)
 
     def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
                     layout_id: int) -> list[bool | str]:
         guard = _ReadGuard()
 
         def one(i: int) -> bool | str:
-            header = memoryview(bytearray(blockformat.HEADER_SIZE))
+            header = memoryview(bytearray(self.header_size))
             size = self._get_one(keys[i], (header, payloads[i]), guard)
-            return False if size is None else (verify(keys[i], size, header, payloads[i], layout_id) or True)
+            return False if size is None else (self._verify(keys[i], size, header, payloads[i], layout_id) or True)
 
         return self._batch(keys, one, guard)
 

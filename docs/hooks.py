@@ -110,7 +110,8 @@ def _tables(schema: dict[str, Any], path: str, defs: dict[str, Any], level: int,
         if _is_section(node):
             nested.append((f"{path}.{key}", node, raw))
         elif items is not None and _is_section(items):
-            nested.append((f"{path}.{key}[i]", items, node))
+            nested.append((f"{path}.{key}[i]", items, {**node, "description": f"`{path}.{key}`: a list, each entry "
+                           f"with the keys below. {node.get('description') or items.get('description') or ''}"}))
         else:
             # A field's own words first: an enum's class docstring describes the type, not this key.
             desc = raw.get("description") or (docs or {}).get(key) or node.get("description") or ""

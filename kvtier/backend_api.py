@@ -8,6 +8,11 @@ the metrics and the error typing once, for every backend; a backend implements t
 Invariants:
 * ``get_into`` never reports ok for a value whose header or checksum does not match what was asked
   for; such a value is counted as corrupt and deleted.
+* A backend given a seal (``secure``: security mode ``authenticate`` / ``encrypt``, ``kvtier.security``)
+  writes only sealed values (format version 2) and serves only values its seal opens; one it does not
+  is counted as ``forged`` (or corrupt, when its framing is damaged) and deleted.  Hooks frame and check
+  through ``_frame`` / ``_verify`` (never ``frame`` / ``verify`` directly), so the mode holds in every
+  backend's own workers too.
 * Public methods raise only ``BackendError`` subclasses, each naming the backend and a key; the stack
   turns them into misses / skipped stores / metrics, so a backend fault never reaches the engine.
 * No hook ever sees a key that is not canonical (``kvtier.keys.invalid_key``: lower-case hex, no path
@@ -38,6 +43,7 @@ from pydantic import BaseModel, ConfigDict
 from . import blockformat
 from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
 from .plugins import strict_options
+from .security import Forged, Seal
 
 if TYPE_CHECKING:
     from .keys import Namespace
@@ -106,6 +112,7 @@ class BackendStats:
     get_bytes: int = 0
     get_failures: int = 0
     corrupt: int = 0
+    forged: int = 0  # values a sealed backend refused: intact headers, but not sealed by this deployment
     deletes: int = 0
     disk_full: int = 0  # errors: no space / quota (BackendDiskFull, or a key of a batch that failed so)
     permission_denied: int = 0  # errors: access refused (BackendPermissionDenied, or such a key)
@@ -163,6 +170,40 @@ class StorageBackend(ABC):
         self.name = name or type(self).__name__
         self._stats = BackendStats()
         self._lock = threading.Lock()
+        self.seal: Seal | None = None
+
+    def secure(self, seal: Seal | None) -> None:
+        """Seal what this backend writes and open what it reads (None: mode ``none``, format version 1).
+        Set once, before the first call (the builders in ``kvtier.config`` do it)."""
+        self.seal = seal
+
+    @property
+    def header_size(self) -> int:
+        """Bytes of header before each stored payload in this backend's mode."""
+        return blockformat.HEADER_SIZE if self.seal is None else self.seal.header_size
+
+    def _frame(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]:
+        """(header, stored payload) for ``payload`` under ``key`` in this backend's mode; thread-safe.  The
+        stored payload is ``payload`` itself except when encrypting."""
+        if self.seal is None:
+            return frame(key, payload, layout_id), payload
+        return self.seal.seal(key, payload, layout_id)
+
+    def _verify(self, key: str, size: int, header: bytes | bytearray | memoryview,
+                payload: memoryview | blockformat.Segments, layout_id: int, checksum: int | None = None) -> str | None:
+        """``verify`` in this backend's mode: why the value read is not to be served (a ``Forged`` reason
+        for a sealed backend's refusal of an intact value), or None, then ``payload`` holds the block
+        (decrypted in place when encrypting).  ``checksum``: the payload's xxh3-64 if the reader took it
+        as it read (mode ``none`` only; a sealed value has none)."""
+        if self.seal is not None:
+            return self.seal.open(key, size, header, payload, layout_id)
+        if checksum is None:
+            return verify(key, size, header, payload, layout_id)
+        expected = blockformat.HEADER_SIZE + payload.nbytes
+        if size != expected:
+            return f"stored value is {size} bytes, expected {expected}"
+        ns, h = split_key(key)
+        return blockformat.check_block(header, payload, ns, h, layout_id, checksum)
 
     # ------------------------------------------------------------------ hooks a backend implements
 
@@ -206,18 +247,18 @@ class StorageBackend(ABC):
         """Frame and store each payload; per-key success.  The default encodes every header here, in the
         calling thread, then calls ``_write`` once.  A backend may override this to frame inside its own
         workers (checksumming a payload while it is hot in cache); it must store exactly
-        ``frame(key, payload, layout_id) + payload``, atomically per key."""
-        return self._write(keys, [(frame(k, p, layout_id), p) for k, p in zip(keys, payloads)])
+        ``self._frame(key, payload, layout_id)``'s header and payload, atomically per key."""
+        return self._write(keys, [self._frame(k, p, layout_id) for k, p in zip(keys, payloads)])
 
     def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
                     layout_id: int) -> list[bool | str]:
         """Per key: True (a verified block, payload now in the buffer), False (absent), or why the stored
         value is not the expected block (``get_into`` then counts and deletes it).  The default reads with
         ``_read_into`` and verifies here; a backend may override this to verify inside its own workers,
-        but must report True only for values that passed ``verify``."""
-        headers = [memoryview(bytearray(blockformat.HEADER_SIZE)) for _ in keys]
+        but must report True only for values that passed ``self._verify``."""
+        headers = [memoryview(bytearray(self.header_size)) for _ in keys]
         sizes = self._read_into(keys, headers, payloads)
-        return [False if size is None else (verify(key, size, header, view, layout_id) or True)
+        return [False if size is None else (self._verify(key, size, header, view, layout_id) or True)
                 for key, size, header, view in zip(keys, sizes, headers, payloads)]
 
     def _close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
@@ -343,7 +384,7 @@ class StorageBackend(ABC):
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int, *,
                  on_verified: Callable[[int], None] | None = None) -> list[bool]:
         """Read each key's payload into the matching writable buffer; per-key ok.  A value that fails
-        any check is a miss, counted as corrupt, and deleted.
+        any check is a miss, counted as corrupt (or forged: a sealed backend's refusal) and deleted.
 
         ``on_verified(i)``, when given, is called once for each key ``i`` whose buffer holds verified
         bytes: as soon as they are (a backend that ``streams_verified``, from its reading threads, so a
@@ -504,7 +545,8 @@ class StorageBackend(ABC):
             raise InvalidKey(self.name, keys[i], f"refused before any I/O: {why}")
 
     def _on_corrupt(self, key: str, why: str) -> None:
-        log.warning("backend %r: corrupt block %s (%s); deleting", self.name, key, why)
+        what = "forged" if isinstance(why, Forged) else "corrupt"
+        log.warning("backend %r: %s block %s (%s); deleting", self.name, what, key, why)
 
     def _found_corrupt(self, found: Sequence[tuple[str, str]]) -> None:
         """Entries under these keys are no valid value (``(key, why)``): each is logged, counted as corrupt
@@ -516,8 +558,10 @@ class StorageBackend(ABC):
             self._on_corrupt(key, why)
         with contextlib.suppress(BackendError):
             self._call(self._delete, [key for key, _ in found])
+        forged = sum(isinstance(why, Forged) for _, why in found)
         with self._lock:
-            self._stats.corrupt += len(found)
+            self._stats.corrupt += len(found) - forged
+            self._stats.forged += forged
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a hook, turning any exception into a typed BackendError naming backend and key."""

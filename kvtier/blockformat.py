@@ -17,6 +17,30 @@
 All integers little-endian.  A reader knows what it asked for (namespace, key, layout, length), so every
 field is checked against an expectation; the header checksum also covers the reserved bytes.  This layout
 is frozen: a change is a new version number, and readers keep accepting the versions they know.
+
+Format version 2: a sealed block (``kvtier.security``: modes ``authenticate`` and ``encrypt``), 112 bytes
+of header.  Written and read only by a backend whose security mode is not ``none``; version 1 stays the
+format of mode ``none`` (what every kvtier before it wrote and reads).
+
+    offset size  field
+    0      4     magic  b"KVTB"
+    4      2     format version (2)
+    6      2     header length (112)
+    8      8     payload length in bytes
+    16     16    namespace digest
+    32     1     block hash length (16 or 32)
+    33     32    block hash, zero padded
+    65     1     mode: 1 authenticate (payload in clear), 2 encrypt (payload is AES-256-GCM ciphertext)
+    66     2     key id (``security.keys[].id`` of the deployment key the value was sealed with)
+    68     4     layout id (the same offset as version 1: tools read it without a key)
+    72     12    nonce, random per value
+    84     4     reserved, zero
+    88     16    AES-GCM tag over bytes 0..88 and the payload (see kvtier.security for the construction)
+    104    8     xxh3-64 of bytes 0..104: damage to the header is told apart from a forgery without a key
+    112    ...   payload
+
+There is no payload checksum: the tag covers every payload byte, and a keyless xxh3 would only say what
+anyone who can write the store can recompute.
 """
 
 from __future__ import annotations
@@ -36,6 +60,73 @@ _HEADER = struct.Struct("<4sHHQ16sB32s3xIQ")
 _HCHECK = struct.Struct("<Q")
 HEADER_SIZE = _HEADER.size + _HCHECK.size
 assert HEADER_SIZE == 88
+
+
+# ---- format version 2 (sealed values); the fields are described in the module docstring
+FORMAT_VERSION_SEALED = 2
+_HEADER2 = struct.Struct("<4sHHQ16sB32sBHI12s4x")
+SEALED_AAD_SIZE = _HEADER2.size  # bytes 0..88: what the tag covers besides the payload
+assert SEALED_AAD_SIZE == 88
+TAG_SIZE = 16
+SEALED_HEADER_SIZE = SEALED_AAD_SIZE + TAG_SIZE + _HCHECK.size
+assert SEALED_HEADER_SIZE == 112
+MODE_AUTHENTICATE = 1
+MODE_ENCRYPT = 2
+
+
+def stored_version(header: Buffer) -> int | None:
+    """The format version a stored value's header says it has (None: too short, or no magic)."""
+    mv = memoryview(header).cast("B")
+    if mv.nbytes < 6 or bytes(mv[:4]) != MAGIC:
+        return None
+    return int.from_bytes(mv[4:6], "little")
+
+
+def header_size(version: int) -> int:
+    return SEALED_HEADER_SIZE if version == FORMAT_VERSION_SEALED else HEADER_SIZE
+
+
+def encode_sealed_aad(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload_len: int, mode: int,
+                      key_id: int, nonce: bytes) -> bytes:
+    """Bytes 0..88 of a version 2 header: what the tag covers besides the payload."""
+    return _HEADER2.pack(MAGIC, FORMAT_VERSION_SEALED, SEALED_HEADER_SIZE, payload_len, namespace_digest,
+                         len(block_hash), block_hash, mode, key_id, layout_id, nonce)
+
+
+def finish_sealed_header(aad: bytes, tag: Buffer) -> bytes:
+    """The whole 112-byte version 2 header: ``aad``, the tag, the header checksum."""
+    head = aad + bytes(tag)
+    return head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def parse_sealed_header(header: Buffer, namespace_digest: bytes, block_hash: bytes, layout_id: int,
+                        payload_len: int) -> tuple[str, str | tuple[int, int, bytes, bytes]]:
+    """Check a version 2 header against what was asked for.  Returns ("damaged", why) when the header
+    checksum or length fails (damage: no writer would leave it so), ("wrong", why) when an intact header
+    describes another block (what a copy under another key or an old value looks like), else
+    ("ok", (mode, key id, nonce, tag)): the tag is still to be checked."""
+    header = bytes(header)
+    if len(header) != SEALED_HEADER_SIZE:
+        return "damaged", f"header is {len(header)} bytes, expected {SEALED_HEADER_SIZE}"
+    if _HCHECK.unpack_from(header, SEALED_AAD_SIZE + TAG_SIZE)[0] != \
+            xxhash.xxh3_64_intdigest(header[: SEALED_AAD_SIZE + TAG_SIZE]):
+        return "damaged", "header checksum mismatch"
+    magic, version, hlen, plen, ns, klen, key, mode, key_id, layout, nonce = _HEADER2.unpack_from(header)
+    if magic != MAGIC or version != FORMAT_VERSION_SEALED:
+        return "damaged", f"not a version {FORMAT_VERSION_SEALED} header"
+    if hlen != SEALED_HEADER_SIZE:
+        return "damaged", f"header length {hlen}, expected {SEALED_HEADER_SIZE}"
+    if header[84:88] != bytes(4):
+        return "wrong", "reserved bytes are not zero"
+    if plen != payload_len:
+        return "wrong", f"payload length {plen}, expected {payload_len}"
+    if ns != namespace_digest:
+        return "wrong", f"namespace {ns.hex()}, expected {namespace_digest.hex()}"
+    if klen != len(block_hash) or key[:klen] != block_hash:
+        return "wrong", f"block hash {key[:klen].hex()}, expected {block_hash.hex()}"
+    if layout != layout_id:
+        return "wrong", f"layout id {layout:#x}, expected {layout_id:#x}"
+    return "ok", (mode, key_id, nonce, header[SEALED_AAD_SIZE: SEALED_AAD_SIZE + TAG_SIZE])
 
 
 def payload_checksum(payload: Buffer) -> int:

@@ -190,6 +190,12 @@ class BackendConfig(_Section):
     type: str = Field(description="Plugin name in entry-point group kvtier.backends: local_disk, redis, s3, ...")
     options: PluginOptions = Field(default_factory=dict)
     write: bool = Field(True, description="false = read-only use (e.g. a decode instance that never stores).")
+    security: Literal["none", "authenticate", "encrypt"] = Field(
+        "none", description="none: values carry a checksum, which catches damage but not a writer's intent; "
+                            "authenticate: each value carries an AES-GCM tag made with a key derived from "
+                            "security.keys, and a value without a valid one is never served (counted as "
+                            "forged, deleted); encrypt: the same, and the KV is stored encrypted "
+                            "(AES-256-GCM).  Every instance sharing this store must use the same mode.")
 
     @model_validator(mode="after")
     def _default_name(self) -> BackendConfig:
@@ -200,6 +206,97 @@ class BackendConfig(_Section):
     def plugin(self) -> Any:
         """The backend class (raises ``plugins.PluginError``)."""
         return plugins.load("backend", self.type)
+
+
+class KeySource(_Section):
+    """Where one deployment key is read from; the config never holds the key itself."""
+
+    id: int = Field(ge=1, le=65535, description="The key's id, stored in every value it seals (so a reader "
+                                                "picks the right key during a rotation).")
+    file: str | None = Field(None, description="A file holding the key as hex or base64 text, at least 32 "
+                                               "bytes (openssl rand -hex 32 > FILE); ~ and $VARS expand.")
+    env: str | None = Field(None, description="Or: an environment variable holding it, likewise.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KeySource:
+        if (self.file is None) == (self.env is None):
+            raise PydanticCustomError("kvtier", "expected exactly one of file or env (where the key is read "
+                                                "from), got {got}",
+                                      {"got": "both" if self.file is not None else "neither"})
+        return self
+
+
+class SecuritySection(_Section):
+    """Keys for backends whose ``security`` is authenticate or encrypt (kvtier.security).  Rotation: add
+    the new key everywhere (readers accept every listed key), then make it ``write_key``, then drop the
+    old one once its values are gone."""
+
+    keys: list[KeySource] = Field(default_factory=list, description="Deployment keys accepted for reads.")
+    write_key: int | None = Field(None, description="The id of the key new values are sealed with (default: "
+                                                    "the only key; required when there are several).")
+    tenant: str | None = Field(None, description="The cache_salt of the one tenant this deployment serves: "
+                                                 "its values are sealed with that tenant's key, and no "
+                                                 "other tenant's deployment can make values it accepts.")
+    tenant_keys: bool = Field(False, description="true: keys are this tenant's keys (derived from a deployment "
+                                                 "key with kvtier.security.derive_tenant_key), so this "
+                                                 "deployment cannot make another tenant's values.")
+
+    @property
+    def write_id(self) -> int | None:
+        if self.write_key is not None:
+            return self.write_key
+        return self.keys[0].id if len(self.keys) == 1 else None
+
+    def problems(self, sealed: list[tuple[int, str]]) -> list[str]:
+        """What keeps this section from being used by the backends ``sealed`` ((index, mode) of those not in
+        mode none).  The keys themselves are read only when a backend opens (``seal``), so a tool that
+        only counts (``kvtier inspect``) needs no key."""
+        out = []
+        seen: dict[int, int] = {}
+        for i, k in enumerate(self.keys):
+            j = seen.setdefault(k.id, i)
+            if j != i:
+                out.append(f"security.keys[{i}].id: duplicate key id {k.id} (also security.keys[{j}])")
+        if self.write_key is not None and self.write_key not in seen:
+            out.append(f"security.write_key: {self.write_key} is not the id of any of security.keys "
+                       f"(ids: {', '.join(map(str, seen)) or 'none'})")
+        elif self.write_key is None and len(self.keys) > 1:
+            out.append(f"security.write_key: required with several keys: the id ({', '.join(map(str, seen))}) "
+                       "of the one that seals new values")
+        if self.tenant_keys and self.tenant is None:
+            out.append("security.tenant_keys: true needs security.tenant (the cache_salt the tenant keys are for)")
+        for i, mode in sealed:
+            if not self.keys:
+                out.append(f"backends[{i}].security: {mode} needs a deployment key: add security.keys "
+                           "(a file or environment variable holding one)")
+        if sealed:
+            try:
+                import cryptography.hazmat.primitives.ciphers.aead  # noqa: F401
+            except ImportError:
+                out.append(f"backends[{sealed[0][0]}].security: {sealed[0][1]} needs the cryptography package "
+                           "(pip install 'kvtier[security]')")
+        return out
+
+    def seal(self, mode: str) -> Any:
+        """The ``kvtier.security.Seal`` for a backend in ``mode`` (None for none), keys read now; a key that
+        cannot be read is a ConfigError naming its key path (``security.keys[0].file: ...``)."""
+        if mode == "none":
+            return None
+        from .security import KeyRing, KeySourceError, Seal, read_key
+
+        write_id = self.write_id
+        if not self.keys or write_id is None:
+            raise ConfigError([f"security: mode {mode} needs security.keys and security.write_key"])
+        material: dict[int, bytes] = {}
+        problems = []
+        for i, k in enumerate(self.keys):
+            try:
+                material[k.id] = read_key(k.file, k.env)
+            except KeySourceError as e:
+                problems.append(f"security.keys[{i}].{'file' if k.file is not None else 'env'}: {e}")
+        if problems:
+            raise ConfigError(problems)
+        return Seal(mode, KeyRing(material, write_id, self.tenant, self.tenant_keys))
 
 
 class _PolicyConfig(_Section):
@@ -299,6 +396,19 @@ class KvtierConfig(_Section):
     policies: PoliciesSection = Field(default_factory=PoliciesSection)
     transfer: TransferSection = Field(default_factory=TransferSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
+
+    def build_backend(self, b: BackendConfig, options: Any = None, *, keys: bool = True) -> Any:
+        """The backend ``b`` names, opened with its options (or ``options``) and its security mode: every
+        place that opens a configured backend goes through here, so none of them forgets the mode.
+        ``keys=False``: opened without its keys, in mode none (a tool that only lists and counts)."""
+        seal = self.security.seal(b.security) if keys else None  # keys first: a bad key opens nothing
+        backend = b.plugin()(b.options if options is None else options, name=b.name)
+        backend.secure(seal)
+        return backend
+
+    def build_backends(self) -> list[Any]:
+        return [self.build_backend(b) for b in self.backends]
 
     def namespace(self) -> Namespace:
         m = self.model
@@ -567,6 +677,7 @@ def _cross_checks(cfg: KvtierConfig) -> list[str]:
         if j != i:
             out.append(f"backends[{i}].name: duplicate backend name {describe(b.name)} (also backends[{j}]); "
                        "give each instance a unique name")
+    out += cfg.security.problems([(i, b.security) for i, b in enumerate(cfg.backends) if b.security != "none"])
     return out
 
 

@@ -107,7 +107,7 @@ class TierStack:
 
         cfg_write = {b.name: b.write for b in config.backends}
         if backends is None:
-            built = [b.plugin()(b.options, name=b.name) for b in config.backends]
+            built = config.build_backends()
             owned = [True] * len(built)
         else:
             built, owned = list(backends), [False] * len(backends)

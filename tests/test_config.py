@@ -224,7 +224,8 @@ def test_unknown_key_did_you_mean(fake_plugins):
     assert problems(cfg(host={"capacty": "1GiB"})) == ['host.capacty: unknown key; did you mean "capacity"?']
     assert problems(cfg(transfer={"zzz": 1})) == ["transfer.zzz: unknown key; allowed keys: threads, cpus"]
     assert problems({**cfg(), "tiers": {}}) == [
-        "tiers: unknown key; allowed keys: model, keys, device, host, backends, storage, policies, transfer, metrics"]
+        "tiers: unknown key; allowed keys: model, keys, device, host, backends, storage, policies, transfer, metrics, "
+        "security"]
     assert problems(cfg(backends=[{"type": "local_disk", "options": {"pth": "/x"}}])) == [
         "backends[0].options.path: missing required key",
         'backends[0].options.pth: unknown key; did you mean "path"?']

@@ -10,6 +10,10 @@ moto) prints a ``SKIP`` line with the reason and the run goes on.
 
 Default block sizes: 2 MiB = 32 layers x 8 kv heads x 128 head dim x 2 bytes (bf16) x 16 tokens x 2 (K, V),
 and 256 KiB.
+
+``--security authenticate,encrypt``: each backend's put / get in those security modes beside mode none and
+beside the raw primitive's speed over the same bytes on the same threads, in the same run
+(``kvtier.bench._security``), and the candidate MACs' and ciphers' raw speed.
 """
 
 from __future__ import annotations
@@ -47,11 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total", type=positive_size, default="1GiB",
                    help='bytes moved per case and repeat (default "1GiB"; use less for a quick look)')
     p.add_argument("--repeats", type=positive_int, default=5, help="timed repeats per case; medians (default 5)")
+    p.add_argument("--security", default="", metavar="MODES",
+                   help="comma-separated security modes (authenticate, encrypt) to measure on every backend "
+                        "beside mode none and the raw primitive (default: none)")
     p.add_argument("--json", type=out_file, metavar="PATH", help="write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    modes = [m.strip() for m in getattr(args, "security", "").split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("authenticate", "encrypt")]
+    if bad:
+        print(f"--security: expected authenticate and/or encrypt, got {', '.join(bad)}", file=sys.stderr)
+        return 2
     sizes = args.block_sizes  # parsed and checked already (positive_sizes)
     total = args.total  # a size already (positive_size)
     rows: list[dict[str, Any]] = []
@@ -75,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: {len(got)} cases in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
             continue
         print(f"SKIP {name}: {skipped[name]}")
+    if modes:
+        from . import _security as security
+
+        rows.extend(security.run_cases(wanted, modes, sizes, total, args.repeats, skipped))
     if rows:
         table = [{**r, "block": _fmt_block(r["block_bytes"])} for r in rows]
         # A backend may add its own figures (a second ceiling, start-up time): shown after the standard ones.
@@ -83,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {}
     for name in sorted({r["backend"] for r in rows}):
         for op in dict.fromkeys(r["op"] for r in rows):
-            ratios = [r["ratio"] for r in rows if r["backend"] == name and r["op"] == op]
+            ratios = [r["ratio"] for r in rows if r["backend"] == name and r["op"] == op and r["ratio"] is not None]
             if ratios:
                 summary[f"{name}_{op.replace(' ', '_')}_median_ratio"] = statistics.median(ratios)
     if summary:

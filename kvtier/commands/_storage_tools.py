@@ -172,9 +172,11 @@ def describe_location(options: Any) -> str:
     return mask_secrets(", ".join(parts))
 
 
-def open_backend(conf: BackendConfig) -> OpenedBackend:
-    """Open one configured backend with its ``capacity`` lifted (see the module's invariants); a failure
-    (or a ``path`` naming nothing, which opening would create) is the entry's ``error``."""
+def open_backend(conf: BackendConfig, cfg: KvtierConfig, keys: bool = True) -> OpenedBackend:
+    """Open one configured backend with its ``capacity`` lifted (see the module's invariants) and its
+    security mode (``cfg.security``'s keys; ``keys=False``: without them, for a tool that only lists and
+    counts); a failure (or a ``path`` naming nothing, which opening would create) is the entry's
+    ``error``."""
     opts = conf.options
     capacity = getattr(opts, "capacity", None)
     capacity = capacity if isinstance(capacity, int) and not isinstance(capacity, bool) else None
@@ -187,20 +189,22 @@ def open_backend(conf: BackendConfig) -> OpenedBackend:
         ob.error = f"{path} does not exist"
         return ob
     try:
-        ob.backend = conf.plugin()(opts, name=conf.name)
+        ob.backend = cfg.build_backend(conf, opts, keys=keys)
     except Exception as e:  # noqa: BLE001 - reported per backend; the others still run
         ob.error = f"cannot open: {mask_secrets(f'{type(e).__name__}: {e}')}"
     return ob
 
 
 @contextlib.contextmanager
-def open_backends(cfg: KvtierConfig, only: list[str] | None = None) -> Iterator[list[OpenedBackend]]:
-    """Open the config's backends (those named in ``only``, else all), closing them on exit."""
+def open_backends(cfg: KvtierConfig, only: list[str] | None = None, *,
+                  keys: bool = True) -> Iterator[list[OpenedBackend]]:
+    """Open the config's backends (those named in ``only``, else all), closing them on exit (``keys``: as
+    ``open_backend``)."""
     opened: list[OpenedBackend] = []
     try:
         for conf in cfg.backends:
             if not only or conf.name in only:
-                opened.append(open_backend(conf))
+                opened.append(open_backend(conf, cfg, keys))
         yield opened
     finally:
         for ob in opened:

@@ -376,11 +376,11 @@ class Probed:
     stored: int | None = None  # bytes of blocks the backend holds now (its usage), when it says
 
 
-def probe(conf: BackendConfig, index: int) -> Probed:
+def probe(conf: BackendConfig, index: int, cfg: KvtierConfig) -> Probed:
     """Open one backend, look a key up (reachable, how fast), and unless it is read-only write, read back,
-    verify and delete one probe value."""
+    verify and delete one probe value (sealed in the backend's security mode)."""
     name = f"backend {conf.name}"
-    ob = st.open_backend(conf)
+    ob = st.open_backend(conf, cfg)
     where = f"{conf.type}{' ' + ob.location if ob.location else ''}"
     path = _path_option(conf)
     fix = f"fix backends[{index}].options.path or its permissions" if path else \
@@ -519,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
         if "backends" not in skip:
             for i, conf in enumerate(cfg.backends):
                 where = f"{conf.type} {st.describe_location(conf.options)}".strip()
-                p = bounded(functools.partial(probe, conf, i), args.timeout, f"backend {conf.name}", where)
+                p = bounded(functools.partial(probe, conf, i, cfg), args.timeout, f"backend {conf.name}", where)
                 stored[str(conf.name)] = p.stored
                 add(p.check)
             if not cfg.backends:

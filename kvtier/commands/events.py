@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reconcile_s <= 0:
         raise UserError(f"--reconcile-s must be > 0, got {args.reconcile_s}")
     loaded = st.load(args)
-    with st.open_backends(loaded.cfg, args.backend) as opened:
+    with st.open_backends(loaded.cfg, args.backend, keys=False) as opened:
         for ob in opened:
             if ob.backend is None:
                 raise UserError(f"backend {ob.name} ({ob.conf.type}): {ob.error}")

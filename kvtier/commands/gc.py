@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if loaded.filled is not None and not args.json:
         print(loaded.across_namespaces(args.config, "trimming each backend to its capacity, least recently "
                                                     "used first, across"))
-    with st.open_backends(cfg, args.backend) as opened:
+    with st.open_backends(cfg, args.backend, keys=False) as opened:
         entries = []
         for ob in opened:
             if ob.error and not args.json:

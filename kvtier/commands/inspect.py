@@ -3,7 +3,8 @@
 For each backend: where it is, its configured capacity, and per namespace the fields its manifest records
 (model, dtype, shape, TP/PP rank, hash algorithm and seed) with the number of blocks and their bytes.
 A YAML whose model section an engine fills (``--engine``) has no namespace of its own: every namespace
-found is shown alike.  Read-only: nothing is evicted, verified or deleted.  Exit status 0, or 1 when a
+found is shown alike.  Read-only: nothing is evicted, verified or deleted.  It needs no key: a backend in
+security mode authenticate or encrypt is listed and counted as any other (``kvtier verify`` checks tags).  Exit status 0, or 1 when a
 backend could not be read (the others are still shown), 2 for a bad config or flag."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def inspect_backend(ob: st.OpenedBackend, own_ns: str | None) -> dict[str, Any]:
     entry = ob.header()
+    entry["security"] = ob.conf.security
     if ob.backend is None:
         return entry
     b = ob.backend
@@ -64,7 +66,7 @@ def _fields(manifest: dict[str, Any] | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     loaded = st.load(args)
     cfg, own = loaded.cfg, loaded.namespace_id
-    with st.open_backends(cfg, args.backend) as opened:
+    with st.open_backends(cfg, args.backend, keys=False) as opened:
         entries = [inspect_backend(ob, own) for ob in opened]
     rc = 1 if any(e["error"] for e in entries) else 0
     if args.json:
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
              f"tp {m.tp_rank}/{m.tp_size}, pp {m.pp_rank}/{m.pp_size})"]
     for e in entries:
         lines.append("")
-        lines.append(f"backend {e['name']} ({e['type']}{', ' + e['location'] if e['location'] else ''})")
+        mode = f", security {e['security']}" if e["security"] != "none" else ""
+        lines.append(f"backend {e['name']} ({e['type']}{', ' + e['location'] if e['location'] else ''}{mode})")
         if e["error"]:
             lines.append(f"  ERROR: {e['error']}")
             continue

@@ -10,7 +10,12 @@ Without ``--fix`` nothing is changed (a plain read by the stack would delete a c
 not).  With ``--fix`` each corrupt block is read and checked once more, then deleted if it still fails.
 A block that vanishes while verify runs (evicted or deleted by another process) is counted, not reported
 as corrupt; one rewritten meanwhile is checked again.  Exit status 0 when no corrupt block is left and
-every backend was read, 1 otherwise, 2 for a bad config or flag."""
+every backend was read, 1 otherwise, 2 for a bad config or flag.
+
+A backend whose ``security`` mode is authenticate or encrypt is checked as its reads check (with the
+config's ``security.keys``): a value it would refuse with an intact header (unsealed, sealed in another
+mode or with a key this deployment does not hold, or a bad tag) is reported as FORGED, apart from the
+corrupt ones, and ``--fix`` deletes it too."""
 
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backend_api import BackendError, StorageBackend, StoredBlock, verify
-from ..blockformat import HEADER_SIZE
+from ..backend_api import BackendError, StorageBackend, StoredBlock
+from ..security import Forged
 from ..units import format_size
 from . import _storage_tools as st
 
@@ -50,20 +55,22 @@ class Checker:
     corrupt: list[tuple[str, str]] = field(default_factory=list)
 
     def _read(self, blocks: list[StoredBlock]) -> list[tuple[int | None, bytearray, bytearray]]:
-        headers = [bytearray(HEADER_SIZE) for _ in blocks]
-        payloads = [bytearray(max(b.size - HEADER_SIZE, 0)) for b in blocks]
         b = self.backend
+        hsize = b.header_size
+        headers = [bytearray(hsize) for _ in blocks]
+        payloads = [bytearray(max(x.size - hsize, 0)) for x in blocks]
         sizes = b._call(b._read_into, [x.key for x in blocks], [memoryview(h) for h in headers],
                         [memoryview(p) for p in payloads])
         return list(zip(sizes, headers, payloads))
 
     def why(self, key: str, size: int, header: bytearray, payload: bytearray) -> str | None:
         """Why the value read is not ``key``'s block (None if it is)."""
-        if size < HEADER_SIZE:
-            return f"stored value is {size} bytes, shorter than the {HEADER_SIZE}-byte header"
+        hsize = self.backend.header_size
+        if size < hsize:
+            return f"stored value is {size} bytes, shorter than the {hsize}-byte header"
         info = self.infos[key.partition("/")[0]]
         layout_id = info.layout_id if info.layout_id is not None else st.header_layout_id(header)
-        why = verify(key, size, header, memoryview(payload), layout_id)
+        why = self.backend._verify(key, size, header, memoryview(payload), layout_id)
         want = info.payload_nbytes
         if why is None and want is not None and len(payload) != want:
             why = f"payload is {len(payload)} bytes; the namespace's layout has {want}-byte blocks"
@@ -133,7 +140,7 @@ def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, 
                 for batch in _batches(by_ns[ns]):
                     for key, why in checker.check(batch):
                         if not args.json:
-                            st.say(bar, f"  CORRUPT {key}: {why}")
+                            st.say(bar, f"  {'FORGED' if isinstance(why, Forged) else 'CORRUPT'} {key}: {why}")
                     bar.update(len(batch))
         deleted: list[str] = []
         if args.fix and checker.corrupt:
@@ -153,12 +160,14 @@ def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, 
     entry.update({
         "blocks": len(listed), "checked": checker.ok + len(checker.corrupt), "ok": checker.ok,
         "bytes_checked": checker.bytes_read,
-        "corrupt": [{"key": k, "reason": why} for k, why in checker.corrupt],
+        "corrupt": [{"key": k, "reason": why} for k, why in checker.corrupt if not isinstance(why, Forged)],
+        "forged": [{"key": k, "reason": why} for k, why in checker.corrupt if isinstance(why, Forged)],
         "deleted": deleted, "vanished": checker.vanished, "changed": checker.changed,
         "layout_not_cross_checked": unchecked,
     })
     if not args.json:
-        line = (f"backend {ob.name}: {entry['checked']} blocks checked, {len(checker.corrupt)} corrupt"
+        line = (f"backend {ob.name}: {entry['checked']} blocks checked, {len(entry['corrupt'])} corrupt"
+                + (f", {len(entry['forged'])} forged" if ob.backend is not None and b.seal is not None else "")
                 + (f", {len(deleted)} deleted" if args.fix else ""))
         if checker.vanished:
             line += f", {checker.vanished} vanished while verifying"
@@ -182,21 +191,24 @@ def run(args: argparse.Namespace) -> int:
             if ob.error and not args.json:
                 print(f"backend {ob.name} ({ob.conf.type}): ERROR: {ob.error}")
             entries.append(verify_backend(ob, args))
-    corrupt = sum(len(e.get("corrupt", ())) for e in entries)
+    forged = sum(len(e.get("forged", ())) for e in entries)
+    corrupt = sum(len(e.get("corrupt", ())) for e in entries) + forged
     left = corrupt - sum(len(e.get("deleted", ())) for e in entries)
     failed = [e["name"] for e in entries if e["error"]]
     if args.json:
-        st.emit_json({"config": args.config, "corrupt": corrupt, "corrupt_left": left, "failed_backends": failed,
+        st.emit_json({"config": args.config, "corrupt": corrupt - forged, "forged": forged, "corrupt_left": left,
+                      "failed_backends": failed,
                       "backends": entries})
     else:
         print()
         if corrupt == 0:
             print("verify: no corrupt blocks" + (f"; could not read {', '.join(failed)}" if failed else ""))
         else:
-            where = sum(1 for e in entries if e.get("corrupt"))
+            where = sum(1 for e in entries if e.get("corrupt") or e.get("forged"))
             tail = (f"{corrupt - left} deleted" + (f", {left} still there" if left else "")) if args.fix \
                 else "run with --fix to delete them"
-            print(f"verify: {corrupt} corrupt block{'s' if corrupt != 1 else ''} in {where} "
+            what = f"{corrupt - forged} corrupt, {forged} forged" if forged else f"{corrupt} corrupt"
+            print(f"verify: {what} block{'s' if corrupt != 1 else ''} in {where} "
                   f"backend{'s' if where != 1 else ''}; {tail}"
                   + (f"; could not read {', '.join(failed)}" if failed else ""))
     return 1 if left or failed else 0

@@ -71,7 +71,7 @@ class TierManager:
             self.backends = backends
             self.metrics = backends.metrics
         else:
-            built = ([b.plugin()(b.options, name=b.name) for b in config.backends] if backends is None
+            built = (config.build_backends() if backends is None
                      else list(backends))
             names = [b.name for b in built]
             self.metrics = metrics or StackMetrics(["device", "host", *names], self.block_size)

@@ -63,7 +63,7 @@ class PageStore:
                              f"says {_payload_nbytes(self.namespace)}")
         self._owned = backends is None
         built = list(backends) if backends is not None else \
-            [b.plugin()(b.options, name=b.name) for b in config.backends]
+            config.build_backends()
         self.backends_list = built
         names = [b.name for b in built]
         self.metrics = StackMetrics(names, self.namespace.block_size)

@@ -141,8 +141,7 @@ class KvtierTier(SecondaryTierManager):
         self._flat = primary_kv_view.cast("B") if primary_kv_view.format != "B" or primary_kv_view.ndim != 1 \
             else primary_kv_view
         self._owned = backends is None
-        built = list(backends) if backends is not None else \
-            [b.plugin()(b.options, name=b.name) for b in cfg.backends]
+        built = list(backends) if backends is not None else cfg.build_backends()
         names = [b.name for b in built]
         writable = {b.name: b.write for b in cfg.backends}
         self.kinds = [next((c.type for c in cfg.backends if c.name == b.name), type(b).__name__.lower())

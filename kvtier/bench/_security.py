@@ -1,0 +1,251 @@
+"""``kvtier bench backends --security authenticate,encrypt``: what each security mode costs on every backend.
+
+Per backend and block size, in the same rounds (rotating order, the first round dropped, medians): put and
+get of the same payloads in mode ``none`` and in each mode asked for, on one backend instance per mode over
+the same store; and the raw primitive the mode runs (AES-256-GCM through ``cryptography``: the GMAC-style
+tag of ``authenticate``, the encryption / in-place decryption of ``encrypt``) over the same payloads on as
+many threads as the backend's batches use (local_disk ``threads``, redis ``stripes``, s3 ``max_workers``).
+A row's ``ratio`` is the mode's speed over ``none``'s; ``ratio_vs_primitive`` its speed over the
+primitive's alone (the ceiling where the store is faster than the primitive: files in the page cache).
+
+``primitive`` rows: the candidates' raw speed over the same payloads on one thread and on two (keyed
+BLAKE2b, keyed BLAKE3 where installed, HMAC-SHA256, Poly1305, AES-GMAC, AES-256-GCM, ChaCha20-Poly1305):
+what the MAC and the cipher were chosen by (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import hmac
+import importlib
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+MAX_TOTAL = {"disk": 256 << 20, "redis": 256 << 20, "s3": 32 << 20}  # moto moves ~0.1-0.5 GiB/s
+BATCH_BYTES = 64 << 20
+_GIB = float(1 << 30)
+
+
+def _payloads(n: int, block: int) -> list[memoryview]:
+    rng = np.random.default_rng(block)
+    return [memoryview(rng.integers(0, 256, block, dtype=np.uint8).tobytes()) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def _store(name: str) -> Iterator[tuple[Callable[[Any], Any], int]]:
+    """``(make(seal) -> backend, threads its batches use)`` over one store of backend ``name``."""
+    made: list[Any] = []
+    try:
+        if name == "disk":
+            from kvtier.backends.local_disk import LocalDiskBackend
+
+            with tempfile.TemporaryDirectory(prefix="kvtier-bench-sec-") as d:
+                def make_disk(seal: Any) -> Any:
+                    b = LocalDiskBackend({"path": d, "capacity": 1 << 40})
+                    b.secure(seal)
+                    made.append(b)
+                    return b
+                yield make_disk, int(LocalDiskBackend.Options.model_fields["threads"].default)
+        elif name == "redis":
+            from kvtier.backends.redis import RedisBackend
+            from kvtier.testing.redis_server import start_redis
+
+            srv = start_redis()
+            try:
+                def make_redis(seal: Any) -> Any:
+                    b = RedisBackend({"url": srv.url, "eviction_events": "off"})
+                    b.secure(seal)
+                    made.append(b)
+                    return b
+                yield make_redis, int(RedisBackend.Options.model_fields["stripes"].default)
+            finally:
+                srv.stop()
+                srv.cleanup()
+        elif name == "s3":
+            from kvtier.backends.s3 import S3Backend
+            from kvtier.testing.moto_server import dummy_credentials
+
+            from .backend_s3 import _ChildMoto
+
+            with dummy_credentials(), _ChildMoto() as url:
+                bucket = f"kvtier-bench-sec-{os.getpid()}"
+
+                def make_s3(seal: Any) -> Any:
+                    b = S3Backend({"bucket": bucket, "endpoint_url": url, "create_bucket": True})
+                    b.secure(seal)
+                    made.append(b)
+                    return b
+                yield make_s3, int(S3Backend.Options.model_fields["max_workers"].default)
+        else:
+            raise ValueError(f"no security bench for backend {name!r}")
+    finally:
+        for b in made:
+            with contextlib.suppress(Exception):
+                b.close()
+
+
+def _primitive(mode: str, op: str, payloads: list[memoryview], threads: int) -> Callable[[], None]:
+    """The raw primitive of ``mode`` / ``op`` over ``payloads`` on ``threads`` threads (a block each)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    key = os.urandom(32)
+    aead = AESGCM(key)
+    nonce, aad = os.urandom(12), os.urandom(88)
+    if mode == "authenticate":
+        def one(i: int) -> None:
+            aead.encrypt(nonce, aad, payloads[i])
+    elif op == "put":
+        outs = [bytearray(p.nbytes + 16) for p in payloads]
+
+        def one(i: int) -> None:
+            aead.encrypt_into(nonce, payloads[i], aad, outs[i])
+    else:
+        bufs = [bytearray(p) for p in payloads]
+        tag = os.urandom(16)  # the tag check fails at the end: the bytes decrypted cost the same
+
+        def one(i: int) -> None:
+            dec = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
+            dec.authenticate_additional_data(aad)
+            view = memoryview(bufs[i])
+            dec.update_into(view, view)
+            with contextlib.suppress(Exception):
+                dec.finalize()
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+
+    def run() -> None:
+        if pool is None:
+            for i in range(len(payloads)):
+                one(i)
+        else:
+            list(pool.map(one, range(len(payloads))))
+    return run
+
+
+def _drain(pool: ThreadPoolExecutor, fn: Callable[[memoryview], object], items: list[memoryview]) -> None:
+    list(pool.map(fn, items))  # map only submits: the time is until the last result
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def mode_rows(name: str, block: int, total_bytes: int, repeats: int, modes: list[str]) -> list[dict[str, Any]]:
+    from kvtier.keys import Namespace
+    from kvtier.security import KeyRing, Seal
+
+    ns = Namespace(f"bench/security/{name}", "bfloat16", 32, 8, 128, 16)
+    n = max(1, min(total_bytes, MAX_TOTAL.get(name, total_bytes)) // block)
+    per = max(1, min(n, BATCH_BYTES // block))
+    payloads = _payloads(n, block)
+    bufs = [memoryview(bytearray(block)) for _ in range(n)]
+    gib = n * block / _GIB
+    ring = KeyRing({1: os.urandom(32)}, 1)
+    all_modes = ["none", *modes]
+    with _store(name) as (make, threads):
+        backends = {m: make(None if m == "none" else Seal(m, ring)) for m in all_modes}
+        keys = {m: ns.keys([os.urandom(16) for _ in range(n)]) for m in all_modes}
+        spans = [(i, min(n, i + per)) for i in range(0, n, per)]
+
+        def put(m: str) -> None:
+            for lo, hi in spans:
+                if not all(backends[m].put(keys[m][lo:hi], payloads[lo:hi], ns.layout_id)):
+                    raise RuntimeError(f"{name} {m}: a put was refused")
+
+        def get(m: str) -> None:
+            for lo, hi in spans:
+                if not all(backends[m].get_into(keys[m][lo:hi], bufs[lo:hi], ns.layout_id)):
+                    raise RuntimeError(f"{name} {m}: a get missed")
+
+        prims = {(m, op): _primitive(m, op, payloads, threads) for m in modes for op in ("put", "get")}
+        times: dict[tuple[str, str], list[float]] = {(c, op): [] for c in [*all_modes, *(f"raw {m}" for m in modes)]
+                                                     for op in ("put", "get")}
+        for r in range(repeats + 1):  # the first round warms up and is dropped
+            order = all_modes[r % len(all_modes):] + all_modes[:r % len(all_modes)]
+            for m in order:
+                times[m, "put"].append(_timed(functools.partial(put, m)))
+                times[m, "get"].append(_timed(functools.partial(get, m)))
+                for i in range(0, n, max(1, n // 8)):
+                    if bufs[i] != payloads[i]:
+                        raise RuntimeError(f"{name} {m}: wrong bytes for block {i}")
+                    bufs[i][:8] = b"\0" * 8
+                if m != "none":
+                    for op in ("put", "get"):
+                        times[f"raw {m}", op].append(_timed(prims[m, op]))
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    spread = {k: (min(v[1:]), max(v[1:])) for k, v in times.items()}
+    rows = []
+    for m in modes:
+        for op in ("put", "get"):
+            lo, hi = spread[m, op]
+            rows.append({"backend": f"{name} {m}", "op": op, "block_bytes": block, "gib_s": gib / med[m, op],
+                         "ceiling_gib_s": gib / med["none", op], "ratio": med["none", op] / med[m, op],
+                         "primitive_gib_s": gib / med[f"raw {m}", op],
+                         "ratio_vs_primitive": med[f"raw {m}", op] / med[m, op],
+                         "note": f"ceiling: mode none, same run; {m} {op} spread {gib / hi:.2f}-{gib / lo:.2f} "
+                                 f"GiB/s; primitive on {threads} thread(s); {n} blocks"})
+    return rows
+
+
+def _candidates() -> dict[str, Callable[[memoryview], object]]:
+    from cryptography.hazmat.primitives import poly1305
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+    key, nonce, aad = os.urandom(32), os.urandom(12), os.urandom(88)
+    gcm, chacha = AESGCM(key), ChaCha20Poly1305(key)
+    out: dict[str, Callable[[memoryview], object]] = {
+        "BLAKE2b keyed": lambda p: hashlib.blake2b(p, key=key).digest(),
+        "HMAC-SHA256": lambda p: hmac.digest(key, p, "sha256"),
+        "Poly1305 (one-time key)": lambda p: poly1305.Poly1305.generate_tag(key, p),
+        "AES-GMAC (authenticate)": lambda p: gcm.encrypt(nonce, aad, p),
+        "AES-256-GCM (encrypt)": lambda p: gcm.encrypt(nonce, p, aad),
+        "ChaCha20-Poly1305": lambda p: chacha.encrypt(nonce, p, aad),
+    }
+    try:
+        blake3 = importlib.import_module("blake3")  # optional: only timed where installed
+
+        out["BLAKE3 keyed"] = lambda p: blake3.blake3(p, key=key).digest()
+    except ImportError:
+        pass
+    return out
+
+
+def primitive_rows(block: int, total_bytes: int, repeats: int) -> list[dict[str, Any]]:
+    n = max(1, min(total_bytes, 128 << 20) // block)
+    payloads = _payloads(n, block)
+    gib = n * block / _GIB
+    rows = []
+    for name, fn in _candidates().items():
+        for threads in (1, 2):
+            with ThreadPoolExecutor(threads) as pool:
+                ts = [_timed(functools.partial(_drain, pool, fn, payloads)) for _ in range(repeats + 1)][1:]
+            rows.append({"backend": "primitive", "op": f"{name}, {threads} thread{'s' if threads > 1 else ''}",
+                         "block_bytes": block, "gib_s": gib / statistics.median(ts), "ceiling_gib_s": None,
+                         "ratio": None, "note": f"spread {gib / max(ts):.2f}-{gib / min(ts):.2f} GiB/s"})
+    return rows
+
+
+def run_cases(backends: list[str], modes: list[str], block_sizes: list[int], total_bytes: int,
+              repeats: int, skipped: dict[str, str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for block in block_sizes:
+        rows += primitive_rows(block, total_bytes, repeats)
+    for name in backends:
+        try:
+            for block in block_sizes:
+                rows += mode_rows(name, block, total_bytes, repeats, modes)
+        except Exception as e:  # noqa: BLE001 - one backend's set-up failure must not stop the others
+            skipped[f"{name} security"] = f"{type(e).__name__}: {e}"
+            print(f"SKIP {name} security: {skipped[f'{name} security']}")
+    return rows
