@@ -40,10 +40,9 @@ def tmp_name(d: str, path: str, seq: int) -> str:
     return f"{d}/.{path[len(d) + 1:]}.{HOST_TAG}.{os.getpid()}.{seq}.tmp"
 
 
-def write_tmp(d: str, path: str, header: bytes, payload: memoryview, seq: int, fsync: bool) -> str:
-    """Write the value to a new temp file beside ``path`` (``seq``: this process's next temp number; with
-    ``fsync``, synced before it is closed); its name (removed again on any error)."""
-    tmp = tmp_name(d, path, seq)
+def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview, fsync: bool) -> str:
+    """Write the value to the new temp file ``tmp`` in directory ``d`` (``tmp_name``; with ``fsync``,
+    synced before it is closed); its name (removed again on any error)."""
     try:
         fd = os.open(tmp, WFLAGS, 0o666)
     except FileNotFoundError:  # first block of this shard: create it, once, lazily

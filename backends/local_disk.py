@@ -86,8 +86,10 @@ log = logging.getLogger("kvtier.backends.local_disk")
 _T = TypeVar("_T")
 
 _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces at least this large
-_FLUSH_READS = 4096  # verified reads recorded in the index (LRU) at least this often, or every _FLUSH_S
-_FLUSH_S = 1.0
+# Verified reads are recorded in the index (LRU) at the next session, or once this many wait or _FLUSH_S
+# passed: recording a batch of 1,000 costs about as much as a lookup of them (a few ms), too much per get.
+_FLUSH_READS = 16384
+_FLUSH_S = 5.0
 
 
 class LocalDiskBackend(StorageBackend):
@@ -103,8 +105,9 @@ class LocalDiskBackend(StorageBackend):
         fsync: bool = Field(False, description="fsync each file and its directory before a put returns")
         tmp_max_age_s: float = Field(3600.0, gt=0, description="temp files of other hosts older than "
                                      "this are removed at start-up")
-        index_dir: str = Field("~/.cache/kvtier/disk-index", description="where the directory's index "
-                               "lives (one SQLite file per directory, shared by the host's processes)")
+        index_dir: str = Field("~/.cache/kvtier/disk-index", validate_default=True,
+                               description="where the directory's index lives (one SQLite file per "
+                               "directory, shared by the host's processes); ~ and $VARS are expanded")
 
         @field_validator("index_dir")
         @classmethod
@@ -377,8 +380,7 @@ class LocalDiskBackend(StorageBackend):
     def _writer(self) -> str:
         return f"{HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own
 
-    def _reserve(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],
-                 seqs: Sequence[int]) -> list[bool]:
+    def _reserve(self, keys: Sequence[str], sizes: Sequence[int], tmps: Sequence[str]) -> list[bool]:
         """Reserve room for a batch's blocks, in order, in one session; per key whether granted (not: a
         block bigger than the capacity, once the room is held by in-flight writes, or while the index is
         being rebuilt).  Each grant is an intent naming its temp file.  Manifests are not blocks: always
@@ -392,15 +394,18 @@ class LocalDiskBackend(StorageBackend):
                 self._complete = self._idx.meta(c, "complete") == 1
             rows: list[tuple[str, int, str | None]] = []
             reserved = 0  # this batch's reservations so far (entered as intents at the end)
+            total = self._total(c)  # the directory's account, kept here while nothing is evicted
             for i, (key, size) in enumerate(zip(keys, sizes)):
                 if key.endswith(MANIFEST_NAME):
                     granted[i] = True
                     continue
                 if size > self.capacity or not self._complete:
                     continue
-                if not self._make_room(c, reserved + size, evicted):
-                    break  # the room is in flight: the rest of the batch would only look again
-                rows.append((key, size, tmp_name(*where[i], seqs[i])))
+                if total + reserved + size > self.capacity:
+                    if not self._make_room(c, reserved + size, evicted):
+                        break  # the room is in flight: the rest of the batch would only look again
+                    total = self._total(c)
+                rows.append((key, size, tmps[i]))
                 reserved += size
                 with self._idx_lock:
                     self._inflight[key] = self._inflight.get(key, 0) + 1
@@ -470,14 +475,15 @@ class LocalDiskBackend(StorageBackend):
         """Store a batch: reserve room for all of it, write each granted ``value(i)`` (header, payload) to a
         temp file (in the pool's threads), then rename them into place under one lock; per key whether
         stored.  Two ledger sessions per batch, not per block."""
-        seqs = [next(self._tmp_seq) for _ in keys]  # chosen first: each reservation names its temp file
-        granted = self._reserve(keys, where, sizes, seqs)
+        # Temp names chosen first: each reservation names its temp file.
+        names = [tmp_name(*w, next(self._tmp_seq)) for w in where]
+        granted = self._reserve(keys, sizes, names)
         tmps: list[str | None] = [None] * len(keys)
         mtimes: dict[str, int] = {}  # as written (see _eviction_order); a dict's item set is atomic
 
         def one(i: int) -> bool:
             if granted[i]:
-                tmp = tmps[i] = write_tmp(*where[i], *value(i), seqs[i], self.options.fsync)
+                tmp = tmps[i] = write_tmp(where[i][0], names[i], *value(i), self.options.fsync)
                 mtimes[keys[i]] = os.stat(tmp).st_mtime_ns // 1000
             return True
 
