@@ -6,6 +6,9 @@ those blocks as hits whose load then fails (a real-vLLM soak against a full Redi
 a run).  Redis publishes such drops as keyevent notifications (``__keyevent@<db>__:evicted`` /
 ``expired``) when ``notify-keyspace-events`` enables them: one subscriber thread per master node (a
 cluster node publishes only its own keys) turns them into ``StorageBackend._evicted(keys)`` calls.
+Deletes by other clients (``kvtier verify --fix`` in another process, an operator's ``DEL``) are the same
+news for the owner: ``__keyevent@<db>__:del`` too, where the server publishes generic commands' events
+(flag ``g``; switched on with the others in ``auto`` mode, optional in ``listen`` mode).
 
 Invariants:
 
@@ -33,7 +36,8 @@ from ._resp import Connection, RedisReplyError, command
 log = logging.getLogger("kvtier.backends.redis")
 
 Addr = tuple[str, int]
-_WANTED = "Eex"  # keyevent channel, evicted, expired
+_WANTED = "Eex"  # keyevent channel, evicted, expired: needed
+_DELETES = "g"  # generic commands' events (del): wanted, not needed
 
 
 class EvictionEvents(str, enum.Enum):
@@ -44,13 +48,15 @@ class EvictionEvents(str, enum.Enum):
     OFF = "off"
 
 
-def _with_flags(current: str) -> str | None:
-    """``notify-keyspace-events`` value that also publishes evicted / expired keyevents; None when the
-    current one does already ("A" is every class of events, "e" evicted, "x" expired)."""
+def _with_flags(current: str, deletes: bool = True) -> str | None:
+    """``notify-keyspace-events`` value that also publishes evicted / expired (and with ``deletes``, del)
+    keyevents; None when the current one does already ("A" is every class of events, "e" evicted, "x"
+    expired, "g" generic commands such as DEL)."""
     has = set(current)
-    if "E" in has and ("A" in has or {"e", "x"} <= has):
+    need = {"e", "x", "g"} if deletes else {"e", "x"}
+    if "E" in has and ("A" in has or need <= has):
         return None
-    return "".join(sorted(has | set(_WANTED)))
+    return "".join(sorted(has | {"E"} | need))
 
 
 class EvictionListener:
@@ -62,7 +68,7 @@ class EvictionListener:
                  nodes: Callable[[], Sequence[Addr]], connect: Callable[[Addr], Connection],
                  tell: Callable[[list[str]], None], *, poll_s: float = 0.5, retry_s: float = 1.0):
         self.name, self.mode, self.prefix = name, mode, prefix
-        self._channels = [f"__keyevent@{db}__:evicted", f"__keyevent@{db}__:expired"]
+        self._channels = [f"__keyevent@{db}__:evicted", f"__keyevent@{db}__:expired", f"__keyevent@{db}__:del"]
         self._nodes, self._connect, self._tell = nodes, connect, tell
         self._poll_s, self._retry_s = poll_s, retry_s
         self._stop = threading.Event()
@@ -164,6 +170,13 @@ class EvictionListener:
                 return True
             except RedisReplyError:
                 pass
+        if _with_flags(current, deletes=False) is None:
+            if addr not in self._warned:  # evictions and expiries heard; other clients' deletes are not
+                self._warned.add(addr)
+                log.info("redis %r: %s:%d publishes evicted / expired keys but not deletes (add 'g' to "
+                         "notify-keyspace-events): a block another client deletes stays a hint until a load "
+                         "finds it gone", self.name, *addr)
+            return True
         if addr not in self._warned:
             self._warned.add(addr)
             log.warning("redis %r: %s:%d does not publish the keys it evicts or expires (set "

@@ -37,6 +37,17 @@ Invariants:
   again under the lock; ``exists`` always asks the directory, ``lookup`` only the index.  The blocks a put
   evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
   Manifests are not blocks: never evicted, not counted.
+* Every block file unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix``
+  included) is noted in the directory's removal journal (``_disk_removals``) with the backend instance
+  that unlinked it, in the same lock session, once the index transaction that dropped it has committed.  Each
+  backend reads the lines other instances wrote every ``removals_poll_s`` and tells ``on_evicted`` those
+  keys the index does not list again (stored again since: loadable); its own lines are skipped, told when
+  made (a put's evictions) or asked for (deletes).  So another process's eviction reaches this process's stack (and the
+  KV events routers read) within about ``removals_poll_s``, without waiting for a read to miss.  With one
+  shared index no process keeps a set of the keys it knew: every other instance's removal is told, and the
+  listener (the stack, the KV event stream) forgets only what it knew.  A poll costs the journal lines
+  written since the last one and one index lookup of their keys: it walks neither the directory nor the
+  index.
 * A held block (``hold``: a load will read it) is evicted by no process sharing the directory until its
   holder releases it or dies: this process counts its holds, other processes see them as hard links
   (``_disk_holds``); a put that finds only held blocks in its way is refused.
@@ -51,6 +62,8 @@ import os
 import sqlite3
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -79,6 +92,8 @@ from kvtier.backends._disk_holds import DiskHolds, drop_dead_holders, held_elsew
 from kvtier.backends._disk_index import DiskIndex, index_path, prune_indexes
 from kvtier.backends._disk_ledger import HOST_TAG, locked, writer_alive
 from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
+from kvtier.backends._disk_removals import JOURNAL_NAME as JOURNAL_NAME  # public, as LEDGER_NAME
+from kvtier.backends._disk_removals import RemovalFeed, append_removals
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key
 from kvtier.units import ByteSize
 
@@ -105,6 +120,8 @@ class LocalDiskBackend(StorageBackend):
         fsync: bool = Field(False, description="fsync each file and its directory before a put returns")
         tmp_max_age_s: float = Field(3600.0, gt=0, description="temp files of other hosts older than "
                                      "this are removed at start-up")
+        removals_poll_s: float = Field(1.0, ge=0, description="how often the blocks other processes "
+                                       "removed from the directory are read from its journal (0: never)")
         index_dir: str = Field("~/.cache/kvtier/disk-index", validate_default=True,
                                description="where the directory's index lives (one SQLite file per "
                                "directory, shared by the host's processes); ~ and $VARS are expanded")
@@ -145,7 +162,11 @@ class LocalDiskBackend(StorageBackend):
         self._pool_lock = threading.Lock()  # its own: the pool is first needed under other locks
         self._closed = False
         self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
+        self._instance = uuid.uuid4().hex[:8]  # this backend among the removal journal's writers
         os.makedirs(self.root, exist_ok=True)
+        self._stop_watch = threading.Event()
+        # Opened before the index is built: a removal made meanwhile is then read, not missed.
+        feed = RemovalFeed(self.root) if o.removals_poll_s > 0 else None
         t0 = time.perf_counter()
         prune_indexes(o.index_dir)
         try:
@@ -154,6 +175,26 @@ class LocalDiskBackend(StorageBackend):
             log.warning("local_disk: %s: cannot open its index at start-up (%s); reads work, writes will "
                         "fail until it can be", self.root, e)
         self.startup_seconds = time.perf_counter() - t0
+        if feed is not None:
+            threading.Thread(target=_watch_removals, args=(weakref.ref(self), feed, self._stop_watch,
+                             o.removals_poll_s), name="kvtier-local-disk-removals", daemon=True).start()
+
+    def removed_elsewhere(self, keys: Sequence[str]) -> list[str]:
+        """Blocks other backends (other processes, or other instances in this one) removed from the
+        directory, as its journal says (the watcher's ``RemovalFeed.poll`` left out this instance's own
+        lines: told when made, or asked for): told to ``on_evicted``, except those the index lists again
+        (stored again since, so loadable) and lines that are no block key.  Their remover dropped them
+        from the shared index already.  One index lookup for the batch.  Returns the keys told."""
+        keys = [k for k in dict.fromkeys(keys) if invalid_key([k]) is None]
+        if not keys or self._closed:
+            return []
+        try:
+            again = self._idx.lookup(keys)
+        except sqlite3.Error:  # the index cannot be read: a block stored again is told once too often
+            again = [False] * len(keys)
+        told = [k for k, listed in zip(keys, again) if not listed]
+        self._evicted(told)
+        return told
 
     # ------------------------------------------------------------------ paths
 
@@ -208,8 +249,9 @@ class LocalDiskBackend(StorageBackend):
         drop_dead_holders(self.root, self.options.tmp_max_age_s)
         if self._complete:
             evicted: list[str] = []
-            with self._shared() as c:
-                self._make_room(c, 0, evicted)
+            unlinked: list[str] = []
+            with self._shared(removed=unlinked) as c:
+                self._make_room(c, 0, evicted, unlinked)
             self._evicted(evicted)
 
     def _check_index(self) -> str | None:
@@ -264,11 +306,13 @@ class LocalDiskBackend(StorageBackend):
     # ------------------------------------------------------------------ the directory's lock, capacity
 
     @contextlib.contextmanager
-    def _shared(self, check: bool = True) -> Iterator[sqlite3.Connection]:
+    def _shared(self, check: bool = True, removed: Sequence[str] = ()) -> Iterator[sqlite3.Connection]:
         """One session on the directory: its lock, one index transaction (committed also after an error:
         each change in it stands for a file change already made), this process's pending read records,
-        then the ledger file rewritten as the account's mirror.  ``_idx_lock`` is taken inside, only
-        around in-memory changes, and never held while waiting for the flock or for the pool."""
+        then the ledger file rewritten as the account's mirror and the block keys the session unlinked
+        (``removed``: the caller's list, filled in the session) appended to the removal journal, still
+        under the lock.  ``_idx_lock`` is taken inside, only around in-memory changes, and never held while
+        waiting for the flock or for the pool."""
         with locked(self.root) as mirror:
             try:
                 with self._idx.transaction() as c:
@@ -281,9 +325,12 @@ class LocalDiskBackend(StorageBackend):
                         self._record_reads(c)
                     yield c
             finally:
-                doc = self._idx.doc()
-                self._dir_bytes = int(doc["bytes"]) + sum(int(h[0]) for h in doc["held"].values())
-                mirror.write(doc)
+                try:
+                    doc = self._idx.doc()
+                    self._dir_bytes = int(doc["bytes"]) + sum(int(h[0]) for h in doc["held"].values())
+                    mirror.write(doc)
+                finally:  # after the commit: a reader that looks a key up finds it dropped already
+                    append_removals(self.root, removed, self._remover())
 
     def _record_reads(self, c: sqlite3.Connection) -> None:
         """Put this process's verified reads into the index's LRU order (adopting blocks it did not know)
@@ -337,10 +384,11 @@ class LocalDiskBackend(StorageBackend):
         total: int = nbytes + held
         return total
 
-    def _make_room(self, c: sqlite3.Connection, need: int, victims: list[str]) -> bool:
+    def _make_room(self, c: sqlite3.Connection, need: int, victims: list[str], unlinked: list[str]) -> bool:
         """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if
-        in-flight writes and holds keep the room.  Called in a session; the keys unlinked are added to
-        ``victims``.  Victims are announced (one commit) before they are unlinked."""
+        in-flight writes and holds keep the room.  Called in a session; the keys evicted are added to
+        ``victims``, those whose file this call unlinked (not found gone already) to ``unlinked`` (the
+        session's journal lines).  Victims are announced (one commit) before they are unlinked."""
         excess = self._total(c) + need - self.capacity
         if excess <= 0:
             return True
@@ -371,7 +419,8 @@ class LocalDiskBackend(StorageBackend):
             self._idx.intend(c, writer, [(k, 0, None) for k in picked])
             self._idx.checkpoint(c)  # announced before unlinked (a kill among the unlinks is recovered)
             for key in picked:
-                _unlink_sized(self._where(key, checked=True)[1])
+                if _unlink_sized(self._where(key, checked=True)[1])[0]:
+                    unlinked.append(key)
             self._idx.drop(c, picked)
             self._idx.done(c, writer, picked)
             victims.extend(picked)
@@ -379,6 +428,10 @@ class LocalDiskBackend(StorageBackend):
 
     def _writer(self) -> str:
         return f"{HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own
+
+    def _remover(self) -> str:
+        """This backend as the removal journal's writer (``_disk_removals``): one process may run several."""
+        return f"{self._writer()}:{self._instance}"
 
     def _reserve(self, keys: Sequence[str], sizes: Sequence[int], tmps: Sequence[str]) -> list[bool]:
         """Reserve room for a batch's blocks, in order, in one session; per key whether granted (not: a
@@ -389,7 +442,8 @@ class LocalDiskBackend(StorageBackend):
             self._open()  # start-up could not open the index (read-only, full): try again
         granted = [False] * len(keys)
         evicted: list[str] = []
-        with self._shared() as c:
+        unlinked: list[str] = []
+        with self._shared(removed=unlinked) as c:
             if not self._complete:
                 self._complete = self._idx.meta(c, "complete") == 1
             rows: list[tuple[str, int, str | None]] = []
@@ -402,7 +456,7 @@ class LocalDiskBackend(StorageBackend):
                 if size > self.capacity or not self._complete:
                     continue
                 if total + reserved + size > self.capacity:
-                    if not self._make_room(c, reserved + size, evicted):
+                    if not self._make_room(c, reserved + size, evicted, unlinked):
                         break  # the room is in flight: the rest of the batch would only look again
                     total = self._total(c)
                 rows.append((key, size, tmps[i]))
@@ -670,12 +724,16 @@ class LocalDiskBackend(StorageBackend):
         n = 0
         blocks = [k for k in dict.fromkeys(keys) if not k.endswith(MANIFEST_NAME)]
         writer = self._writer()
+        unlinked: list[str] = []  # manifests are not blocks: not in the journal either
         # Announced, then unlinked, then recorded, in one session: a put cannot reuse room not yet freed.
-        with self._shared() as c:
+        with self._shared(removed=unlinked) as c:
             self._idx.intend(c, writer, [(k, 0, None) for k in blocks])
             self._idx.checkpoint(c)
-            for _, path in where:
-                n += _unlink_sized(path)[0]
+            for key, (_, path) in zip(keys, where):
+                removed = _unlink_sized(path)[0]
+                n += removed
+                if removed and not key.endswith(MANIFEST_NAME):
+                    unlinked.append(key)
             self._idx.drop(c, blocks)
             self._idx.done(c, writer, blocks)
         return n
@@ -773,8 +831,27 @@ class LocalDiskBackend(StorageBackend):
             with contextlib.suppress(OSError, sqlite3.Error), self._shared():
                 pass  # this process's last reads recorded
         self._closed = True
+        self._stop_watch.set()
         self._holds.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
         self._idx.close()
+
+
+def _watch_removals(backend: weakref.ref[LocalDiskBackend], feed: RemovalFeed, stop: threading.Event,
+                    period_s: float) -> None:
+    """A backend's journal reader.  It holds the backend only weakly: a backend dropped without ``close``
+    (a tool, a test) ends its reader instead of keeping it alive."""
+    try:
+        while not stop.wait(period_s):
+            b = backend()
+            if b is None:
+                return
+            try:
+                b.removed_elsewhere(feed.poll(skip=b._remover()))
+            except OSError as e:  # a read of the journal failed: retried next period, the data path untouched
+                log.debug("local_disk: %s: reading the removal journal: %s", b.root, e)
+            del b
+    finally:
+        feed.close()

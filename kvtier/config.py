@@ -55,7 +55,7 @@ from .keys import CANONICAL_PAYLOAD, HEAD_MAJOR_KINDS, Namespace
 from .units import ByteSize, format_size
 
 DEFAULT_CONFIG = "local.yaml"
-KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+KvDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8"]
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 
 
@@ -131,7 +131,8 @@ class ModelSection(_Section):
     deployments that differ in any of them never read each other's blocks."""
 
     id: str = Field(min_length=1, description="Model id, e.g. a Hugging Face repo id.")
-    kv_dtype: KvDtype = Field("bfloat16", description="dtype of the KV cache tensors.")
+    kv_dtype: KvDtype = Field("bfloat16", description="dtype of the KV cache tensors (int8: raw bytes, as a "
+                                                        "hybrid model's state pages are stored).")
     num_layers: int = Field(ge=1, description="Attention layers whose KV is stored.")
     num_kv_heads: int = Field(ge=1, description="KV heads per layer on this rank (after TP split).")
     head_dim: int = Field(ge=1, description="Head dimension (MLA: the latent dimension).")
@@ -141,6 +142,8 @@ class ModelSection(_Section):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size.")
     pp_rank: int = Field(0, ge=0, description="Pipeline-parallel rank, 0 <= pp_rank < pp_size.")
     pp_size: int = Field(1, ge=1, description="Pipeline-parallel size.")
+    kv_group: str = Field("", description="Set by the vLLM connector for a hybrid model's KV cache group "
+                                          "(empty for a model with one group).")
 
 
 class KeysSection(_Section):
@@ -303,7 +306,8 @@ class KvtierConfig(_Section):
                          head_dim=m.head_dim, block_size=m.block_size, attention=m.attention,
                          tp_rank=m.tp_rank, tp_size=m.tp_size, pp_rank=m.pp_rank, pp_size=m.pp_size,
                          hash_algo=self.keys.algo, hash_seed=self.keys.seed,
-                         storage_blocks=self.storage_blocks, payload=self.payload_arrangement)
+                         storage_blocks=self.storage_blocks, payload=self.payload_arrangement,
+                         kv_group=m.kv_group)
 
     @property
     def payload_arrangement(self) -> str:
@@ -642,7 +646,7 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 # storage.block_tokens); the engine checks the file's keys against its own values at start-up.
 _ENGINE_PLACEHOLDERS: dict[str, Any] = {"id": "<the engine's model>", "kv_dtype": "bfloat16", "num_layers": 1,
                                         "num_kv_heads": 1, "head_dim": 1, "block_size": 1, "attention": "mha",
-                                        "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+                                        "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "kv_group": ""}
 
 
 def load_config_as_deployed(path: str | os.PathLike[str] | None, engine: str = "auto", *,

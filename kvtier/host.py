@@ -5,13 +5,8 @@ available, so host<->device copies are asynchronous DMA).  Each slot holds one b
 (:mod:`kvtier.layout`).  Backends read and write a slot through :meth:`HostTier.slot_view`, a writable
 buffer over the slab (no copy).
 
-Slot life cycle::
-
-    FREE --allocate--> WRITING --commit--> READY --free--> FREE
-                          |                                  ^
-                          +---------------free---------------+
-
-The slab keeps slots and their states only (and the key a READY slot was committed with, so a copy can
+Slot states and their life cycle are :class:`~kvtier.host_slots.SlotTable`'s, which this class extends
+with the bytes.  The slab keeps slots and their states only (and the key a READY slot was committed with, so a copy can
 check that a slot still holds what its caller looked up).  Which block to evict, and when, and whether
 a block's bytes are in use, is decided by the owner of the blocks (the stack's
 :class:`~kvtier.index.BlockIndex`, whose reference counts are the only pins, and its eviction policy):
@@ -29,36 +24,15 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import enum
-import heapq
 import os
-import threading
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-class SlotState(enum.Enum):
-    """The state of one host slot (the life cycle above)."""
-
-    FREE = "free"
-    WRITING = "writing"
-    READY = "ready"
-
-
-FREE, WRITING, READY = SlotState.FREE, SlotState.WRITING, SlotState.READY
-
-
-@dataclass
-class Allocation:
-    """Result of :meth:`HostTier.allocate`: the slots obtained (in WRITING state) and how many of the
-    requested were not (``skipped``: count them as skipped stores, or make room and ask again)."""
-
-    slots: list[int]
-    skipped: int = 0
+from .host_slots import FREE, READY, WRITING, Allocation, SlotState, SlotTable
 
 
 @dataclass
@@ -86,7 +60,7 @@ def resolve_pin_memory(pinned: bool | str) -> bool:
     raise ValueError(f'host.pinned: expected "auto", true or false, got {pinned!r}')
 
 
-class HostTier:
+class HostTier(SlotTable):
     """The slab, a free list (lowest slot first, so fresh allocations are contiguous runs that copy in
     one piece), per-slot state and key.  No recency, no pins: see the module docstring."""
 
@@ -115,12 +89,7 @@ class HostTier:
             self.slab.zero_()
         self._np = self.slab.numpy()  # numpy view of the same memory: slot_view builds on it
         self._finalizer = weakref.finalize(self, _release_slab, self.slab, self.pin_memory)
-        self._lock = threading.Lock()
-        self._state = [FREE] * num_slots
-        self._key: list[Hashable | None] = [None] * num_slots
-        self._free = list(range(num_slots))  # a heap (sorted list is one)
-        self._n_writing = self._n_ready = 0
-        self._allocated = self._skipped = 0
+        super().__init__(num_slots)
 
     @classmethod
     def from_config(cls, host: Any, block_nbytes: int) -> HostTier:
@@ -136,7 +105,7 @@ class HostTier:
 
     def slot_view(self, slot: int) -> memoryview:
         """A writable buffer over slot ``slot`` (no copy): what a backend reads into or writes from."""
-        return memoryview(self._np[self._check(slot)])
+        return memoryview(self._np[self.check_slot(slot)])
 
     def slot_views(self, slots: Sequence[int]) -> list[memoryview]:
         return [self.slot_view(s) for s in slots]
@@ -145,104 +114,13 @@ class HostTier:
         """Slots ``start..stop-1`` as a ``[n, block_nbytes]`` tensor view of the slab."""
         return self.slab[start:stop]
 
-    # ------------------------------------------------------------------ state changes
-
-    def allocate(self, n: int) -> Allocation:
-        """Up to ``n`` FREE slots, now WRITING, lowest first.  Never waits and never evicts: making room
-        is the caller's decision (it knows which blocks are least recently used)."""
-        if n < 0:
-            raise ValueError(f"allocate: n must be >= 0, got {n}")
-        with self._lock:
-            slots = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
-            for s in slots:
-                self._state[s] = WRITING
-            self._n_writing += len(slots)
-            self._allocated += len(slots)
-            self._skipped += n - len(slots)
-            return Allocation(slots, n - len(slots))
-
-    def commit(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> None:
-        """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``).
-        Commit only slots whose bytes fully arrived."""
-        if keys is not None and len(keys) != len(slots):
-            raise ValueError(f"commit: {len(slots)} slots but {len(keys)} keys")
-        with self._lock:
-            self._expect(slots, (WRITING,), "commit")
-            for i, s in enumerate(slots):
-                self._state[s] = READY
-                self._key[s] = None if keys is None else keys[i]
-            self._n_writing -= len(slots)
-            self._n_ready += len(slots)
-
-    def free(self, slots: Sequence[int]) -> None:
-        """Back to FREE (a failed or abandoned write, an evicted block, a dropped one).  Raises for a slot
-        already free; all or nothing."""
-        with self._lock:
-            self._expect(slots, (WRITING, READY), "free")
-            for s in slots:
-                st = self._state[s]
-                if st == WRITING:
-                    self._n_writing -= 1
-                else:
-                    self._n_ready -= 1
-                self._state[s] = FREE
-                self._key[s] = None
-                heapq.heappush(self._free, s)
-
-    def holds(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
-        """Per slot, whether it is READY (and, with ``keys``, still holds that key: it may have been
-        evicted and refilled since the caller looked it up).  A check, not a claim: the caller keeps the
-        slot from being freed while it reads it (the stack: an index reference)."""
-        if keys is not None and len(keys) != len(slots):
-            raise ValueError(f"holds: {len(slots)} slots but {len(keys)} keys")
-        with self._lock:
-            return [self._state[self._check(s)] == READY and (keys is None or self._key[s] == keys[i])
-                    for i, s in enumerate(slots)]
-
-    # ------------------------------------------------------------------ queries
-
-    def in_state(self, slots: Sequence[int], state: SlotState) -> list[bool]:
-        """Per slot, whether it is in ``state`` (False for a slot out of range): one look under the lock
-        for a whole batch, where ``state()`` per slot cost a transfer's submission a call per block."""
-        n, st = self.num_slots, self._state
-        with self._lock:
-            return [0 <= s < n and st[s] is state for s in slots]
-
-    def state(self, slot: int) -> SlotState:
-        return self._state[self._check(slot)]
-
-    def key(self, slot: int) -> Hashable | None:
-        return self._key[self._check(slot)]
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def stats(self) -> HostTierStats:
-        with self._lock:
-            return HostTierStats(self.num_slots, self.block_nbytes, len(self._free), self._n_writing,
-                                 self._n_ready, self._allocated, self._skipped)
+        c = self.counts()
+        return HostTierStats(c.num_slots, self.block_nbytes, c.free, c.writing, c.ready, c.allocated, c.skipped)
 
     def close(self) -> None:
         """Release the slab (unregistering page-locked memory).  The tier is unusable afterwards."""
         self._finalizer()
-
-    # ------------------------------------------------------------------ internals
-
-    def _check(self, s: int) -> int:
-        if not 0 <= s < self.num_slots:
-            raise IndexError(f"slot {s} out of range [0, {self.num_slots})")
-        return s
-
-    def _expect(self, slots: Sequence[int], states: tuple[SlotState, ...], what: str) -> None:
-        seen = set()
-        for s in slots:
-            if self._state[self._check(s)] not in states:
-                raise ValueError(f"{what}: slot {s} is {self._state[s].value}, expected "
-                                 f"{' or '.join(x.value for x in states)}")
-            if s in seen:
-                raise ValueError(f"{what}: slot {s} given twice")
-            seen.add(s)
 
 
 class HostMemoryUnavailable(ValueError):
@@ -304,3 +182,7 @@ def _release_slab(slab: torch.Tensor, pin: bool) -> None:
         with contextlib.suppress(Exception):
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
         slab._kvtier_registered = False  # type: ignore[attr-defined]
+
+
+__all__ = ["FREE", "READY", "WRITING", "Allocation", "HostMemoryUnavailable", "HostTier", "HostTierStats",
+           "SlotState", "memory_available", "memory_total", "resolve_pin_memory"]

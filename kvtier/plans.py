@@ -49,6 +49,9 @@ class _BlockPlan:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     start: int = 0
+    #: The engine's KV cache group these blocks belong to (vLLM's hybrid KV cache manager: one block
+    #: table per group); 0 for a model with one group.
+    group: int = 0
 
     def __post_init__(self) -> None:
         what, ids = f"{self.KIND} plan for {self.req_id!r}", self.block_ids
@@ -125,6 +128,9 @@ class WorkerReport:
     writes: bool = True
     # This worker's rank among the engine's workers, in [0, ranks) of the RankTally that folds it.
     rank: int = 0
+    # The KV cache group whose blocks this report is about (a worker reports each group apart: the same
+    # block hash names one value per group).
+    group: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.in_host or self.left_host or self.lost or self.in_backend or self.left_backend

@@ -24,11 +24,14 @@ Invariants:
 * **Bounded.**  Nothing waits without a bound while holding a lock: a full host tier skips (counted)
   or evicts unpinned blocks; write-back evictions do their I/O outside the lock in worker threads,
   bounded by the backends' own timeouts; every wait takes a timeout.
-* **One lock.**  ``_lock`` guards the index and the stack's in-flight sets and is never held across
+* **One lock.**  The planner's ``lock`` guards the index and what is in flight and is never held across
   I/O, a copy, a wait, or a call into the transfer engine.
 
-The store path lives in :mod:`kvtier._stack_down`, the load and prefetch paths in
-:mod:`kvtier._stack_up`, results and handles in :mod:`kvtier._stack_results`.
+This class is a facade: every placement decision is the planner's
+(:class:`~kvtier.tiering.planner.Planner`, torch-free), the executors run them (the store path in
+:mod:`kvtier.tiering.store_path`, the load and prefetch paths in :mod:`kvtier.tiering.load_path`, values of
+several blocks in :mod:`kvtier.tiering.grouped_io`), results and handles are in
+:mod:`kvtier.tiering.results`.
 """
 
 from __future__ import annotations
@@ -36,40 +39,40 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import threads as kvthreads
-from ._stack_backends import BackendSet
-from ._stack_down import Downward, HostRoom
-from ._stack_groups import Grouped
-from ._stack_results import (
+from .backend_api import StorageBackend
+from .blockids import int_array
+from .config import KvtierConfig, direct_loads, load_config
+from .host import HostTier, memory_available
+from .index import BlockIndex
+from .keys import Namespace
+from .layout import KVLayout, LayoutError
+from .metrics import StackMetrics
+from .plans import WorkerReport
+from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
+from .tiering.backend_set import BackendSet
+from .tiering.grouped_io import Grouped
+from .tiering.load_path import Upward
+from .tiering.manager import TierManager
+from .tiering.parts import StackParts, Tuning, Workers
+from .tiering.planner import Planner
+from .tiering.results import (
     LoadHandle,
     LoadResult,
     LookupResult,
-    PendingOps,
     PrefetchHandle,
     StoreHandle,
     StoreResult,
     StoreStatus,
 )
-from ._stack_up import Upward
-from .backend_api import StorageBackend
-from .blockids import int_array
-from .config import KvtierConfig, direct_loads, load_config
-from .host import WRITING, HostTier, memory_available
-from .index import BlockIndex, Tier
-from .keys import Namespace
-from .layout import KVLayout, LayoutError
-from .manager import TierManager
-from .metrics import StackMetrics
-from .plans import WorkerReport
-from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
+from .tiering.store_path import Downward, HostRoom
+from .tiering.writes import BackendWriter
 from .tiers import BlockPool, DeviceTier
 from .transfer import TransferEngine
 from .units import format_size
@@ -120,55 +123,33 @@ class TierStack:
         self.storage_blocks = config.storage_blocks
         self._backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
                                     self.namespace.layout_id, self.layout.block_nbytes * self.storage_blocks)
+        self.planner = Planner(config, backends=self._backends, metrics=self.metrics, slots=self.host,
+                               device_blocks=self.device.num_blocks)
         pol = config.policies
-        self.write_policy: WritePolicy = pol.write.plugin()(pol.write.options)
+        self.write_policy: WritePolicy = self.planner.write_policy
+        self.eviction_policy: EvictionPolicy = self.planner.eviction_policy
         self.prefetch_policy: PrefetchPolicy = pol.prefetch.plugin()(pol.prefetch.options)
-        self.eviction_policy: EvictionPolicy = pol.eviction.plugin()(pol.eviction.options)
-        self.prefetch_threshold_tokens = pol.prefetch.threshold_tokens
-        self.prefetch_chunk_blocks = 16  # blocks read per backend call by a prefetch (cancel granularity)
-        # A load reads its backend blocks in chunks of about this many bytes, copying each chunk to the
-        # device while the next is read (too small: more backend calls; too large: less overlap).
-        self.load_chunk_bytes = 32 * 2**20
+        self.index: BlockIndex = self.planner.index
+        self.manager: TierManager = self.planner.manager
+        self.tier_names = self.manager.tier_names  # what this deployment calls its tiers (reports, logs)
         # Per backend: whether a load reads its blocks straight into the engine's KV tensors, skipping host
         # memory (kvtier.config.direct_loads: host.promote_loads false, CPU KV rows, a backend that reads
         # segments).
         self.direct_loads = direct_loads(config, self._backends.reads_segments, self.device.holds_payload_rows)
-
+        self._tuning = Tuning()
         self._say_memory(threads)
-        slots = self.host.num_slots if self.host else 0
-        self.index = BlockIndex(capacity=max(1024, self.device.num_blocks + slots))
-        # Entries only in backends are hints (hit counts, where a block was written); beyond this many
-        # entries the oldest of them are forgotten, so the index stays bounded in a long-lived process.
-        self.max_index_entries = max(1 << 20, 4 * (self.device.num_blocks + slots))
-        self._lock = threading.Lock()
-        self._pending = PendingOps()
-        self._storing: set[bytes] = set()  # device -> host copy (or direct backend write) in flight
-        self._writing: set[bytes] = set()  # host -> backend write-down in flight
-        # Host blocks whose write-back failed (insertion order = oldest first), bounded: see _stack_down.
-        self._unwritten: dict[bytes, None] = {}
-        # Host blocks the write policy sent down that a writable backend has not taken yet (it failed, was
-        # down or refused): written again when a backend comes back (``_backend_back``).  Bounded by host
-        # memory: a block leaves it when it leaves host memory.
-        self._owed: dict[bytes, None] = {}
-        # Host blocks of whole stored-value groups (storage.block_tokens > 1): block -> its group's blocks.
-        self._members: dict[bytes, tuple[bytes, ...]] = {}
-        self.max_unwritten = max(1, (self.host.num_slots if self.host else 0) // 4)
-        self._io = kvthreads.pool(threads, "kvtier-write")  # backend writes (write-down, write-back)
-        self._reads = kvthreads.pool(threads, "kvtier-read")  # backend reads (load, prefetch)
-        self._closed = False
-        # What host memory gained and lost since the last drain_report(): a manager in another process
-        # (vLLM's scheduler) mirrors host residency from it.  None = nobody listens, nothing recorded.
-        self._report: WorkerReport | None = None
-        self.room = HostRoom(self)
-        self._down = Downward(self)
-        self._up = Upward(self)
-        self._grouped = Grouped(self)
+        self._workers = Workers(threads)
+        self._parts = StackParts(self.planner, self.device, self.host, self._xfer, self._backends, self.metrics,
+                                 self.namespace, self._workers, self._tuning, self.direct_loads,
+                                 self.prefetch_policy, pol.prefetch.threshold_tokens)
+        writer = BackendWriter(self._parts)
+        self._room = HostRoom(self._parts, writer)
+        grouped = Grouped(self._parts, self._room, writer) if self.storage_blocks > 1 else None
+        self._room.grouped = grouped
+        self._down = Downward(self._parts, self._room, writer, grouped)
+        self._up = Upward(self._parts, self._room, self._down, grouped, self.lookup)
 
-        # The scheduler half: the same index and lock, the same backend probing the vLLM connector uses.
-        self.manager = TierManager(config, backends=self._backends, index=self.index, lock=self._lock)
-        self.manager.on_forgotten = self._backend_evicted_locked
         self.manager.on_backend_back = self._backend_back
-        self.tier_names = self.manager.tier_names  # what this deployment calls its tiers (reports, logs)
         self._backends.put_manifests(self.namespace)
         if self._backends.writable:
             self._backends.start_watch()  # a backend back from an outage gets what it missed, traffic or not
@@ -176,6 +157,34 @@ class TierStack:
         if config.metrics.prometheus_port:
             self.metrics_port = self.metrics.serve(config.metrics.prometheus_port,
                                                    config.metrics.bind_address)
+
+    # Sizes the executors read at each operation; tests and benchmarks change them on a live stack.
+    @property
+    def load_chunk_bytes(self) -> int:
+        """A load reads its backend blocks in chunks of about this many bytes (``Tuning``)."""
+        return self._tuning.load_chunk_bytes
+
+    @load_chunk_bytes.setter
+    def load_chunk_bytes(self, n: int) -> None:
+        self._tuning.load_chunk_bytes = n
+
+    @property
+    def prefetch_chunk_blocks(self) -> int:
+        """Blocks read per backend call by a prefetch (its cancel granularity)."""
+        return self._tuning.prefetch_chunk_blocks
+
+    @prefetch_chunk_blocks.setter
+    def prefetch_chunk_blocks(self, n: int) -> None:
+        self._tuning.prefetch_chunk_blocks = n
+
+    @property
+    def max_index_entries(self) -> int:
+        """Index entries kept before backend-only ones are forgotten, oldest first."""
+        return self.planner.max_index_entries
+
+    @max_index_entries.setter
+    def max_index_entries(self, n: int) -> None:
+        self.planner.max_index_entries = n
 
     @classmethod
     def from_config(cls, path_or_config: str | os.PathLike[str] | KvtierConfig | None = None,
@@ -230,28 +239,28 @@ class TierStack:
 
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
         """The engine freed or reused these device blocks: forget what the index says they hold."""
-        with self._lock:
-            self.index.free_devices(int_array(block_ids, "block ids").tolist())
+        self.planner.device_freed(int_array(block_ids, "block ids").tolist())
 
     def drain_report(self) -> WorkerReport:
         """Host-memory changes, and blocks the backends evicted, since the last call (recording starts with
         the first call)."""
-        with self._lock:
-            self.manager.fold_evictions_locked()
-            out, self._report = self._report or WorkerReport(), WorkerReport()
-        return out
-
-    def _backend_evicted_locked(self, key: bytes, backend: int) -> None:
-        """Backend ``backend`` evicted ``key`` (the manager has unmarked it there): a manager in another
-        process must forget it too, or it offers a hit every load of which fails."""
-        if self._report is not None:
-            self._report.left_backend.add((key, backend))
-            self._report.in_backend.discard((key, backend))
+        return self.planner.drain_report()
 
     def leading_in_memory(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` in host memory or on the device."""
-        with self._lock:
-            return self.index.lookup_prefix(list(hashes)).in_memory
+        return self.planner.leading_in_memory(hashes)
+
+    def evict_host(self, hashes: Sequence[bytes]) -> int:
+        """Evict these blocks from host memory now, where nothing uses them (an operator freeing memory, a
+        test standing in for memory pressure); returns how many left."""
+        n = 0
+        with self.planner.lock:
+            for key in hashes:
+                e = self.index.get(key)
+                if e is not None and e.host is not None and e.refs == 0 and not self.planner.copying_locked(key):
+                    self.planner.drop_host_locked(key)
+                    n += 1
+        return n
 
     # ------------------------------------------------------------------ worker side
 
@@ -279,21 +288,18 @@ class TierStack:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every store in flight and every pending backend write has finished; False if
         ``timeout`` expired first.  A prefill process calls it before exit."""
-        return self._pending.wait(timeout)
+        return self._workers.pending.wait(timeout)
 
     # ------------------------------------------------------------------ observability
 
     def stats(self) -> dict[str, Any]:
         out = self.metrics.snapshot()
         out["host"] = dataclasses.asdict(self.host.stats()) if self.host else None
-        with self._lock:
-            out["index"] = {"entries": len(self.index), "device": self.index.count(Tier.DEVICE),
-                            "host": self.index.count(Tier.HOST), "pinned": self.index.pinned,
-                            "writing_down": len(self._writing),
-                            **{n: self.index.count(Tier.backend(i)) for i, n in enumerate(self._backends.names)}}
+        counts = self.planner.counts()
+        out["index"] = {k: v for k, v in counts.items() if k not in ("unwritten", "owed")}
         out["transfer"] = self._xfer.stats() if self._xfer else None
         out["backends"] = self._backends.stats()
-        out["pending"] = self._pending.count
+        out["pending"] = self._workers.pending.count
         return out
 
     def summary(self) -> str:
@@ -302,30 +308,28 @@ class TierStack:
         lines = [self.metrics.summary()]
         if self.host:
             s = self.host.stats()
-            with self._lock:
-                in_use = self.index.pinned
+            in_use = self.planner.counts()["pinned"]
             lines.append(f"  host slots: {s.ready} ready, {s.writing} writing, {s.free} free of {s.num_slots}; "
                          f"{in_use} blocks in use")
         return "\n".join(lines)
 
     def _gauges(self) -> dict[str, float]:
-        g: dict[str, float] = {"pending_writes": self._pending.count, "index_entries": len(self.index),
-                               "pinned_blocks": self.index.pinned}
+        counts = self.planner.counts()
+        g: dict[str, float] = {"pending_writes": self._workers.pending.count, "index_entries": counts["entries"],
+                               "pinned_blocks": counts["pinned"]}
         if self.host:
             s = self.host.stats()
             g.update(host_slots=s.num_slots, host_slots_used=s.num_slots - s.free,
-                     host_unwritten_blocks=len(self._unwritten), host_owed_blocks=len(self._owed))
+                     host_unwritten_blocks=counts["unwritten"], host_owed_blocks=counts["owed"])
         return g
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Flush (up to ``timeout`` s), stop the workers, close the backends the stack built."""
-        if self._closed:
+        if self._workers.closed:
             return
         if not self.flush(timeout):
-            log.warning("close: %d backend writes still pending after %s s", self._pending.count, timeout)
-        self._closed = True
-        self._reads.shutdown(wait=True)
-        self._io.shutdown(wait=True)
+            log.warning("close: %d backend writes still pending after %s s", self._workers.pending.count, timeout)
+        self._workers.close()
         if self._xfer is not None:
             self._xfer.close()
         self.manager.close()
@@ -340,7 +344,7 @@ class TierStack:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ index bookkeeping (hold _lock)
+    # ------------------------------------------------------------------ checks and parts
 
     def _check_ids(self, block_ids: Sequence[int], n: int) -> np.ndarray:
         ids = int_array(block_ids, "block ids")
@@ -351,73 +355,13 @@ class TierStack:
             raise ValueError(f"block ids {ids[bad].tolist()} out of range [0, {self.device.num_blocks})")
         return ids
 
-    def _trim_index_locked(self) -> None:
-        """Forget the least recently used backend-only entries once the index is over its bound."""
-        excess = len(self.index) - self.max_index_entries
-        if excess <= 0:
-            return
-        excess += self.max_index_entries // 8  # trim in batches: the scan below is O(entries)
-        for i in range(len(self._backends)):
-            for key in self.index.eviction_candidates(Tier.backend(i), excess):
-                e = self.index.get(key)
-                if e is not None and e.refs == 0 and e.device is None and e.host is None:
-                    self.index.remove(key)
-                    excess -= 1
-            if excess <= 0:
-                return
-
-    def _hit_locked(self, key: bytes) -> int:
-        """Count a hit (a reuse): recency for eviction, and the count write policies look at."""
-        hits = self.index.touch(key)
-        if self.index.host_slot(key) is not None:
-            self.eviction_policy.on_access(Tier.HOST, [key])
-        return hits
-
     def host_tier(self) -> HostTier:
         """The host tier, on the paths that run only when there is one (``host.capacity`` > 0)."""
-        if self.host is None:
-            raise RuntimeError("this stack has no host tier (host.capacity: 0)")
-        return self.host
+        return self._parts.host_tier()
 
     def transfers(self) -> TransferEngine:
         """The host <-> device transfer engine: it exists exactly when the host tier does."""
-        if self._xfer is None:
-            raise RuntimeError("this stack has no host tier (host.capacity: 0), so no host <-> device transfers")
-        return self._xfer
-
-    def _commit_host_locked(self, key: bytes, slot: int) -> int:
-        """Record ``key`` in host ``slot`` (READY or WRITING, unpinned) unless another slot already holds
-        it (a concurrent store or fetch won): then ``slot`` is freed.  Returns the slot holding ``key``."""
-        e = self.index.get(key)
-        host = self.host_tier()
-        if e is not None and e.host is not None and e.host != slot:
-            host.free([slot])
-            return e.host
-        if host.state(slot) == WRITING:
-            host.commit([slot], [key])
-        if key not in self.index:
-            self.index.insert(key)
-        self.index.set_host(key, slot)
-        self.eviction_policy.on_insert(Tier.HOST, [key])
-        if self._report is not None:
-            self._report.in_host[key] = slot
-            self._report.left_host.discard(key)
-        return slot
-
-    def _drop_host_locked(self, key: bytes) -> None:
-        """Evict ``key`` from host memory (unpinned): its slot becomes free."""
-        slot = self.index.clear_host(key)
-        self._unwritten.pop(key, None)
-        self._owed.pop(key, None)
-        self._members.pop(key, None)
-        if slot is not None:
-            self.host_tier().free([slot])
-            self.eviction_policy.on_remove(Tier.HOST, [key])
-            self.metrics.add("host", evictions=1)
-            if self._report is not None:
-                self._report.in_host.pop(key, None)
-                self._report.left_host.add(key)
-        self.index.discard_if_unused(key)
+        return self._parts.transfers()
 
     def _say_memory(self, threads: int) -> None:
         """Say at start-up what host memory this process holds for kvtier, and warn when the host tier is a
@@ -441,33 +385,20 @@ class TierStack:
     def _backend_back(self, i: int, in_host: list[bytes]) -> None:
         """Backend ``i`` answers again after an outage, or was found restarted (its marks are forgotten
         already): write to it, in the background, the namespace manifest and what host memory still holds
-        that it should have: the blocks it was known to hold (it may have come back empty) and those the
-        write policy sent down whose writes failed or were skipped meanwhile.  Bounded: what host memory
-        holds, in jobs of ``REWRITE_CHUNK`` blocks queued behind the writes already waiting."""
-        if i not in self._backends.writable or self._closed:
+        that it should have (the planner's ``owed_to``).  Bounded: what host memory holds, in jobs of
+        ``REWRITE_CHUNK`` blocks queued behind the writes already waiting."""
+        if i not in self._backends.writable or self._workers.closed:
             return
-        with self._lock:
-            # Not the write-back victims that failed (``_unwritten``): write-back wants a block written
-            # when it is evicted, which those are again (and then written) at their next eviction.
-            wanted = dict.fromkeys([*in_host, *self._owed])
-            keys = [k for k in wanted if self.index.host_slot(k) is not None]
+        keys = self.planner.owed_to(i, in_host)
         if keys:
             log.info("backend %r is back: writing again %d block(s) host memory holds that it lacks",
                      self._backends.names[i], len(keys))
-        self._submit(self._io, self._rewrite, i, keys)
+        self._workers.submit(self._workers.io, self._rewrite, i, keys)
 
     def _rewrite(self, i: int, keys: list[bytes]) -> None:
         self._backends.put_manifest(i, self.namespace)
         for a in range(0, len(keys), REWRITE_CHUNK):
             self._down.write_down(keys[a:a + REWRITE_CHUNK])
-
-    def _submit(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> bool:
-        """Run ``fn(*args)`` on ``pool``; False (nothing run) once the stack is closing."""
-        try:
-            pool.submit(_logged, fn, *args)
-            return True
-        except RuntimeError:
-            return False
 
 
 def _start(start: int) -> int:
@@ -475,13 +406,6 @@ def _start(start: int) -> int:
     if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
         raise ValueError(f"start: expected the chain position of hashes[0], an int >= 0, got {start!r}")
     return int(start)
-
-
-def _logged(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001 - a worker's fault is logged; its handles are finished by fn
-        log.exception("kvtier worker task %s failed", getattr(fn, "__name__", fn))
 
 
 __all__ = ["LoadHandle", "LoadResult", "LookupResult", "PrefetchHandle", "StoreHandle", "StoreResult",

@@ -41,7 +41,7 @@ def get(b, key, size):
 
 def disk_bytes(root):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
-               if not f.endswith(".json"))
+               if not (f.startswith(".kvtier-") or f.endswith(".json")))  # ledger, journal, manifests
 
 
 # ------------------------------------------------------------------ options and registry
@@ -835,3 +835,138 @@ def test_segments_are_read_a_hashed_group_at_a_time_and_a_buffer_in_one_read(tmp
     assert b.get_into([k], [blockformat.Segments([memoryview(x) for x in bufs])], LID) == [True]
     assert b"".join(bufs) == data and sum(calls) == H + size + 1
     assert len(calls) >= 3 and max(calls) <= H + blockformat.HASH_GROUP_BYTES + 1
+
+
+# ------------------------------------------------------------------ removals told to every process sharing the root
+
+
+def wait_for(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_another_processes_evictions_and_deletes_reach_this_ones_listener(tmp_path):
+    """A writes 4 blocks; B (another process, same directory) evicts 2 of them with its own puts; a tool
+    (a third process, as ``kvtier gc`` is) deletes a third.  A's listener hears exactly those 3, each once,
+    within its poll period; nothing is told twice.  (Three backends of one process: each is a writer of its
+    own in the journal, as vLLM's scheduler and worker sides are in a one-process engine.)"""
+    size = 1000
+    root = str(tmp_path / "d")
+    a = LocalDiskBackend({"path": root, "capacity": 4 * (H + size), "removals_poll_s": 0.05})
+    told_a: list[str] = []
+    a.on_evicted = told_a.extend
+    ks = newkeys(4)
+    assert a.put(ks, [os.urandom(size) for _ in ks], LID) == [True] * 4
+    b = LocalDiskBackend({"path": root, "capacity": 4 * (H + size), "removals_poll_s": 0.05})
+    told_b: list[str] = []
+    b.on_evicted = told_b.extend
+    theirs = newkeys(2)
+    assert b.put(theirs, [os.urandom(size) for _ in theirs], LID) == [True, True]
+    tool = LocalDiskBackend({"path": root, "capacity": "1GiB", "removals_poll_s": 0})
+    evicted = [k for k, ok in zip(ks, tool.exists(ks)) if not ok]
+    assert len(evicted) == 2
+    survivor = next(k for k in ks if k not in evicted)
+    assert tool.delete([survivor]) == 1
+    tool.close()
+    assert wait_for(lambda: len(told_a) == 3), told_a
+    time.sleep(0.2)  # nothing told twice
+    assert sorted(told_a) == sorted([*evicted, survivor])
+    # B hears its own evictions once (from the put that made them, not again from the journal) and the
+    # tool's delete.
+    assert sorted(told_b) == sorted([*evicted, survivor])
+    assert a.stats().extra["blocks"] == 3  # the directory's: B's 2 and A's last
+    assert a.lookup([*evicted, survivor]) == [False] * 3
+    a.close()
+    b.close()
+
+
+def test_the_removal_journal_rotates_without_losing_lines(tmp_path, monkeypatch):
+    """Past its size bound the journal is renamed and a new one started; a reader that was on the old file
+    reads it to its end, then the new one from its start: every key exactly once."""
+    from kvtier.backends import _disk_removals as journal
+
+    monkeypatch.setattr(journal, "ROTATE_BYTES", 1000)
+    root = str(tmp_path)
+    feed = journal.RemovalFeed(root)
+    keys = [f"k{i:04d}" for i in range(200)]
+    seen: list[str] = []
+    for i in range(0, 200, 7):
+        journal.append_removals(root, keys[i:i + 7])
+        if i % 21 == 0:
+            seen += feed.poll()
+    seen += feed.poll()
+    assert os.path.exists(f"{root}/{journal.JOURNAL_NAME}.1")
+    assert seen[-1] == keys[-1] and sorted(set(seen)) == seen == sorted(seen)
+    # Lines appended within one rotation window between polls are all seen; only a whole file missed
+    # between two polls would be lost (the documented bound), which this reader never allowed.
+    assert seen == keys
+    feed.close()
+
+
+def test_a_line_being_written_is_passed_on_only_once_complete(tmp_path):
+    from kvtier.backends import _disk_removals as journal
+
+    root = str(tmp_path)
+    journal.append_removals(root, ["before"])
+    feed = journal.RemovalFeed(root)  # opened at the end: what was removed before it is not news
+    with open(f"{root}/{journal.JOURNAL_NAME}", "ab") as f:
+        f.write(b"half")
+        f.flush()
+        assert feed.poll() == []
+        f.write(b"way\nnext\n")
+    assert feed.poll() == ["halfway", "next"]
+    feed.close()
+
+
+def test_a_backend_dropped_without_close_stops_reading_the_journal(tmp_path):
+    b = mk(tmp_path, removals_poll_s=0.02)
+    assert any(t.name == "kvtier-local-disk-removals" for t in threading.enumerate())
+    before = sum(t.name == "kvtier-local-disk-removals" for t in threading.enumerate())
+    del b
+    import gc
+
+    gc.collect()
+    assert wait_for(lambda: sum(t.name == "kvtier-local-disk-removals" for t in threading.enumerate()) < before)
+
+
+def test_journal_lines_name_their_writer_and_a_reader_leaves_out_its_own(tmp_path):
+    """A line is the key, then the backend instance that removed it; a reader leaves out the lines of the
+    writer it names, and takes a line of the first format (the key alone: no writer known) as another's."""
+    from kvtier.backends import _disk_removals as journal
+
+    root = str(tmp_path)
+    feed = journal.RemovalFeed(root)
+    ks = newkeys(3)
+    journal.append_removals(root, [ks[0]], "h:1:aaaa")
+    journal.append_removals(root, [ks[1]], "h:1:bbbb")
+    journal.append_removals(root, [ks[2]])
+    text = (tmp_path / journal.JOURNAL_NAME).read_text()
+    assert text == f"{ks[0]} h:1:aaaa\n{ks[1]} h:1:bbbb\n{ks[2]}\n"
+    assert feed.poll(skip="h:1:aaaa") == [ks[1], ks[2]]
+    feed.close()
+
+
+def test_a_removal_is_not_told_once_its_block_is_stored_again(tmp_path):
+    """What the journal says is checked against the shared index (one lookup per poll): a block stored
+    again since its removal is loadable and not told; a line that is no block key is passed over."""
+    from kvtier.backends._disk_removals import RemovalFeed
+
+    a = mk(tmp_path, removals_poll_s=0)
+    b = mk(tmp_path, removals_poll_s=0)
+    told: list[str] = []
+    a.on_evicted = told.extend
+    ks = newkeys(2)
+    assert a.put(ks, [os.urandom(100)] * 2, LID) == [True, True]
+    feed = RemovalFeed(a.root)
+    assert b.delete(ks) == 2
+    assert b.put([ks[1]], [os.urandom(100)], LID) == [True]
+    news = feed.poll()
+    assert news == ks
+    assert a.removed_elsewhere([*news, "h:1:aaaa"]) == [ks[0]] and told == [ks[0]]
+    feed.close()
+    a.close()
+    b.close()

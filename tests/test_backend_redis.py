@@ -107,6 +107,44 @@ def test_keys_redis_evicts_or_expires_are_told_to_the_owner():
         srv.cleanup()
 
 
+def test_keys_another_client_deletes_are_told_to_the_owner(redis_server):  # noqa: F811
+    """``kvtier verify --fix`` in another process, an operator's DEL: the owner hears those keys go too
+    (``del`` keyevents, switched on with the others by ``eviction_events: auto``).  A server whose
+    operator publishes evictions and expiries but not deletes (``listen`` mode) still has its evictions
+    heard."""
+    b = RedisBackend({"url": redis_server.url})
+    told: list[list[str]] = []
+    b.on_evicted = told.append
+    try:
+        assert b._events is not None and b._events.subscribed.wait(10)
+        assert "g" in redis_server.cli("CONFIG", "GET", "notify-keyspace-events").split()[-1]
+        ks = keys(3)
+        assert b.put(ks, payloads(3, 1000), NS.layout_id) == [True] * 3
+        other = RedisBackend({"url": redis_server.url, "eviction_events": "off"})
+        assert other.delete(ks[:2]) == 2
+        other.close()
+        assert sorted(_told_until(told, 2)) == sorted(ks[:2])
+    finally:
+        b.close()
+    redis_server.cli("CONFIG", "SET", "notify-keyspace-events", "Eex")
+    listen = RedisBackend({"url": redis_server.url, "eviction_events": "listen"})
+    told.clear()
+    listen.on_evicted = told.append
+    try:
+        assert listen._events is not None and listen._events.subscribed.wait(10)
+        short = RedisBackend({"url": redis_server.url, "ttl_s": 0.2, "eviction_events": "off"})
+        k = keys(1)
+        short.put(k, payloads(1, 1000), NS.layout_id)
+        time.sleep(0.3)
+        assert short.exists(k) == [False]
+        short.close()
+        assert _told_until(told, 1) == k
+        assert set(redis_server.cli("CONFIG", "GET", "notify-keyspace-events").split()[-1]) == set("Eex")  # unchanged
+    finally:
+        listen.close()
+        redis_server.cli("CONFIG", "SET", "notify-keyspace-events", "")
+
+
 def test_no_ttl_by_default(redis_server):  # noqa: F811
     b = RedisBackend({"url": redis_server.url})
     k = keys(1)

@@ -254,7 +254,7 @@ def test_unknown_key_did_you_mean(fake_plugins):
      "policies.prefetch.threshold_tokens: expected an integer >= 0, got -1"),
     ({"device": {"kind": "gpu"}}, None, 'device.kind: expected one of "auto", "cpu", "cuda", got "gpu"'),
     ({"model": {**MODEL, "kv_dtype": "bf16"}}, None,
-     'model.kv_dtype: expected one of "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", '
+     'model.kv_dtype: expected one of "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", '
      'got "bf16"; did you mean "bfloat16"?'),
     ({"keys": {"algo": "xxh3"}}, None,
      'keys.algo: expected one of "sha256_cbor", "xxh3_128", "sglang_sha256", got "xxh3"; did you mean "xxh3_128"?'),

@@ -268,7 +268,8 @@ def test_backends_reachable_writable_or_named(tmp_path, capsys, redis_srv):
     import redis
 
     assert redis.Redis.from_url(redis_srv.url).keys("*") == []
-    assert [p.name for p in (tmp_path / "blocks").iterdir()] == [".kvtier-usage.json"]
+    # (the usage ledger, and the removal journal noting the probe block's delete for other processes)
+    assert sorted(p.name for p in (tmp_path / "blocks").iterdir()) == [".kvtier-removed.log", ".kvtier-usage.json"]
     assert not (tmp_path / "new").exists()
 
 

@@ -41,7 +41,7 @@ from hypothesis.extra import numpy as hnp
 
 from kvtier import cli, config
 from kvtier.backend_api import BackendError
-from kvtier.backends.local_disk import LEDGER_NAME, LocalDiskBackend
+from kvtier.backends.local_disk import JOURNAL_NAME, LEDGER_NAME, LocalDiskBackend
 from kvtier.config import KV_DTYPES, ConfigError, KvtierConfig, load_config, parse_config
 from kvtier.keys import BlockHasher, MMItem, Namespace, SequenceHasher, sha256_cbor, split_key
 from kvtier.layout import KINDS, KVLayout, LayoutError
@@ -847,7 +847,7 @@ def test_fuzz_disk_refuses_keys_outside_its_root(tmp_path, figures):
     for d, _, files in os.walk(root):
         for f in files:
             rel = os.path.relpath(os.path.join(d, f), root)
-            if rel == LEDGER_NAME:  # the directory's usage ledger
+            if rel in (LEDGER_NAME, JOURNAL_NAME):  # the directory's usage ledger and removal journal
                 continue
             assert re.fullmatch(r"[0-9a-f]{32}/[0-9a-f]{2}/(?:[0-9a-f]{32}|[0-9a-f]{64})", rel), rel
     figures("fuzzed keys refused / accepted by local_disk (5 ops each)", f"{n['refused']}/{n['accepted']}")

@@ -15,16 +15,16 @@ from kvtier import blockformat
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.config import parse_config
 from kvtier.index import Tier
-from kvtier.manager import TierManager
 from kvtier.plans import LoadPlan, Lookup, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 from kvtier.testing.faults import FaultyBackend
+from kvtier.tiering.manager import TierManager
 
 DISK = Tier.backend(0)  # the one backend of _manager, named "disk"
 MODEL = {"id": "m", "kv_dtype": "float32", "num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "block_size": 4}
 
 
 def test_manager_imports_no_torch():
-    code = ("import sys, kvtier.manager, kvtier.plans, kvtier.backends.local_disk, kvtier.backends.redis, "
+    code = ("import sys, kvtier.tiering.manager, kvtier.plans, kvtier.backends.local_disk, kvtier.backends.redis, "
             "kvtier.backends.s3; bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -60,7 +60,21 @@ def kvtier(*args: str) -> str:
     return r.stdout
 
 
-def run_pair(tmp_path: Path, backend: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    """The no-cache decode of the requests (``--no-cache``: every token computed, nothing loaded from any
+    backend), run once for the module: the same requests, model and seed in every pair below."""
+    tmp: Path = tmp_path_factory.mktemp("pd-baseline")
+    reqs_path = make_requests(tmp)
+    dec = write_config(tmp, "decode", {"name": "shared", "type": "local_disk",
+                                       "options": {"path": str(tmp / "kv"), "capacity": "1GiB"}})
+    kvtier("pd", "decode", "--config", str(dec), "--requests", str(reqs_path), "--no-cache",
+           "--out", str(tmp / "base.json"), "--logits", str(tmp / "base.pt"))
+    return json.loads((tmp / "base.json").read_text()), torch.load(tmp / "base.pt")
+
+
+def run_pair(tmp_path: Path, backend: dict[str, Any],
+             baseline: tuple[list[dict[str, Any]], list[torch.Tensor]]) -> None:
     reqs_path = make_requests(tmp_path)
     reqs = [json.loads(x) for x in reqs_path.read_text().splitlines()]
     pre = write_config(tmp_path, "prefill", backend)
@@ -68,12 +82,10 @@ def run_pair(tmp_path: Path, backend: dict[str, Any]) -> None:
     kvtier("pd", "prefill", "--config", str(pre), "--requests", str(reqs_path))
     kvtier("pd", "decode", "--config", str(dec), "--requests", str(reqs_path),
            "--out", str(tmp_path / "decode.json"), "--logits", str(tmp_path / "decode.pt"))
-    kvtier("pd", "decode", "--config", str(dec), "--requests", str(reqs_path), "--no-cache",
-           "--out", str(tmp_path / "base.json"), "--logits", str(tmp_path / "base.pt"))
     got = json.loads((tmp_path / "decode.json").read_text())
-    base = json.loads((tmp_path / "base.json").read_text())
     got_logits = torch.load(tmp_path / "decode.pt")
-    base_logits = torch.load(tmp_path / "base.pt")
+    base, base_logits = baseline
+    assert len(got) == len(base) == len(reqs)
     for req, g, b, gl, bl in zip(reqs, got, base, got_logits, base_logits):
         reusable = (len(req["tokens"]) - 1) // B
         # Every full prompt block (but a last one holding the final token, which is always computed) hit.
@@ -86,23 +98,23 @@ def run_pair(tmp_path: Path, backend: dict[str, Any]) -> None:
         assert torch.allclose(gl, bl, atol=ATOL, rtol=0), (gl - bl).abs().max()
 
 
-def test_pd_over_shared_disk(tmp_path):
+def test_pd_over_shared_disk(tmp_path, baseline):
     run_pair(tmp_path, {"name": "shared", "type": "local_disk",
-                        "options": {"path": str(tmp_path / "kv"), "capacity": "1GiB"}})
+                        "options": {"path": str(tmp_path / "kv"), "capacity": "1GiB"}}, baseline)
     assert any((tmp_path / "kv").rglob("*")), "prefill wrote nothing to the shared directory"
 
 
 @pytest.mark.skipif(redis_available() is not None, reason=str(redis_available()))
-def test_pd_over_redis(tmp_path):
+def test_pd_over_redis(tmp_path, baseline):
     srv = start_redis()
     try:
-        run_pair(tmp_path, {"name": "shared", "type": "redis", "options": {"url": srv.url}})
+        run_pair(tmp_path, {"name": "shared", "type": "redis", "options": {"url": srv.url}}, baseline)
         assert int(srv.cli("DBSIZE").strip()) > 0
     finally:
         srv.stop()
 
 
-def test_pd_over_s3(tmp_path):
+def test_pd_over_s3(tmp_path, baseline):
     # Imported here: moto is a test extra the shared-disk pair does not need (it also runs on a GPU
     # machine that has only torch, where it checks the same pair with the KV on CUDA).
     from kvtier.testing.moto_server import dummy_credentials, start_moto
@@ -111,4 +123,4 @@ def test_pd_over_s3(tmp_path):
         bucket = moto.new_bucket()
         run_pair(tmp_path, {"name": "shared", "type": "s3",
                             "options": {"bucket": bucket, "endpoint_url": moto.endpoint_url,
-                                        "region": "us-east-1"}})
+                                        "region": "us-east-1"}}, baseline)

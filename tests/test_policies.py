@@ -75,7 +75,7 @@ def test_write_policy_sequence(tmp_path, policy):
             st.on_device_freed(range(st.device.num_blocks))
             got = [where(st, hs[m])[0] for m in names]
             assert got == want, f"{policy} after step {step} ({op} {n}): {got} != {want}"
-        with st._lock:
+        with st.planner.lock:
             st.index.validate()
             assert st.index.pinned == 0
     finally:
@@ -330,7 +330,7 @@ def test_write_back_to_a_backend_refusing_everything_is_bounded(tmp_path):
     st, fb = make_stack(tmp_path, write="write_back", host_slots=8)
     try:
         fb.fail("put")  # the disk refuses everything, from the start
-        bound = st.max_unwritten
+        bound = st.planner.max_unwritten
         assert bound == 2
         statuses: list[str] = []  # StoreStatus members, which equal their names
         for i in range(24):

@@ -35,7 +35,8 @@ def _files(root) -> list[tuple[str, int]]:
 
 
 def _block_bytes(root) -> int:
-    return sum(size for path, size in _files(root) if not path.endswith((".json", ".tmp")))
+    return sum(size for path, size in _files(root)  # not temp files, the ledger or the removal journal
+               if not path.endswith(".tmp") and not os.path.basename(path).startswith(".kvtier-"))
 
 
 def _temp_files(root) -> list[str]:

@@ -155,7 +155,7 @@ def test_blocks_redis_evicts_during_their_own_write_are_not_believed_there():
             hashes += hs
 
         def believed_but_gone() -> list[bytes]:
-            with st._lock:
+            with st.planner.lock:
                 marked = [h for h in hashes if (e := st.index.get(h)) is not None and 0 in e.backends]
             there = backend.exists(st.namespace.keys(marked))
             return [h for h, ok in zip(marked, there) if not ok]

@@ -75,7 +75,8 @@ def test_disk_full_under_the_stack(small_tmpfs, figures):
 
         # Nothing half-written: no temp file; every block file whole and exactly what was stored.
         block_nbytes = pd.pre.stack.layout.block_nbytes
-        files = [(p, n) for p, n in _disk_files(kv) if not p.endswith(".json")]
+        files = [(p, n) for p, n in _disk_files(kv)  # blocks only: not manifests, the ledger or the journal
+                 if not p.endswith(".json") and not os.path.basename(p).startswith(".kvtier-")]
         tmp_left = [p for p, _ in files if p.endswith(".tmp")]
         bad_size = [p for p, n in files if not p.endswith(".tmp") and n != HEADER_SIZE + block_nbytes]
         ns = pd.pre.stack.namespace

@@ -25,7 +25,7 @@ def test_old_module_name_is_the_new_module_and_warns(old, new, name):
 
 def test_nothing_in_kvtier_imports_the_old_names():
     r = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c",
-                        "import kvtier.stack, kvtier.manager, kvtier.backends.local_disk, kvtier.backends.s3, "
+                        "import kvtier.stack, kvtier.tiering.manager, kvtier.backends.local_disk, kvtier.backends.s3, "
                         "kvtier.backends.redis, kvtier.bench.peers, kvtier.simulate, "
                         "kvtier.policies.write, kvtier.testing.conformance, kvtier.cli"],
                        capture_output=True, text=True)

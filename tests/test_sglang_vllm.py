@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,10 +45,14 @@ def yaml_file(path: Path, root: Path, **extra) -> str:
 def run_vllm(model: str, tmp: Path, role: str, cfg: str, prompts: list[list[int]]) -> dict[str, Any]:
     pf, out, log = tmp / f"{role}.prompts.json", tmp / f"{role}.pt", tmp / f"{role}.log"
     pf.write_text(json.dumps(prompts))
-    with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, str(DRIVER), "--model", model, "--config", cfg, "--prompts", str(pf),
-                             "--out", str(out), "--role", role, "--block-size", str(BS)], stdout=f,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": "0"}, timeout=600).returncode
+    with open(log, "w") as f:  # forked from the process that imported vLLM once (tests/vllm/forkserver.py)
+        proc = tv.forkserver.popen([str(DRIVER), "--model", model, "--config", cfg, "--prompts", str(pf),
+                                    "--out", str(out), "--role", role, "--block-size", str(BS)],
+                                   {**os.environ, "PYTHONHASHSEED": "0"}, f)
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            proc.kill()
     assert rc == 0, log.read_text()[-6000:]
     res: dict[str, Any] = torch.load(out)
     res["log"] = log.read_text()

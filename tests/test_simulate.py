@@ -391,8 +391,8 @@ def test_a_request_the_pool_cannot_hold_takes_no_block_with_it():
     finds too few blocks free (others in flight) gives back the references its prefix hit took."""
     from kvtier.blockpool import BlockPool, PoolExhausted
     from kvtier.integrations.engine import CachedEngine
+    from kvtier.simulate.ledger_stack import SimulatedStack
     from kvtier.simulate.replay import NullModel, block_nbytes
-    from kvtier.simulate.stack import SimulatedStack
 
     config = load_config(None, env={})
     stack = SimulatedStack(config, block_nbytes(config))

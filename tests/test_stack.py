@@ -176,7 +176,7 @@ def test_blocks_being_loaded_are_not_evicted(stack_fb):
     st.flush(TIMEOUT)
     st.on_device_freed(range(32))
     release = threading.Event()
-    st._xfer.layer_hook = lambda direction, layer: release.wait(TIMEOUT) if direction == "load" else None
+    st.transfers().layer_hook = lambda direction, layer: release.wait(TIMEOUT) if direction == "load" else None
     h = st.load(hs, [10, 11, 12, 13], layerwise=True)
     assert h.wait_layer(0, timeout=TIMEOUT)  # layer 0 landed while layer 1 is held
     assert not h.done()
@@ -451,11 +451,11 @@ def test_transfer_error_fails_the_load(stack_fb):
         if direction == "load" and layer == 0:
             raise RuntimeError("DMA error")
 
-    st._xfer.layer_hook = boom
+    st.transfers().layer_hook = boom
     lr = st.load(hs, [8, 9], layerwise=True).wait(TIMEOUT)
     assert lr.num_loaded == 0 and lr.recompute == [8, 9] and any("DMA" in e for e in lr.errors)
     assert st.metrics.snapshot()["tiers"]["host"]["failures"] == 1
-    st._xfer.layer_hook = None
+    st.transfers().layer_hook = None
     assert st.load(hs, [8, 9]).wait(TIMEOUT).num_loaded == 2
 
 
@@ -638,12 +638,14 @@ def test_concurrent_requests_on_overlapping_prefixes(tmp_path, write):
     assert not errors, errors
     assert sum(loaded) > 100
     assert st.flush(TIMEOUT)
-    with st._lock:
+    with st.planner.lock:
         st.index.validate()
         assert st.index.pinned == 0
     assert st.host is not None
     hs = st.host.stats()
-    assert not st._writing and hs.writing == 0
+    assert st.planner.counts()["writing_down"] == 0 and hs.writing == 0
+    with st.planner.lock:
+        st.planner.check_locked()
     assert st.metrics.snapshot()["tiers"]["host"]["evictions"] > 0
     st.close()
 
@@ -660,9 +662,9 @@ def _on_disk_only(st: TierStack, n: int, seed: int) -> tuple[list[bytes], torch.
 
 def _evict_host(st: TierStack) -> None:
     """Drop every unpinned block from host memory (as pressure would), keeping backend copies."""
-    with st._lock:
+    with st.planner.lock:
         for key in st.index.eviction_candidates(Tier.HOST, 10**6):
-            st._drop_host_locked(key)
+            st.planner.drop_host_locked(key)
     st.on_device_freed(range(st.device.num_blocks))
 
 

@@ -19,9 +19,9 @@ K = 4  # engine blocks per stored value
 
 
 def _evict_memory(st) -> None:
-    with st._lock:
+    with st.planner.lock:
         for key in st.index.eviction_candidates(Tier.HOST, 10**6):
-            st._drop_host_locked(key)
+            st.planner.drop_host_locked(key)
     st.on_device_freed(range(st.device.num_blocks))
 
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvtier.backend_api import StoredBlock
-from kvtier.backends.local_disk import LEDGER_NAME, LocalDiskBackend
+from kvtier.backends.local_disk import JOURNAL_NAME, LEDGER_NAME, LocalDiskBackend
 from kvtier.cli import main
 from kvtier.commands._storage_tools import NamespaceInfo
 from kvtier.keys import Namespace
@@ -157,8 +157,8 @@ def test_verify_local_disk_finds_exactly_the_corrupt_blocks(tmp_path, capsys, po
     flip(block_path(tmp_path, anon[0]), 88 + 3)  # a payload byte in the namespace without a manifest
     bad = {own[0]: "payload checksum mismatch", own[1]: "header checksum mismatch",
            own[2]: "payload length", own[4]: "block hash", anon[0]: "payload checksum mismatch"}
-    files = {p: p.read_bytes() for p in (tmp_path / "blocks").rglob("*")  # the ledger changes with deletes
-             if p.is_file() and p.name != LEDGER_NAME}
+    files = {p: p.read_bytes() for p in (tmp_path / "blocks").rglob("*")  # the ledger and journal change
+             if p.is_file() and p.name not in (LEDGER_NAME, JOURNAL_NAME)}  # with deletes
     cfg = config(tmp_path, disk(tmp_path, capacity=4 * STORED))
 
     rc, out, err = cli(capsys, "verify", "--config", cfg)

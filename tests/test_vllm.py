@@ -23,6 +23,7 @@ it runs the README's own quick start and P/D recipe.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,22 @@ from kvtier.keys import BlockHasher
 
 BS = 32
 DRIVER = Path(__file__).parent / "vllm" / "driver.py"
+
+
+def _load_forkserver() -> Any:
+    """tests/vllm/forkserver.py (by path: a ``vllm`` directory on sys.path would shadow vLLM itself)."""
+    spec = importlib.util.spec_from_file_location("kvtier_vllm_forkserver",
+                                                  Path(__file__).parent / "vllm" / "forkserver.py")
+    assert spec is not None and spec.loader is not None
+    mod = sys.modules.get(spec.name)
+    if mod is None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+forkserver = _load_forkserver()  # each vLLM run forked from one process that imported vLLM once
 _rng = random.Random(7)
 A = [_rng.randrange(1, 500) for _ in range(300)]
 B = A[:160] + [_rng.randrange(1, 500) for _ in range(100)]
@@ -74,12 +92,12 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
              together: bool = False, num_blocks: int | None = None, max_tokens: int | None = None,
              max_model_len: int | None = None, max_batched_tokens: int | None = None,
              salts: list[str | None] | None = None, reset_between: bool = False, block_size: int = BS,
-             attention_backend: str | None = None) -> dict[str, Any]:
+             attention_backend: str | None = None, kv_events: bool = False) -> dict[str, Any]:
     """Run one vLLM process; returns the driver's JSON plus its log (``"log"``, kvtier at DEBUG)."""
     tag = f"{role}-{time.monotonic_ns()}"
     pf, out, cfg_path = tmp / f"{tag}.prompts.json", tmp / f"{tag}.out.json", tmp / f"{tag}.yaml"
     pf.write_text(json.dumps(prompts))
-    cmd = [sys.executable, str(DRIVER), "--model", model, "--role", role, "--prompts", str(pf), "--out", str(out),
+    cmd = [str(DRIVER), "--model", model, "--role", role, "--prompts", str(pf), "--out", str(out),
            "--hash-algo", hash_algo, "--block-size", str(block_size), "--tp", str(tp)]
     if config is not None:
         cfg_path.write_text(yaml.safe_dump(config))
@@ -102,13 +120,18 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
                         ("--max-batched-tokens", max_batched_tokens), ("--attention-backend", attention_backend)):
         if value is not None:
             cmd += [flag, str(value)]
+    events = tmp / f"{tag}.events.json"
+    if kv_events:
+        cmd += ["--kv-events-out", str(events)]
     ready, go = tmp / f"{tag}.ready", tmp / f"{tag}.go"
     if pause_after >= 0:
         cmd += ["--pause-after", str(pause_after), "--ready", str(ready), "--go", str(go)]
     log_path = tmp / f"{tag}.log"
     with open(log_path, "w") as log:
         env = {**os.environ, "PYTHONHASHSEED": "0", "KVTIER_LOG_LEVEL": "DEBUG"}
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # --abort-first runs in a fresh interpreter: forked, B's 5 small blocks load before the abort
+        # arrives (measured: 2 of 2), and the case is about an abort that meets a load in flight.
+        proc = forkserver.popen(cmd, env, log, fresh=abort_first)
         try:
             if pause_after >= 0:
                 deadline = time.monotonic() + 300
@@ -126,6 +149,9 @@ def run_vllm(model: str, tmp: Path, role: str, prompts: list[list[int]], config:
     assert rc == 0, f"vLLM ({role}) exited {rc}:\n{text[-6000:]}"
     res: dict[str, Any] = json.loads(out.read_text())
     res["log"] = text
+    if kv_events:
+        res["events"] = json.loads(events.read_text())
+        res["event_payloads"] = [bytes.fromhex(p) for p in json.loads(Path(f"{events}.raw").read_text())]
     return res
 
 
@@ -163,11 +189,18 @@ def test_null_connector_tokens_equal_plain_vllm(model_dir, cold, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def stored_on_disk(model_dir, tmp_path_factory) -> Path:
-    """A local_disk directory a prefill vLLM filled with [A, C]."""
+def prefill_on_disk(model_dir, tmp_path_factory) -> tuple[Path, list[bytes]]:
+    """A local_disk directory a prefill vLLM filled with [A, C], and the KV event batches it published."""
     tmp: Path = tmp_path_factory.mktemp("disk")
-    run_vllm(model_dir, tmp, "kv_producer", [A, C], kv_config(disk(tmp / "blocks")))
-    return tmp / "blocks"
+    pre = run_vllm(model_dir, tmp, "kv_producer", [A, C], kv_config(disk(tmp / "blocks")), kv_events=True)
+    return tmp / "blocks", pre["event_payloads"]
+
+
+@pytest.fixture(scope="module")
+def stored_on_disk(prefill_on_disk) -> Path:
+    """A local_disk directory a prefill vLLM filled with [A, C]."""
+    root: Path = prefill_on_disk[0]
+    return root
 
 
 def assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
@@ -229,12 +262,27 @@ def test_keys_equal_vllm_block_hashes(stored_on_disk):
     assert set(block_files(stored_on_disk)) == {h.hex() for h in want}
 
 
-def test_disk_prefill_then_decode(model_dir, stored_on_disk, warm, tmp_path, figures):
+def test_disk_prefill_then_decode(model_dir, prefill_on_disk, warm, tmp_path, figures):
+    """The decode loads what the prefill stored.  And a router nobody here wrote, fed the prefill's KV
+    events (Dynamo's radix tree, as its vLLM listener converts them: ``DynamoRouterView``), scores the
+    directory's overlap with each prompt as exactly the blocks the decode then finds (B: its 5 blocks shared
+    with A; A: all 9); the prefill's host memory is its own process's, gone with it."""
+    stored_on_disk, payloads = prefill_on_disk
     d = tmp_path / "blocks"
     shutil.copytree(stored_on_disk, d)
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)))
     assert_same_outputs(got["results"], warm)
     assert [r["cached"] for r in got["results"]] == [160, 288]
+    from kvtier.testing.dynamo_router import DynamoRouterView
+
+    router = DynamoRouterView(BS)
+    outcomes = router.apply_all(1, payloads)
+    assert not any(o.rejected for o in outcomes), [o.rejected for o in outcomes if o.rejected]
+    scores = [router.overlap(1, p, tier="disk") for p in (B, A)]
+    assert scores == [r["cached"] // BS for r in got["results"]] == [5, 9]
+    assert router.overlap(1, C, tier="disk") == 6 and router.overlap(1, C, tier="host_pinned") == 6
+    figures("Dynamo's disk-tier overlap for B, A (blocks) / blocks the decode loaded",
+            f"{scores} / {[r['cached'] // BS for r in got['results']]}")
     assert load_modes(got["log"]) == ["in the background"] * 2  # load_mode async, the default
     assert "block keys differ" not in got["log"]
     figures("vllm startup s", round(got["startup_s"], 1))
@@ -482,14 +530,52 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     """A disk tier of 10 values and vLLM's own cache emptied before each prompt: A's second run loads its
     9 blocks (the scheduler now remembers them on disk), then C's 6 blocks evict A's 5 least recently
     read ones (0-4).  The worker tells the scheduler, so A's third run is a miss, computed, not an offer
-    of 288 tokens whose load fails at block 0 (vLLM would hold the request for it, then recompute)."""
+    of 288 tokens whose load fails at block 0 (vLLM would hold the request for it, then recompute).  The
+    run publishes vLLM's KV events: kvtier's disk is in them, evictions included (``assert_disk_events``),
+    and so is its host memory (12 values: C's blocks evict 3 of A's there).
+
+    Then, while this instance stays up, a second vLLM instance sharing the directory stores a prompt of
+    its own (evicting 4 of this instance's blocks) and ``kvtier gc`` trims the directory to 2 values: every
+    block of this instance's that they removed is announced removed in this instance's stream."""
     value = blockformat.HEADER_SIZE + 2 * 2 * BS * 2 * 64 * 2  # layers x K/V x tokens x kv heads x dim x bf16
-    cfg = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "0"},
-           "backends": [{"name": "disk", "type": "local_disk",
-                         "options": {"path": str(tmp_path / "disk"), "capacity": 10 * value}}]}
-    res = run_vllm(model_dir, tmp_path, "kv_both", [A, A, C, A], cfg, reset_between=True)
+    root = tmp_path / "disk"
+    cfg = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": 12 * (value - blockformat.HEADER_SIZE)},
+           "backends": [{"name": "disk", "type": "local_disk", "options": {"path": str(root), "capacity": 10 * value}}]}
+    other = [random.Random(43).randrange(1, 500) for _ in range(4 * BS)]
+    seen: dict[str, set[str]] = {}
+
+    def second_instance_and_gc() -> None:
+        deadline = time.monotonic() + 60  # the last prompt's writes may still be landing: a full directory
+        while len(block_files(root)) < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen["before"] = set(block_files(root))
+        run_vllm(model_dir, tmp_path, "kv_producer", [other], cfg)
+        seen["after_other"] = set(block_files(root))
+        small = tmp_path / "gc.yaml"
+        small.write_text(yaml.safe_dump({**cfg, "backends": [
+            {"name": "disk", "type": "local_disk", "options": {"path": str(root), "capacity": 2 * value}}]}))
+        gc = subprocess.run([sys.executable, "-m", "kvtier", "gc", "--config", str(small), "--engine", "vllm"],
+                            capture_output=True, text=True, timeout=120)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        seen["after_gc"] = set(block_files(root))
+
+    res = run_vllm(model_dir, tmp_path, "kv_both", [A, A, C, A, A[:20]], cfg, reset_between=True, kv_events=True,
+                   pause_after=4, between=second_instance_and_gc)
     r = res["results"]
-    assert [x["cached"] for x in r] == [0, 288, 0, 0], ([x["cached"] for x in r], res["log"][-3000:])
+    assert [x["cached"] for x in r] == [0, 288, 0, 0, 0], ([x["cached"] for x in r], res["log"][-3000:])
+    theirs = {event_hash(h.hex()) for h in vllm_block_hashes(other)}
+    ours = {event_hash(name) for name in seen["before"]}
+    assert len(ours) == 10 and not ours & theirs
+    after_other, after_gc = ({event_hash(name) for name in seen[k]} for k in ("after_other", "after_gc"))
+    by_other, by_gc = ours - after_other, after_other - after_gc - theirs
+    assert len(by_other) == 4 and len(by_gc) == 6, (len(by_other), len(by_gc))
+    assert_disk_events(res["events"], A + C, root, evicted=5 + 10, others=frozenset(theirs))
+    removed_later = {h for e in res["events"] if e["type"] == "BlockRemoved" and e["ownership"] == "kvtier:local_disk"
+                     for h in e["hashes"]} & ours
+    assert removed_later == by_other | by_gc, "another instance's evictions and gc's deletes reach this stream"
+    host = announced(res["events"], "kvtier:host")
+    assert host.removed >= 3 and 0 < len(host.held) <= 12
+    assert all(e["medium"] == "CPU" and e["locality"] == "LOCAL" for e in res["events"] if e["ownership"] == "kvtier:host")
     assert r[0]["tokens"] == r[1]["tokens"] == r[3]["tokens"] == cold[1]["tokens"]
     assert "not loaded" not in res["log"], res["log"][-3000:]
     # Both halves log vLLM's own KV block count (not the standalone pool's device.num_blocks).
@@ -497,6 +583,56 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
     sched = re.findall(r"kvtier: scheduler side up.*?device \(vLLM's KV cache, (\d+) blocks\)", res["log"])
     worker = re.findall(r"kvtier: worker side up.*?device \(auto, cpu_attn(?:_amx)?, (\d+) blocks\)", res["log"])
     assert len(sched) == len(worker) == 1 and sched == worker != ["1024"], (sched, worker)
+
+
+def event_hash(hex_hash: str) -> str:
+    """A block hash as vLLM's events carry it (``maybe_convert_block_hash``: the digest's last 8 bytes as an
+    integer), as the driver writes it (decimal)."""
+    return str(int(hex_hash, 16) & ((1 << 64) - 1))
+
+
+@dataclass
+class Announced:
+    held: set[str]
+    removed: int
+
+
+def announced(events: list[dict[str, Any]], ownership: str) -> Announced:
+    """What one of kvtier's tiers holds by the stream's account, checking each block is announced once
+    until removed, and removed only after it was announced."""
+    out = Announced(set(), 0)
+    for e in events:
+        if e["ownership"] != ownership:
+            continue
+        for h in e["hashes"]:
+            if e["type"] == "BlockStored":
+                assert h not in out.held, f"{h} announced twice in {ownership}"
+                out.held.add(h)
+            else:
+                assert h in out.held, f"{h} removed from {ownership} before it was announced"
+                out.held.discard(h)
+                out.removed += 1
+    return out
+
+
+def assert_disk_events(events: list[dict[str, Any]], prompts: list[int], disk_dir: Path, evicted: int,
+                       others: frozenset[str] = frozenset()) -> None:
+    """The run was started with --kv-events-config (ZMQ on loopback; decoded with vLLM's own classes):
+    kvtier's disk appears in vLLM's KV event stream.  Every block of ``prompts`` is announced stored on
+    the disk (medium LOCAL_DISK, locality LOCAL) under vLLM's own block hash, with its tokens and parent;
+    each removal is of a block announced there before (at least ``evicted`` of them); and what the stream
+    says the disk holds at the end is what the disk holds (less ``others``: blocks another instance stored)."""
+    ev = [e for e in events if e["ownership"] == "kvtier:local_disk"]
+    want = [event_hash(h.hex()) for h in vllm_block_hashes(prompts[:300]) + vllm_block_hashes(prompts[300:])]
+    assert {h for e in ev if e["type"] == "BlockStored" for h in e["hashes"]} == set(want), events[:5]
+    assert all(e["medium"] == "STORAGE" and e["locality"] == "LOCAL" and e["group_idx"] == 0 for e in ev)
+    second = next(e for e in ev if e["type"] == "BlockStored" and e["hashes"] == [want[1]])
+    assert (second["parent"], second["tokens"]) == (want[0], BS)
+    tier = announced(events, "kvtier:local_disk")
+    assert tier.removed >= evicted
+    assert tier.held == {event_hash(name) for name in block_files(disk_dir)} - others
+    # vLLM's own device blocks are in the same stream, as its GPU medium
+    assert any(e["medium"] == "GPU" for e in events)
 
 
 @pytest.fixture(scope="module")
@@ -589,9 +725,12 @@ def run_soak(model: str, tmp: Path, config: dict[str, Any] | None, seed: int) ->
     if config is not None:
         cfg.write_text(yaml.safe_dump(config))
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, str(SOAK), "--model", model, "--config", str(cfg) if config else "none",
-                             "--seed", str(seed), "--out", str(out)], stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONHASHSEED": "0"}, timeout=600).returncode
+        proc = forkserver.popen([str(SOAK), "--model", model, "--config", str(cfg) if config else "none",
+                                 "--seed", str(seed), "--out", str(out)], {**os.environ, "PYTHONHASHSEED": "0"}, f)
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            proc.kill()
     assert rc == 0, log.read_text()[-6000:]
     res: dict[str, Any] = json.loads(out.read_text())
     return res

@@ -19,6 +19,7 @@ from kvtier.integrations.vllm.facts import (
     rank_tally,
     worker_rank,
 )
+from kvtier.integrations.vllm.groups import GroupKind, group_config, host_shares, kv_groups
 from kvtier.integrations.vllm.scheduler import LoadMode, SchedulerSide
 from kvtier.integrations.vllm.worker import (
     WorkerSide,
@@ -27,6 +28,7 @@ from kvtier.integrations.vllm.worker import (
     kv_view,
     layer_order,
 )
+from kvtier.keys import BlockHasher
 from kvtier.plans import LoadPlan, RankTally, StepPlan, StorePlan, WorkerReport
 
 
@@ -130,12 +132,12 @@ def test_layer_order_is_by_layer_index_not_by_name():
     assert layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
 
 
-def test_hybrid_kv_cache_groups_are_refused_with_the_count():
+def test_kv_layers_is_the_one_group_path():
     one = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(layer_names=["a", "b"])])
     assert kv_layers(one) == ["a", "b"]
     two = types.SimpleNamespace(kv_cache_groups=one.kv_cache_groups * 2)
-    with pytest.raises(ValueError, match="models with 2 KV cache groups .* are not supported yet"):
-        kv_layers(two)
+    with pytest.raises(ValueError, match="models with 2 KV cache groups"):
+        kv_layers(two)  # a hybrid model's groups go through groups.kv_groups, one stream each
 
 
 # ---------------------------------------------------------------- the scheduler side's load mode
@@ -320,9 +322,9 @@ def test_a_load_into_the_blocks_a_prefix_was_stored_from_reads_it_again(tmp_path
         want = [t[0:3].clone() for t in kv]
         ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes), (0, 1, 2))]))
         assert ws.stack.flush(10)
-        with ws.stack._lock:  # host memory pressure: the blocks are on the disk only
+        with ws.stack.planner.lock:  # host memory pressure: the blocks are on the disk only
             for h in hashes:
-                ws.stack._drop_host_locked(h)
+                ws.stack.planner.drop_host_locked(h)
         for t in kv:
             t[0] = torch.randn_like(t[0])  # vLLM wrote another request's decode KV into block 0
         ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (0, 1, 2), sync=True)]))
@@ -368,10 +370,10 @@ def test_an_idle_step_waits_for_a_background_load_to_end_within_a_bound(tmp_path
         hashes = ws.stack.namespace.hasher().hash_blocks(list(range(3 * BLOCK)))
         ws.save(StepPlan(stores=[StorePlan("p", tuple(hashes), (0, 1, 2))]))
         assert ws.stack.flush(10)
-        with ws.stack._lock:  # on the disk only: the load must read it
+        with ws.stack.planner.lock:  # on the disk only: the load must read it
             for h in hashes:
-                ws.stack._drop_host_locked(h)
-        ws.stack._backends.backends[0] = fb  # the same disk, behind a gate
+                ws.stack.planner.drop_host_locked(h)
+        ws.stack.planner.backends.backends[0] = fb  # the same disk, behind a gate
         gate = fb.gate("get")
         ws.idle_wait_s = 2.0
         ws.start(StepPlan(loads=[LoadPlan("d", tuple(hashes), (10, 11, 12))]))
@@ -497,3 +499,189 @@ def test_kvtier_leaves_logging_alone_where_the_application_set_it_up(bare_loggin
     logging.getLogger().handlers = []
     logging.getLogger("vllm").handlers = []  # VLLM_CONFIGURE_LOGGING=0
     assert not join_vllm_logging() and not logging.getLogger("kvtier").handlers
+
+
+# ---------------------------------------------------------------- hybrid models: one stream per KV cache group
+
+
+def _hybrid_groups() -> list[Any]:
+    """vLLM's own specs for a sliding window group, a gated-delta-net state group and a full attention group."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    att: dict[str, Any] = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
+    specs = [SlidingWindowSpec(**att, sliding_window=2 * BS + 1),
+             MambaSpec(block_size=BS, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32)),
+             FullAttentionSpec(**att)]
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.x"], s) for i, s in enumerate(specs)])
+    return kv_groups(cfg)
+
+
+def test_each_group_gets_a_namespace_naming_it_and_the_structure():
+    groups = _hybrid_groups()
+    assert [g.kind for g in groups] == [GroupKind.SLIDING, GroupKind.STATE, GroupKind.FULL]
+    assert groups[0].window_blocks() == 2  # cdiv(window - 1, block size), as vLLM counts a hit's blocks
+    assert groups[1].state_row_nbytes == 3 * 8 * 2 + 2 * 4 * 4 * 4  # conv bf16 + ssm fp32, unpadded
+    base = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "storage": {"block_tokens": 2 * BS}},
+                        env={})
+    shares = host_shares(groups)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    cfgs = [group_config(base, g, shares[g.index]) for g in groups]
+    ids = {c.namespace().id for c in cfgs}
+    assert len(ids) == 3 and base.namespace().id not in ids  # a hybrid deployment never reads a plain one's
+    assert "kv_group" not in base.namespace().manifest()  # one-group namespaces keep their keys
+    for g, c in zip(groups, cfgs):
+        assert g.label() in c.namespace().kv_group and "sliding_window(9) x1, state(" in c.namespace().kv_group
+    state = cfgs[1].namespace()
+    # a state value: one int8 row of the unpadded state per layer, never grouped with others
+    assert (state.kv_dtype, state.block_size, state.head_dim, state.attention, state.storage_blocks) == (
+        "int8", 1, groups[1].state_row_nbytes, "mla", 1)
+    assert cfgs[2].namespace().storage_blocks == 2
+    assert sum(c.host.capacity for c in cfgs) <= base.host.capacity
+
+
+def test_a_kind_kvtier_cannot_store_is_refused_at_start_up():
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    att: dict[str, Any] = {"block_size": BS, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0"], FullAttentionSpec(**att)),
+        KVCacheGroupSpec(["l1"], ChunkedLocalAttentionSpec(**att, attention_chunk_size=8))])
+    with pytest.raises(ValueError, match="group 1 .*ChunkedLocalAttentionSpec, which kvtier cannot store"):
+        kv_groups(cfg)
+
+
+def _hybrid_side(store: bool = False) -> tuple[SchedulerSide, list[Any]]:
+    groups = _hybrid_groups()
+    base = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+    cfgs = [group_config(base, g, 1 / 3) for g in groups]
+    return SchedulerSide(cfgs, load=True, store=store, vllm_hash_algo=None, groups=groups), groups
+
+
+def test_a_hybrid_hit_ends_where_every_group_can_be_restored():
+    """Full and window groups hold blocks 0-5, the state group the states after blocks 1 and 3: the hit ends
+    after block 3, the last state boundary inside the attention run.
+    The load restores the full group's blocks from vLLM's hit on, the window's trailing run (vLLM gives
+    it blocks only inside the window) and the one state; asynchronously, whatever the tier."""
+    side, groups = _hybrid_side()
+    prompt = list(range(1, 9 * BS + 2))
+    hashes = side.hasher.hash_blocks(prompt)
+    for g, held in ((0, hashes[:6]), (2, hashes[:6]), (1, [hashes[1], hashes[3]])):
+        side.apply(WorkerReport(in_host={h: i for i, h in enumerate(held)}, group=g))
+    req = _request("a", prompt)
+    assert _matched(side, req, BS) == (3 * BS, True)  # vLLM holds block 0; blocks 1-3 from kvtier
+    side.after_alloc(req, ([0, 0, 21, 22], [0, 0, 0, 31], [40, 41, 42, 43]), 3 * BS)
+    plan = _step(side, {})
+    assert sorted((lp.group, lp.block_ids, lp.start, lp.sync) for lp in plan.loads) == [
+        (0, (21, 22), 2, False), (1, (31,), 3, False), (2, (41, 42, 43), 1, False)]
+    # From the start, the same boundary; without any state stored, no hit at all.
+    side.apply(WorkerReport(left_host={hashes[1]}, group=1))
+    assert _matched(side, _request("b", prompt), 0) == (4 * BS, True)
+    side.apply(WorkerReport(left_host={hashes[3]}, group=1))
+    assert _matched(side, _request("c", prompt), 0) == (0, False)
+
+
+def test_a_hybrid_step_stores_attention_blocks_and_the_states_vllm_hands_over():
+    side, groups = _hybrid_side(store=True)
+    prompt = list(range(1, 3 * BS + 2))
+    hashes = side.hasher.hash_blocks(prompt)
+    tables = ([0, 11, 12, 13], [0, 0, 21, 22], [30, 31, 32, 33])  # the window group freed block 0 already
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: tables)
+    req = _request("a", prompt)
+    assert _matched(side, req, 0) == (0, False)
+    # One step computes the 3 full blocks; vLLM hands over the state after block 2 (and one inside a block,
+    # a partial prompt tail, which has no block key).
+    out = types.SimpleNamespace(num_scheduled_tokens={"a": 3 * BS + 1}, kv_connector_block_state=types.SimpleNamespace(
+        boundary_state_offloads={"a": [(1, 22, 3 * BS), (1, 23, 3 * BS + 1)]}))
+    plan = side.build_plan(out)
+    assert sorted((sp.group, sp.block_ids, sp.start) for sp in plan.stores) == [
+        (0, (11, 12), 1), (1, (22,), 2), (2, (30, 31, 32), 0)]
+    assert [sp.hashes for sp in plan.stores if sp.group == 1] == [(hashes[2],)]
+
+
+# ---------------------------------------------------------------- kvtier's tiers in vLLM's KV event stream
+
+
+def test_tier_events_announce_each_block_once_per_medium_and_remove_only_what_was_announced():
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvtier.integrations.vllm.events import TierEvents
+
+    ev = TierEvents(["local_disk", "redis"], BS)
+    prompt = list(range(1, 3 * BS + 1))
+    raw = BlockHasher(BS, "sha256_cbor", seed="0").hash_blocks(prompt)
+    ev.learn(raw[1:3], prompt, 1, raw[0])
+    ev.record(WorkerReport(in_host={raw[1]: 0, raw[2]: 1}, in_backend={(raw[1], 0), (raw[1], 1)}))
+    ev.record(WorkerReport(in_host={raw[1]: 0}))  # said again: no second announcement
+    got = ev.take()
+    # Hashes as vLLM publishes its own: the digest's last 8 bytes, an integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    h = [int.from_bytes(x[-8:], "big") for x in raw]
+    assert [(type(e).__name__, e.medium, e.locality, e.ownership, e.block_hashes) for e in got] == [
+        ("BlockStored", "CPU", "LOCAL", "kvtier:host", [h[1]]), ("BlockStored", "CPU", "LOCAL", "kvtier:host", [h[2]]),
+        ("BlockStored", "STORAGE", "LOCAL", "kvtier:local_disk", [h[1]]),
+        ("BlockStored", "STORAGE", "REMOTE", "kvtier:redis", [h[1]])]
+    assert isinstance(got[0], BlockStored) and got[0].parent_block_hash == h[0]
+    assert got[0].token_ids == prompt[BS:2 * BS] and got[0].block_size == BS
+    assert ev.take() == []
+    # Redis evicted h1 itself (its notice reached the manager); a load found h2 corrupt; h0 was never
+    # announced, so its removal is not sent.
+    ev.forgotten(0, raw[1], 1)
+    ev.record(WorkerReport(lost={raw[2]}, left_host={raw[0]}))
+    got = ev.take()
+    assert all(isinstance(e, BlockRemoved) for e in got)
+    assert sorted((e.ownership, tuple(e.block_hashes)) for e in got) == [("kvtier:host", (h[2],)),
+                                                                         ("kvtier:redis", (h[1],))]
+    # Redis answers again after an outage (it may have come back empty): what was announced there goes,
+    # and only there; a block written again is announced again.
+    ev.record(WorkerReport(in_backend={(raw[0], 1), (raw[1], 1), (raw[1], 0)}))  # h1 on the disk: announced already
+    assert sorted((e.ownership, e.block_hashes[0]) for e in ev.take()) == sorted([("kvtier:redis", h[0]),
+                                                                                  ("kvtier:redis", h[1])])
+    ev.backend_reset(0, 1)
+    got = ev.take()
+    assert [(type(e).__name__, e.ownership, sorted(e.block_hashes)) for e in got] == [
+        ("BlockRemoved", "kvtier:redis", sorted([h[0], h[1]]))]
+    ev.record(WorkerReport(in_backend={(raw[1], 1)}))
+    assert [(type(e).__name__, e.ownership) for e in ev.take()] == [("BlockStored", "kvtier:redis")]
+
+
+def test_hybrid_stores_group_attention_values_and_never_state_values():
+    """storage.block_tokens of two blocks: attention groups store whole two-block values (a sliding window
+    group from the first whole value after the blocks vLLM freed), a state group one value per state."""
+    groups = _hybrid_groups()
+    base = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": [],
+                         "storage": {"block_tokens": 2 * BS}}, env={})
+    side = SchedulerSide([group_config(base, g, 1 / 3) for g in groups], load=True, store=True,
+                         vllm_hash_algo=None, groups=groups)
+    prompt = list(range(1, 5 * BS + 2))
+    tables = ([0, 0, 0, 13, 14], [0, 0, 0, 0, 24], [30, 31, 32, 33, 34])
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: tables)
+    req = _request("a", prompt)
+    assert _matched(side, req, 0) == (0, False)
+    out = types.SimpleNamespace(num_scheduled_tokens={"a": 5 * BS}, kv_connector_block_state=None)
+    plan = side.build_plan(out)
+    assert sorted((sp.group, sp.block_ids, sp.start) for sp in plan.stores) == [
+        (1, (24,), 4),  # the step ended on a boundary: the state after block 4, one value
+        (2, (30, 31, 32, 33), 0)]  # 4 of 5 blocks: two whole values; the window group has no whole value
+
+
+def test_a_state_tensor_that_is_not_vllms_state_page_is_refused_with_its_shape():
+    from kvtier.integrations.vllm.connector import state_rows
+
+    page = torch.zeros(4, 1, 1, 48, dtype=torch.int8)
+    assert state_rows(page, "model.layers.0.linear_attn", 48).shape == (4, 1, 48)
+    with pytest.raises(ValueError, match=r"state layer model.layers.0.linear_attn: expected vLLM's state page "
+                                         r"tensor \[N, \.\.\., 40\] of int8, got shape \(4, 1, 1, 48\)"):
+        state_rows(page, "model.layers.0.linear_attn", 40)
+    with pytest.raises(ValueError, match=r"got shape \(4, 1, 1, 24\) torch.bfloat16"):
+        state_rows(torch.zeros(4, 1, 1, 24, dtype=torch.bfloat16), "model.layers.0.linear_attn", 24)

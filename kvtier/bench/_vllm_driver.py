@@ -7,6 +7,12 @@ decodes while prompts ``i, ...`` arrive and are served, and the gaps between its
 before and while they are; ``["files", "cold" | "page cache", [path, ...]]``: put those files in that
 state and time the raw file ceiling of reading them in it; ``["redis", port, [key, ...], value_bytes]``:
 time the raw Redis wire ceiling of reading those values), ``out`` (JSON path), ``kv_space_gib``.
+
+Optional keys (left out: vLLM's own defaults, as before): ``block_size`` (32 unless given),
+``max_model_len`` (8192 unless given), ``max_num_batched_tokens`` (vLLM's token budget per step: a longer
+prompt is prefilled in chunks of it), ``disable_hybrid_kv_cache_manager`` (bool: force vLLM's hybrid KV
+cache manager off, or explicitly on), ``in_process`` (true: the engine core and its worker run in this
+process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one vLLM import instead of three).
 """
 
 from __future__ import annotations
@@ -25,15 +31,20 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 4)))
+    if spec.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     # None is EngineArgs' own default: no connector, exactly as when the argument is left out.
     kv_transfer = KVTransferConfig(**spec["kv_transfer"]) if spec.get("kv_transfer") else None
+    # Only the optional keys the spec names reach LLM(...): the others keep vLLM's defaults.
+    kw: dict[str, Any] = {k: spec[k] for k in ("max_num_batched_tokens", "disable_hybrid_kv_cache_manager")
+                          if spec.get(k) is not None}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=spec.get("block_size", 32),
               dtype="bfloat16", max_model_len=spec.get("max_model_len", 8192), enable_prefix_caching=True,
-              prefix_caching_hash_algo="sha256_cbor", seed=0, kv_transfer_config=kv_transfer)
+              prefix_caching_hash_algo="sha256_cbor", seed=0, kv_transfer_config=kv_transfer, **kw)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     prompts, rows = spec["prompts"], []
     for step in spec["steps"]:

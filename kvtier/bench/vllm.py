@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..commands._types import out_file, positive_int
+from . import vllm_hybrid
 from ._util import print_table, write_json
 from .prefix import backend_section
 
@@ -54,10 +55,13 @@ HELP = "TTFT inside a real vLLM: recompute, vLLM's own cache, kvtier host / disk
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=positive_int, default=4096)
+    p.add_argument("--model", choices=["llama", "swa", "hybrid"], default="llama",
+                   help="llama (default): this bench; swa / hybrid: hybrid models with vLLM's hybrid KV cache "
+                        "manager on and off (kvtier.bench.vllm_hybrid; the llama-only options below are ignored)")
+    p.add_argument("--tokens", type=positive_int, default=None, help="default 4096 (llama), 2048 (swa, hybrid)")
     p.add_argument("--repeats", type=positive_int, default=3, help="distinct prompts per row (median)")
-    p.add_argument("--backends", default="disk,redis,s3")
-    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--backends", default=None, help="default disk,redis,s3 (llama), disk,redis (swa, hybrid)")
+    p.add_argument("--layers", type=positive_int, default=None, help="default 32 (llama), 8 (swa, hybrid)")
     p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector rows")
     p.add_argument("--block-tokens", type=positive_int, default=None,
                    help="storage.block_tokens for kvtier's backends (tokens per stored value; default: one "
@@ -69,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="storage.payload values to run kvtier's rows with (comma-separated): canonical "
                         "(token-major, any engine reads it) and engine (vLLM CPU's own arrangement)")
     p.add_argument("--json", type=out_file, metavar="PATH")
+    vllm_hybrid.add_model_options(p)
 
 
 def _model(d: Path, layers: int) -> str:
@@ -137,6 +142,11 @@ def _redis_values_of(url: str, prompts: list[list[int]]) -> tuple[int, list[list
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    if getattr(args, "model", "llama") != "llama":
+        return vllm_hybrid.run(args)
+    args.tokens = args.tokens or 4096
+    args.layers = args.layers or 32
+    args.backends = args.backends or "disk,redis,s3"
     rng = random.Random(0)
     n = args.repeats
     payloads = [x.strip() for x in args.payloads.split(",") if x.strip()]

@@ -62,6 +62,11 @@ class Namespace:
     # CPU: "cpu_attn_amx", "cpu_attn"); only instances whose KV cache is arranged the same read them.
     # Part of the digest, but only when not canonical, for the reason ``storage_blocks`` gives.
     payload: str = CANONICAL_PAYLOAD
+    # Which KV cache group of a hybrid model (vLLM's hybrid KV cache manager: full attention, sliding
+    # window, recurrent state) these values hold, and the model's whole group structure: see
+    # ``kvtier.integrations.vllm.groups``.  Empty for a model with one group; part of the digest only when
+    # set, for the reason ``storage_blocks`` gives, so a hybrid deployment never reads a plain one's values.
+    kv_group: str = ""
 
     def __post_init__(self) -> None:
         if self.attention not in ("mha", "mla"):
@@ -88,6 +93,8 @@ class Namespace:
             del out["storage_blocks"]  # see the field: keys from before grouping existed stay the same
         if out["payload"] == CANONICAL_PAYLOAD:
             del out["payload"]  # likewise: canonical namespaces keep the keys they had
+        if not out["kv_group"]:
+            del out["kv_group"]  # likewise: one-group models keep the keys they had
         return out
 
     @classmethod
@@ -113,6 +120,8 @@ class Namespace:
                                        self.block_size, self.attention)
         if self.payload != CANONICAL_PAYLOAD:
             spec += (self.payload,)
+        if self.kv_group:
+            spec += (self.kv_group,)
         return int.from_bytes(hashlib.sha256(cbor2.dumps(spec, canonical=True)).digest()[:4], "little")
 
     def hasher(self) -> BlockHasher:

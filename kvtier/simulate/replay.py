@@ -2,7 +2,7 @@
 
 The engine is :class:`~kvtier.integrations.engine.CachedEngine`, the same object ``kvtier run`` drives
 (device block pool reuse, what to look up, load and store), with a model that computes nothing; the
-stack is :class:`~kvtier.simulate.stack.SimulatedStack`.  So a simulated request takes the path a real
+stack is :class:`~kvtier.simulate.ledger_stack.SimulatedStack`.  So a simulated request takes the path a real
 one takes, minus the bytes.
 """
 
@@ -21,7 +21,7 @@ from ..config import KvtierConfig
 from ..integrations.engine import CachedEngine
 from ..keys import BlockHasher
 from ..workload import ChatWorkload, Request
-from .stack import SimulatedStack
+from .ledger_stack import SimulatedStack
 
 
 def block_nbytes(config: KvtierConfig) -> int:

@@ -139,6 +139,9 @@ class MotoServer(ThreadedMotoServer):
         if self._server is not None:
             return
         self._woken.clear()
+        # moto's start() returns once this event is set; a restart must wait for its own server, not find
+        # the event the first start set (it did: a test's first request after a restart was refused).
+        self._server_ready_event.clear()
         super().start()
 
     def stop(self) -> None:

@@ -346,14 +346,18 @@ except ImportError:  # pragma: no cover - the helpers above work without pytest
 
 if pytest is not None:
 
-    @pytest.fixture(scope="session")
-    def _redis_server_session() -> Iterator[RedisServer]:
+    def _own_server() -> Iterator[RedisServer]:
         why = redis_available()
         if why:
             pytest.skip(why)
         srv = start_redis()
         yield srv
         srv.cleanup()
+
+    _redis_server_session = pytest.fixture(scope="session", name="_redis_server_session")(_own_server)
+    #: A server of one test module's own, never emptied by another test (``redis_server`` is, before each
+    #: test): for module-scoped fixtures that store values several tests read.
+    module_redis_server = pytest.fixture(scope="module", name="module_redis_server")(_own_server)
 
     @pytest.fixture
     def redis_server(_redis_server_session: RedisServer) -> Iterator[RedisServer]:

@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--salts")
     ap.add_argument("--reset-between", action="store_true")
     ap.add_argument("--attention-backend", help="vLLM's attention backend by name (default: vLLM picks)")
+    ap.add_argument("--kv-events-out", help="publish vLLM's KV events (ZMQ, loopback) and write the batches a "
+                                            "subscriber in this process decoded with vLLM's classes to this JSON file")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.abort_first or (a.tp == 1 and not a.while_decoding):
@@ -98,6 +100,11 @@ def main() -> None:
         kw["attention_config"] = {"backend": a.attention_backend}
     if a.max_batched_tokens:  # a prompt longer than this is prefilled in chunks, one per step
         kw["max_num_batched_tokens"] = a.max_batched_tokens
+    events = None
+    if a.kv_events_out:
+        events = _EventSubscriber()
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": f"tcp://127.0.0.1:{events.port}"}
     llm = LLM(model=a.model, skip_tokenizer_init=True, enforce_eager=True, block_size=a.block_size,
               dtype="bfloat16", max_model_len=a.max_model_len, enable_prefix_caching=True,
               prefix_caching_hash_algo=a.hash_algo, seed=0, tensor_parallel_size=a.tp, **kw)
@@ -130,6 +137,71 @@ def main() -> None:
         results.append(_result(out, time.perf_counter() - t))
     with open(a.out, "w") as f:
         json.dump({"startup_s": startup, "results": results, "abort": aborted}, f)
+    if events is not None:
+        # Writes and evictions that end after the last prompt reach the scheduler with a later step's worker
+        # reports: step the idle engine a while (a served instance steps on as requests come).
+        for _ in range(40):
+            llm.llm_engine.step()
+            time.sleep(0.05)
+        time.sleep(0.5)  # the last batches are published from vLLM's publisher thread
+        rows = events.stop()
+        with open(a.kv_events_out, "w") as f:
+            json.dump(rows, f)
+        with open(a.kv_events_out + ".raw", "w") as f:  # the payloads as published, for a router's own decoder
+            json.dump([payload.hex() for _, _, payload in events.frames], f)
+
+
+class _EventSubscriber:
+    """A ZMQ SUB socket bound on a free loopback port (vLLM's publisher connects to it), receiving on a
+    thread of its own; ``stop`` decodes the batches with vLLM's own ``KVEventBatch``."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.frames: list[list[bytes]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._done.is_set():
+            if poller.poll(100):
+                self.frames.append(self._sock.recv_multipart())
+
+    def stop(self) -> list[dict[str, Any]]:
+        import msgspec
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+        self._done.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        out = []
+        for _topic, seq, payload in self.frames:
+            batch = dec.decode(payload)
+            for ev in batch.events:
+                row = {"seq": int.from_bytes(seq, "big"), "type": type(ev).__name__}
+                for f in ("medium", "locality", "ownership", "group_idx"):
+                    row[f] = getattr(ev, f, None)
+                if hasattr(ev, "block_hashes"):
+                    row["hashes"] = [h.hex() if isinstance(h, bytes) else str(h) for h in ev.block_hashes]
+                if isinstance(ev, BlockStored):
+                    row["tokens"] = len(ev.token_ids)
+                    p = ev.parent_block_hash
+                    row["parent"] = p.hex() if isinstance(p, bytes) else None if p is None else str(p)
+                out.append(row)
+        return out
 
 
 def _result(out, seconds: float) -> dict[str, Any]:
@@ -149,13 +221,17 @@ def _abort_while_loading(llm, prompt: list[int], params) -> dict[str, Any]:
     eng = llm.llm_engine
     scheduler = eng.engine_core.engine_core.scheduler
     eng.add_request("aborted", {"prompt_token_ids": prompt}, params)
-    for _ in range(1000):  # the connector answers "ask again" while its backend probe is in flight
+    # The connector answers "ask again" while its backend probe is in flight: step until the load starts,
+    # bounded by time, not by a count of steps (an idle step takes microseconds, a probe on a busy machine
+    # took longer than 1,000 of them).
+    deadline = time.perf_counter() + 60
+    while True:
         eng.step()
         req = next((r for i, r in scheduler.requests.items() if i.startswith("aborted")), None)
         if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             break
-    else:
-        raise RuntimeError("the connector never started a load for the prompt")
+        if time.perf_counter() > deadline:
+            raise RuntimeError("the connector never started a load for the prompt (60 s)")
     eng.abort_request(["aborted"])
     in_use_after_abort = not llm.reset_prefix_cache()
     t0, steps = time.perf_counter(), 0

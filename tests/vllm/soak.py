@@ -95,10 +95,12 @@ def main() -> None:
     if a.config != "none":
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
+        from kvtier.integrations.vllm.worker import WorkerSide
+
         client: Any = eng.engine_core  # the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         side: SchedulerSide = client.engine_core.scheduler.connector._scheduler
         worker = cast("KvtierConnector", get_kv_transfer_group())._worker
-        assert worker is not None
+        assert isinstance(worker, WorkerSide)  # the soak's model has one KV cache group
         worker.stack.flush()
         side.manager.index.validate()
         worker.stack.index.validate()

@@ -4,7 +4,7 @@ SGLang's HiCache keeps its own host memory (L2) and calls a storage backend (L3)
 threads: existence probes from the prefetch thread, reads into host slots from its prefetch I/O thread,
 writes from its backup thread.  :class:`PageStore` serves those calls with kvtier's core, nothing else:
 
-* **Existence** goes through a :class:`~kvtier.manager.TierManager`: pages it already knows (found by an
+* **Existence** goes through a :class:`~kvtier.tiering.manager.TierManager`: pages it already knows (found by an
   earlier probe) answer from its index, the rest is probed in its probe pool through the backend set
   (fastest backend first, bisecting on request-per-probe backends such as S3).  SGLang's thread waits
   for that probe; any backend fault is 0 pages found.
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from ..._stack_backends import BackendSet
 from ...backend_api import StorageBackend
 from ...config import KvtierConfig
 from ...keys import Namespace
-from ...manager import TierManager
 from ...metrics import StackMetrics
 from ...plans import LookupState, WorkerReport
+from ...tiering.backend_set import BackendSet
+from ...tiering.manager import TierManager
 from .pages import PageCodec
 
 log = logging.getLogger("kvtier.sglang")

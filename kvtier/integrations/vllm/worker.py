@@ -18,6 +18,7 @@ vLLM registers (host memory, transfers, backend I/O).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -29,7 +30,7 @@ import torch
 
 from ... import threads
 from ...config import KvtierConfig
-from ...plans import LoadPlan, StepPlan, StorePlan, WorkerReport, keep_earliest
+from ...plans import LoadPlan, StepPlan, WorkerReport, keep_earliest
 from ...stack import LoadHandle, TierStack
 
 log = logging.getLogger("kvtier.vllm")
@@ -124,6 +125,7 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._lost: set[bytes] = set()
         self._refused: set[str] = set()  # loads that never started: finished at once, all blocks failed
+        self._failed: set[str] = set()  # requests whose load (or part of it) failed, for failed_requests()
         # request id -> first chain position a load did not deliver, for the scheduler (WorkerReport)
         self._unloaded: dict[str, int] = {}
         # The same for this step's in-step loads: the step computes those requests over blocks that hold
@@ -160,6 +162,7 @@ class WorkerSide:
                 self._errors.update(lp.block_ids)
                 self.stats["failed_blocks"] += len(lp.block_ids)
                 self._started.pop(lp.req_id, None)
+                self._failed.add(lp.req_id)
                 self._not_delivered(lp, lp.start)
                 if not lp.sync:  # vLLM waits for an asynchronous load's end: it ended now
                     self._refused.add(lp.req_id)
@@ -187,7 +190,7 @@ class WorkerSide:
                     log.info("kvtier: request %s: blocks %d-%d not stored (computed over blocks its load did not "
                              "deliver; stored once recomputed)", sp.req_id, sp.start + keep,
                              sp.start + len(sp.hashes) - 1)
-                sp = StorePlan(sp.req_id, sp.hashes[:keep], sp.block_ids[:keep], sp.start)
+                sp = dataclasses.replace(sp, hashes=sp.hashes[:keep], block_ids=sp.block_ids[:keep])
                 if not sp.hashes:
                     continue
             try:
@@ -227,6 +230,7 @@ class WorkerSide:
                   ",".join(sorted({self.stack.tier_names(t) for t in res.tiers if t is not None})),
                   "in the step" if lp.sync else "in the background", took)
         if res.recompute:
+            self._failed.add(lp.req_id)
             self.stats["failed_blocks"] += len(res.recompute)
             self._errors.update(res.recompute)
             self._lost.update(lp.hashes[res.num_loaded:res.num_loaded + 1])
@@ -243,6 +247,11 @@ class WorkerSide:
         out, self._errors = self._errors, set()
         return out
 
+    def failed_requests(self) -> set[str]:
+        """Requests whose load failed (some block not delivered) since the last call."""
+        out, self._failed = self._failed, set()
+        return out
+
     def report(self) -> WorkerReport:
         rep = self.stack.drain_report()
         rep.lost |= self._lost
@@ -256,3 +265,84 @@ class WorkerSide:
             with contextlib.suppress(Exception):  # a stuck load must not stop the shutdown
                 handle.wait(30)
         self.stack.close()
+
+
+class GroupWorkers:
+    """A hybrid model's workers: one :class:`WorkerSide` (its own tier stack and namespace) per KV cache
+    group, each running the plans of its group.  A request's load has ended once every group's has; it
+    failed if any group's did, and is then reported as a whole (``failed``), never as block ids: vLLM maps
+    failed block ids back to requests only with one group, and recomputes a failed request from its start."""
+
+    def __init__(self, sides: dict[int, WorkerSide]):
+        self.sides = sides
+        self._waiting: dict[str, set[int]] = {}  # request -> groups whose load has not ended
+        self._failed: set[str] = set()
+        self.stats: dict[str, int] = {}
+
+    def thread_cpus(self) -> set[int]:
+        return next(iter(self.sides.values())).thread_cpus()
+
+    def _split(self, plan: StepPlan, g: int) -> StepPlan:
+        return StepPlan([lp for lp in plan.loads if lp.group == g], [sp for sp in plan.stores if sp.group == g],
+                        idle=plan.idle)
+
+    def start(self, plan: StepPlan) -> None:
+        for lp in plan.loads:
+            if not lp.sync:
+                self._waiting.setdefault(lp.req_id, set()).add(lp.group)
+        for g, side in self.sides.items():
+            side.start(self._split(plan, g))
+
+    def save(self, plan: StepPlan) -> None:
+        for g, side in self.sides.items():
+            side.save(self._split(plan, g))
+
+    def finished(self, idle: bool = False) -> set[str]:
+        done: set[str] = set()
+        waited = False
+        for g, side in self.sides.items():
+            # One wait for the first group with a load in flight: the others' ends are scanned right after.
+            ended = side.finished(idle=idle and not waited)
+            waited = waited or bool(ended)
+            self._failed |= side.failed_requests()
+            for req_id in ended:
+                groups = self._waiting.get(req_id)
+                if groups is None:
+                    continue
+                groups.discard(g)
+                if not groups:
+                    del self._waiting[req_id]
+                    done.add(req_id)
+        self._sum_stats()
+        return done
+
+    def failed(self) -> set[str]:
+        """Requests whose load failed in some group, once every group's load of theirs has ended."""
+        out = {r for r in self._failed if r not in self._waiting}
+        self._failed -= out
+        return out
+
+    def load_errors(self) -> set[int]:
+        for side in self.sides.values():
+            side.load_errors()  # drained: a hybrid model's failures are whole requests (failed)
+        return set()
+
+    def report(self) -> list[WorkerReport]:
+        out = []
+        for g, side in self.sides.items():
+            rep = side.report()
+            rep.group = g
+            if rep:
+                out.append(rep)
+        return out
+
+    def _sum_stats(self) -> None:
+        total: dict[str, int] = {}
+        for side in self.sides.values():
+            for k, v in side.stats.items():
+                total[k] = total.get(k, 0) + v
+        self.stats = total
+
+    def close(self) -> None:
+        for side in self.sides.values():
+            side.close()

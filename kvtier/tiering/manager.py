@@ -36,15 +36,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any
 
-from . import threads
-from ._stack_backends import BackendSet
-from .backend_api import StorageBackend
-from .config import KvtierConfig
-from .groups import group_ends, group_of
-from .index import BlockIndex, Tier, TierNames
-from .keys import Namespace, invalid_key
-from .metrics import StackMetrics
-from .plans import Lookup, LookupState, WorkerReport
+from .. import threads
+from ..backend_api import StorageBackend
+from ..config import KvtierConfig
+from ..groups import group_ends, group_of
+from ..index import BlockIndex, Tier, TierNames
+from ..keys import Namespace, invalid_key
+from ..metrics import StackMetrics
+from ..plans import Lookup, LookupState, WorkerReport
+from .backend_set import BackendSet
 
 log = logging.getLogger("kvtier.manager")
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .backend_api import BackendError, BackendUnavailable, StorageBackend
-from .metrics import StackMetrics
+from ..backend_api import BackendError, BackendUnavailable, StorageBackend
+from ..metrics import StackMetrics
 
 log = logging.getLogger("kvtier.stack")
 WARN_EVERY_S = 10.0

@@ -16,30 +16,37 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._load_plan import Source, Step, lost
-from ._stack_results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
-from .blockformat import Segments
-from .groups import load_chunks
-from .index import Tier
-from .transfer import TransferGroup
+from ..blockformat import Segments
+from ..groups import load_chunks
+from ..index import Tier
+from ..transfer import TransferGroup
+from .grouped_io import Grouped
+from .load_steps import Source, Step, lost
+from .parts import StackParts
+from .results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
+from .store_path import Downward, HostRoom
 
 if TYPE_CHECKING:
-    from .stack import TierStack
-    from .transfer import TransferHandle, TransferResult
+    from ..transfer import TransferHandle, TransferResult
 
 log = logging.getLogger("kvtier.stack")
 
 class Upward:
     """``load``, ``prefetch`` and the backend fetches both use."""
 
-    def __init__(self, stack: TierStack):
-        self.s = stack
+    def __init__(self, parts: StackParts, room: HostRoom, down: Downward, grouped: Grouped | None,
+                 lookup: Callable[..., LookupResult]):
+        self.parts = parts
+        self.room = room
+        self.down = down
+        self.grouped = grouped  # stored values of several blocks (storage.block_tokens > 1), else None
+        self.lookup = lookup  # the stack's lookup (a prefetch without a lookup result asks it)
 
     # ------------------------------------------------------------------ fetch (backends -> host)
 
     def locate(self, keys: Sequence[bytes]) -> list[int]:
         """For the longest prefix of ``keys`` present in some backend, the backend holding each block."""
-        return self.s._backends.locate(self.s.namespace.keys(keys))
+        return self.parts.backends.locate(self.parts.namespace.keys(keys))
 
     def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool,
               on_verified: Callable[[int, Any], None] | None = None,
@@ -56,20 +63,20 @@ class Upward:
         there and never lands in host memory: the backend keeps it (a local disk's page cache already
         holds what host memory would, at the cost of a copy more in every load).  Should that backend
         fail it, only backends that load straight into it are tried."""
-        s = self.s
+        p, planner = self.parts, self.parts.planner
         m = len(where)
         out: list[Step | None] = [None] * len(keys)
         todo: list[int] = []
-        with s._lock:
+        with planner.lock:
             for j in range(m):
-                e = s.index.get(keys[j])
-                if e is not None and e.host is not None:
-                    out[j] = Step(Source.HOST, e.host)  # arrived meanwhile (a store, another fetch)
+                slot = planner.index.host_slot(keys[j])
+                if slot is not None:
+                    out[j] = Step(Source.HOST, slot)  # arrived meanwhile (a store, another fetch)
                 else:
                     todo.append(j)
         if not todo:
             return out
-        segs = s.direct_loads
+        segs = p.direct_loads
         bufs: dict[int, Any] = {}  # key position -> where its payload is read to
         if direct is not None:
             for j in todo:
@@ -78,52 +85,51 @@ class Upward:
                     bufs[j] = seg
         straight = set(bufs)
         todo = [j for j in todo if j not in straight]
-        host = s.host
-        slots = s.room.reserve(len(todo)) if host is not None else []
+        host = p.host
+        slots = self.room.reserve(len(todo)) if host is not None else []
         n_tmp = len(todo) - len(slots) if allow_tmp else 0
-        tmp = torch.empty((n_tmp, s.layout.block_nbytes), dtype=torch.uint8)
+        tmp = torch.empty((n_tmp, p.layout.block_nbytes), dtype=torch.uint8)
         if host is not None:
             bufs.update({j: host.slot_view(sl) for j, sl in zip(todo, slots)})
         bufs.update({j: tmp[r].numpy() for r, j in enumerate(todo[len(slots):len(slots) + n_tmp])})
-        strs = s.namespace.keys(keys)
+        strs = p.namespace.keys(keys)
         src = {j: -1 for j in bufs}
         # Each key from the backend that has it; then what failed (vanished, corrupt) from the others.
         for b in sorted({where[j] for j in bufs}):
             self._get(b, [j for j in bufs if where[j] == b], strs, bufs, src, on_verified)
-        for b in range(len(s._backends)):
+        for b in range(len(p.backends)):
             self._get(b, [j for j in bufs if src[j] < 0 and where[j] != b and (segs[b] or j not in straight)],
                       strs, bufs, src, on_verified)
-        with s._lock:
+        with planner.lock:
             for j in straight:
                 key, b = keys[j], src[j]
                 if b >= 0:
                     out[j] = Step(Source.DIRECT, None, b)
-                    if key in s.index:
-                        s.index.add_backend(key, b)
-                elif key in s.index and where[j] in s.index.entry(key).backends:
-                    s.index.remove_backend(key, where[j])  # read and not there: the hint was stale
+                    planner.mark_read_locked(key, b)
+                else:
+                    planner.mark_missing_locked(key, where[j])  # read and not there: the hint was stale
             for r, j in enumerate(todo):
                 key, b = keys[j], src.get(j, -1)
-                if b >= 0 and key in s.index:
-                    s.index.add_backend(key, b)
-                elif j in bufs and key in s.index and where[j] in s.index.entry(key).backends:
-                    s.index.remove_backend(key, where[j])  # read and not there: the hint was stale
+                if b >= 0:
+                    planner.mark_read_locked(key, b)
+                elif j in bufs:
+                    planner.mark_missing_locked(key, where[j])  # read and not there: the hint was stale
                 if r < len(slots):
                     if b >= 0:
-                        out[j] = Step(Source.HOST, s._commit_host_locked(key, slots[r]), b)
+                        out[j] = Step(Source.HOST, planner.commit_host_locked(key, slots[r]), b)
                     else:
-                        s.room.release([slots[r]])
+                        self.room.release([slots[r]])
                 elif b >= 0:
                     out[j] = Step(Source.TMP, tmp[r - len(slots)], b)
         n_host = sum(1 for r, j in enumerate(todo) if r < len(slots) and src.get(j, -1) >= 0)
-        s.metrics.add("host", bytes_in=n_host * s.layout.block_nbytes)
+        p.metrics.add("host", bytes_in=n_host * p.layout.block_nbytes)
         return out
 
     def _get(self, b: int, want: list[int], strs: list[str], bufs: dict[int, Any], src: dict[int, int],
              on_verified: Callable[[int, Any], None] | None = None) -> None:
         if want:
             tell = None if on_verified is None else (lambda k: on_verified(want[k], bufs[want[k]]))
-            ok = self.s._backends.get_into(b, [strs[j] for j in want], [bufs[j] for j in want], tell)
+            ok = self.parts.backends.get_into(b, [strs[j] for j in want], [bufs[j] for j in want], tell)
             for j, good in zip(want, ok):
                 if good:
                     src[j] = b
@@ -131,31 +137,16 @@ class Upward:
     # ------------------------------------------------------------------ load
 
     def load(self, hashes: list[bytes], ids: np.ndarray, layerwise: bool, start: int = 0) -> LoadHandle:
-        s = self.s
-        handle = LoadHandle(len(hashes), s.layout.num_layers, layerwise)
-        plan: list[Step] = []  # per block of the planned prefix
-        with s._lock:
-            idx, id_list = s.index, ids.tolist()
-            in_host = idx.host_slots(hashes) if s.host is not None else [-1] * len(hashes)
-            for key, b, h in zip(hashes, id_list, in_host):
-                if h >= 0:
-                    plan.append(Step(Source.HOST, h))
-                elif idx.key_at_device(b) == key:
-                    plan.append(Step(Source.SAME))
-                elif len(s._backends):
-                    plan.append(Step(Source.FETCH))
-                else:
-                    break  # nowhere to get it from: the usable prefix ends here
-            # Pinned after planning, in one call: a pin changes no later block's plan.
-            idx.acquire_many(hashes[:len(plan)])
-            # About to be overwritten: whatever those blocks held is gone.
-            idx.free_devices([b for step, b in zip(plan, id_list) if step.source is not Source.SAME])
-        if any(p.source is Source.FETCH for p in plan):
+        p, planner, workers = self.parts, self.parts.planner, self.parts.workers
+        handle = LoadHandle(len(hashes), p.layout.num_layers, layerwise)
+        with planner.lock:
+            plan = planner.plan_load_locked(hashes, ids.tolist())  # per block of the planned prefix
+        if any(step.source is Source.FETCH for step in plan):
             # A put meanwhile (write-back, another request's store) must not evict what this load reads.
-            held = s.namespace.keys(hashes)
-            s._backends.hold(held)
-            if not s._submit(s._reads, self._load_job, handle, hashes, ids, plan, start, held):
-                s._backends.release(held)
+            held = p.namespace.keys(hashes)
+            p.backends.hold(held)
+            if not workers.submit(workers.reads, self._load_job, handle, hashes, ids, plan, start, held):
+                p.backends.release(held)
                 self._finish_load(handle, hashes, ids, plan, 0, None, [], ["stack closed"])
         else:
             self._scatter(handle, hashes, ids, plan, len(plan), [])
@@ -167,7 +158,7 @@ class Upward:
         as the chunk is in host memory, so copies (transfer workers) overlap the reads (this thread);
         blocks already in host memory start copying before the first read.  ``held``: the keys the
         backends keep for this load (``BackendSet.hold``), released once the reads are done."""
-        s = self.s
+        p = self.parts
         errors: list[str] = []
         copies: list[TransferHandle] = []
         order: list[int] = []  # plan positions, in the order their copies were submitted
@@ -177,7 +168,8 @@ class Upward:
         def advance() -> None:
             # Copy what is settled: the blocks before the first one still to fetch or failed, so no block
             # after the end of the usable prefix is ever written to the device.
-            stop = next((i for i, p in enumerate(plan) if p.source in (Source.FETCH, Source.LOST)), len(plan))
+            stop = next((i for i, step in enumerate(plan) if step.source in (Source.FETCH, Source.LOST)),
+                        len(plan))
             part = range(done[0], stop)
             self._write_tmp([i for i in part if plan[i].source is Source.TMP and not plan[i].landed], ids, plan,
                             errors)
@@ -187,18 +179,18 @@ class Upward:
 
         try:
             advance()
-            pos = [i for i, p in enumerate(plan) if p.source is Source.FETCH]
-            if s.storage_blocks > 1:
-                self._fetch_groups(hashes, start, pos, plan, advance)
+            pos = [i for i, step in enumerate(plan) if step.source is Source.FETCH]
+            if self.grouped is not None:
+                self._fetch_groups(self.grouped, hashes, start, pos, plan, advance)
             else:
                 keys = [hashes[i] for i in pos]
                 where = self.locate(keys)
                 landed: set[int] = set()  # plan positions whose reading thread copied them to the device
-                for a, b in load_chunks(len(where), s.layout.block_nbytes, s.load_chunk_bytes):
+                for a, b in load_chunks(len(where), p.layout.block_nbytes, p.tuning.load_chunk_bytes):
                     land = direct = None
-                    if not s.device.is_cuda:
+                    if not p.device.is_cuda:
                         land = self._lander(ids, pos[a:b], landed)
-                        direct = self._segments(ids, pos[a:b]) if any(s.direct_loads) else None
+                        direct = self._segments(ids, pos[a:b]) if any(p.direct_loads) else None
                     got = self.fetch(keys[a:b], where[a:b], allow_tmp=True, on_verified=land, direct=direct)
                     for i, g in zip(pos[a:b], got):
                         plan[i] = g or lost()
@@ -210,19 +202,19 @@ class Upward:
             for i in pos:
                 if plan[i].source is Source.FETCH:
                     plan[i] = lost()  # never read (an earlier chunk ended the chain)
-            cut = next((i for i, p in enumerate(plan) if p.source is Source.LOST), len(plan))
+            cut = next((i for i, step in enumerate(plan) if step.source is Source.LOST), len(plan))
         except Exception as e:  # noqa: BLE001 - a fault fails the blocks, never the engine
             log.exception("load: fetch failed")
             errors.append(f"fetch: {type(e).__name__}: {e}")
             cut = 0
         finally:
-            s._backends.release(held)
+            p.backends.release(held)
         if not copies:
-            handle._stage(None)
+            handle.stage(None)
             self._finish_load(handle, hashes, ids, plan, cut, None, [], errors)
             return
         xh = copies[0] if len(copies) == 1 else TransferGroup(copies)
-        handle._stage(xh)
+        handle.stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
 
     def _lander(self, ids: np.ndarray, pos: list[int], landed: set[int]) -> Callable[[int, Any], None]:
@@ -231,7 +223,7 @@ class Upward:
         its plan position in ``landed``.  A copy that fails leaves the block to the usual host -> device
         copy.  Blocks after a break in the chain may land too: they are reported not loaded whatever
         their device block holds (the engine recomputes them)."""
-        device = self.s.device
+        device = self.parts.device
 
         def land(j: int, buf: Any) -> None:
             if isinstance(buf, Segments):
@@ -247,20 +239,20 @@ class Upward:
 
     def _segments(self, ids: np.ndarray, pos: list[int]) -> Callable[[int], Segments | None]:
         """``fetch``'s ``direct`` for a load into CPU memory: key ``j``'s device block, as segments."""
-        device = self.s.device
+        device = self.parts.device
         return lambda j: device.block_segments(int(ids[pos[j]]))
 
-    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int], plan: list[Step],
+    def _fetch_groups(self, grouped: Grouped, hashes: list[bytes], start: int, pos: list[int], plan: list[Step],
                       advance: Any) -> None:
         """``_load_job``'s reads when stored values hold several blocks: whole values, a chunk of them at
         a time, each block placed where the plan wants it."""
-        grouped = self.s._grouped
         groups, gone = grouped.groups_of(start, pos, len(hashes))
         for i in gone:
             plan[i] = lost()
         where = grouped.locate(hashes, groups)
         want = set(pos)
-        for a, b in load_chunks(len(where), self.s.layout.block_nbytes * grouped.k, self.s.load_chunk_bytes):
+        for a, b in load_chunks(len(where), self.parts.layout.block_nbytes * grouped.k,
+                                self.parts.tuning.load_chunk_bytes):
             got = grouped.fetch(hashes, groups[a:b], where[a:b], want, allow_tmp=True)
             for i, g in got.items():
                 plan[i] = g or lost()
@@ -274,7 +266,7 @@ class Upward:
         if not part:
             return
         try:
-            copies.append(self.s.transfers().load([plan[i].at for i in part], ids[part],
+            copies.append(self.parts.transfers().load([plan[i].at for i in part], ids[part],
                                                   layerwise=handle.layerwise, keys=[hashes[i] for i in part]))
             order += part
         except Exception as e:  # noqa: BLE001 - those blocks are not loaded; the engine recomputes them
@@ -287,36 +279,35 @@ class Upward:
         if not part:
             return
         try:
-            self.s.device.write_blocks(torch.stack([plan[i].at for i in part]), ids[part])
-            self.s.metrics.add("device", bytes_in=len(part) * self.s.layout.block_nbytes)
+            self.parts.device.write_blocks(torch.stack([plan[i].at for i in part]), ids[part])
+            self.parts.metrics.add("device", bytes_in=len(part) * self.parts.layout.block_nbytes)
         except Exception as e:  # noqa: BLE001 - those blocks fail, the rest goes on
             errors.append(f"device write: {type(e).__name__}: {e}")
-            self.s.metrics.add("device", failures=1)
+            self.parts.metrics.add("device", failures=1)
             for i in part:
                 plan[i].source = Source.LOST
 
     def _scatter(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
                  cut: int, errors: list[str]) -> None:
         """Host -> device for the planned blocks before ``cut`` that sit in host memory."""
-        s = self.s
         hp = [i for i in range(cut) if plan[i].source is Source.HOST]
         if not hp:
-            handle._stage(None)
+            handle.stage(None)
             self._finish_load(handle, hashes, ids, plan, cut, None, hp, errors)
             return
         try:
-            xh = s.transfers().load([plan[i].at for i in hp], ids[hp], layerwise=handle.layerwise,
+            xh = self.parts.transfers().load([plan[i].at for i in hp], ids[hp], layerwise=handle.layerwise,
                                     keys=[hashes[i] for i in hp])
         except Exception as e:  # noqa: BLE001
             errors.append(f"transfer: {type(e).__name__}: {e}")
             self._finish_load(handle, hashes, ids, plan, cut, None, hp, errors)
             return
-        handle._stage(xh)
+        handle.stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, hp, errors))
 
     def _finish_load(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
                      cut: int, r: TransferResult | None, hp: list[int], errors: list[str]) -> None:
-        s = self.s
+        p, planner = self.parts, self.parts.planner
         n = len(hashes)
         copied = [False] * n
         tiers: list[Tier | None] = [None] * n
@@ -330,28 +321,24 @@ class Upward:
                     copied[i] = landed
                 errors = [*errors, *r.errors]
             num = next((i for i in range(n) if not copied[i]), n)
-            with s._lock:
-                try:
-                    s.index.place_on_device_many(hashes[:num], ids[:num].tolist())
-                    down += [key for key in hashes[:num] if s.write_policy.on_hit(key, s._hit_locked(key))]
-                finally:
-                    s.index.release_many(hashes[:len(plan)])
+            with planner.lock:
+                down += planner.loaded_locked(hashes, ids.tolist(), num, len(plan))
             self._count(plan[:num], n, r)
         except Exception as e:  # noqa: BLE001 - the handle is finished whatever happens
             log.exception("load: completion failed")
             errors = [*errors, f"completion: {e}"]
             num = 0
         ok = tuple(i < num for i in range(n))
-        handle._finish(LoadResult(tuple(int(b) for b in ids), ok, tuple(copied), tuple(tiers), tuple(errors),
-                                  s.block_size))
+        handle.finish(LoadResult(tuple(int(b) for b in ids), ok, tuple(copied), tuple(tiers), tuple(errors),
+                                 p.namespace.block_size))
         if down:
-            s._down.write_down(down)
+            self.down.write_down(down)
 
     def _count(self, served: list[Step], n: int, r: TransferResult | None) -> None:
-        m = self.s.metrics
+        m = self.parts.metrics
         same = sum(1 for p in served if p.source is Source.SAME)
         landed = sum(1 for p in served if p.landed or p.source is Source.DIRECT)
-        m.add("device", bytes_in=landed * self.s.layout.block_nbytes)
+        m.add("device", bytes_in=landed * self.parts.layout.block_nbytes)
         from_host = sum(1 for p in served if p.source is Source.HOST and p.backend is None)
         m.hit("device", same)
         m.add("device", misses=n - same)
@@ -365,25 +352,25 @@ class Upward:
     # ------------------------------------------------------------------ prefetch
 
     def prefetch(self, hashes: list[bytes], lookup: LookupResult | None, start: int = 0) -> PrefetchHandle:
-        s = self.s
-        if s.host is None or not len(s._backends):
-            return PrefetchHandle(s, hashes, 0, 0.0, started=False)
+        p, planner, workers = self.parts, self.parts.planner, self.parts.workers
+        in_memory = planner.leading_in_memory
+        if p.host is None or not len(p.backends):
+            return PrefetchHandle(in_memory, hashes, 0, 0.0, started=False)
         res = lookup if lookup is not None and lookup.num_requested == len(hashes) else \
-            s.lookup(hashes, record=False, start=start)
+            self.lookup(hashes, record=False, start=start)
         pos = [i for i, t in enumerate(res.tiers) if t.is_backend]
-        tokens = len(pos) * s.block_size
-        if not pos or tokens < s.prefetch_threshold_tokens:
-            return PrefetchHandle(s, hashes, 0, 0.0, started=False)
+        tokens = len(pos) * p.namespace.block_size
+        if not pos or tokens < p.prefetch_threshold_tokens:
+            return PrefetchHandle(in_memory, hashes, 0, 0.0, started=False)
         prefix = hashes[:res.num_blocks]
-        with s._lock:
-            for key in prefix:  # the memory part too: making room must not evict the request's own head
-                s.index.acquire(key)
-        handle = PrefetchHandle(s, hashes, tokens, s.prefetch_policy.wait_seconds(tokens), started=True)
-        if s.storage_blocks > 1:
-            ok = s._submit(s._reads, self._prefetch_groups_job, handle, prefix, hashes, start, pos)
+        planner.pin(prefix)  # the memory part too: making room must not evict the request's own head
+        handle = PrefetchHandle(in_memory, hashes, tokens, p.prefetch_policy.wait_seconds(tokens), started=True)
+        if self.grouped is not None:
+            ok = workers.submit(workers.reads, self._prefetch_groups_job, self.grouped, handle, prefix, hashes,
+                                start, pos)
         else:
-            ok = s._submit(s._reads, self._prefetch_job, handle, prefix, [hashes[i] for i in pos],
-                           [res.tiers[i].as_backend_index() for i in pos])
+            ok = workers.submit(workers.reads, self._prefetch_job, handle, prefix, [hashes[i] for i in pos],
+                                [res.tiers[i].as_backend_index() for i in pos])
         if not ok:
             self._prefetch_done(handle, prefix)
         return handle
@@ -391,7 +378,7 @@ class Upward:
     def _prefetch_job(self, handle: PrefetchHandle, prefix: list[bytes], keys: list[bytes],
                       where: list[int]) -> None:
         try:
-            step = max(1, self.s.prefetch_chunk_blocks)
+            step = max(1, self.parts.tuning.prefetch_chunk_blocks)
             for a in range(0, len(keys), step):
                 if handle.cancelled.is_set():
                     break
@@ -403,14 +390,13 @@ class Upward:
         finally:
             self._prefetch_done(handle, prefix)
 
-    def _prefetch_groups_job(self, handle: PrefetchHandle, prefix: list[bytes], hashes: list[bytes], start: int,
-                             pos: list[int]) -> None:
+    def _prefetch_groups_job(self, grouped: Grouped, handle: PrefetchHandle, prefix: list[bytes],
+                             hashes: list[bytes], start: int, pos: list[int]) -> None:
         try:
-            grouped = self.s._grouped
             groups, _ = grouped.groups_of(start, pos, len(hashes))
             where = grouped.locate(hashes, groups)
             want = set(pos)
-            per = max(1, self.s.prefetch_chunk_blocks // grouped.k)
+            per = max(1, self.parts.tuning.prefetch_chunk_blocks // grouped.k)
             for a in range(0, len(where), per):
                 if handle.cancelled.is_set():
                     break
@@ -424,10 +410,7 @@ class Upward:
             self._prefetch_done(handle, prefix)
 
     def _prefetch_done(self, handle: PrefetchHandle, prefix: list[bytes]) -> None:
-        s = self.s
         try:
-            with s._lock:
-                for key in prefix:
-                    s.index.release(key)
+            self.parts.planner.unpin(prefix)
         finally:
-            handle._finish(handle.fetched)
+            handle.finish(handle.fetched)

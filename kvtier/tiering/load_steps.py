@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .index import Tier
+from ..index import Tier
 
 
 class Source(enum.Enum):

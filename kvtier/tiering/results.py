@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
-from .index import Tier, TierNames
+from ..index import Tier, TierNames
 
 if TYPE_CHECKING:
-    from .stack import TierStack
-    from .transfer import TransferGroup, TransferHandle
+    from ..transfer import TransferGroup, TransferHandle
 
 log = logging.getLogger("kvtier.stack")
 
@@ -168,8 +167,8 @@ class _Handle(Generic[R]):
             raise TimeoutError(f"{self._what} not done after {timeout} s")
         return cast(R, self._result)
 
-    def _finish(self, result: Any) -> bool:
-        """Set the result; False (and nothing changes) if it was already set."""
+    def finish(self, result: Any) -> bool:
+        """Set the result (the executor finishing the operation); False (and nothing changes) if it was already set."""
         with self._lock:
             if self._done.is_set():
                 return False
@@ -218,13 +217,13 @@ class LoadHandle(_Handle["LoadResult"]):
             return res.num_loaded > 0 or not res.block_ids
         return self._xfer.wait_layer(layer, _left(deadline), sync=sync)
 
-    def _stage(self, xfer: TransferHandle | TransferGroup | None) -> None:
+    def stage(self, xfer: TransferHandle | TransferGroup | None) -> None:
         self._xfer = xfer
         self._staged.set()
 
-    def _finish(self, result: Any) -> bool:
+    def finish(self, result: Any) -> bool:
         self._staged.set()  # a waiter on a layer must never hang on a load that ended early
-        return super()._finish(result)
+        return super().finish(result)
 
 
 class PrefetchHandle(_Handle[int]):
@@ -236,10 +235,10 @@ class PrefetchHandle(_Handle[int]):
     stops what has not arrived, and returns the number of leading blocks now in memory (host, or
     already on the device): what a load can serve without backend I/O."""
 
-    def __init__(self, stack: TierStack | None, hashes: list[bytes], num_tokens: int,
+    def __init__(self, in_memory: Callable[[list[bytes]], int] | None, hashes: list[bytes], num_tokens: int,
                  wait_s: float | None, *, started: bool):
         super().__init__(f"prefetch of {num_tokens} tokens")
-        self._stack = stack
+        self._in_memory = in_memory  # leading blocks of a chain in memory (the planner's leading_in_memory)
         self._hashes = hashes
         self.num_tokens = num_tokens  # tokens this prefetch fetches from backends
         self.started = started
@@ -248,7 +247,7 @@ class PrefetchHandle(_Handle[int]):
         self.cancelled = threading.Event()
         self._t0 = time.monotonic()
         if not started:
-            self._finish(0)
+            self.finish(0)
 
     def cancel(self) -> None:
         """Stop after the batch being read (blocks already read still land in host memory)."""
@@ -261,7 +260,7 @@ class PrefetchHandle(_Handle[int]):
             self._done.wait()
         elif not self._done.wait(min(limits)):
             self.cancel()
-        return self._stack.leading_in_memory(self._hashes) if self._stack is not None else 0
+        return self._in_memory(self._hashes) if self._in_memory is not None else 0
 
 
 class PendingOps:

@@ -1,0 +1,427 @@
+"""The simulated stack: the real planner, run by a ledger executor (keys and sizes, no bytes, no threads).
+
+A simulation must decide every hit, store and eviction exactly as a deployment would, and do it fast.
+So it does not copy the stack's decisions: it runs them.  Every placement decision is made by the same
+:class:`~kvtier.tiering.planner.Planner` a :class:`~kvtier.stack.TierStack` asks (the same index, the same
+write and eviction policies, the same host slot table, the same scheduler half for lookups), called in
+the order the stack's executors call it; this module is the executor that, where the stack would copy
+bytes and do backend I/O in worker threads, records keys in :class:`~kvtier.simulate.ledger.LedgerBackend`
+ledgers and counts the traffic.
+
+What the real stack does and this one does not: copy bytes, run I/O in threads (every operation here
+completes before it returns, writes to the backends included, as ``kvtier run --wait-writes`` makes it
+for the real stack: what a backend evicts, and so writes again, then depends on the requests alone),
+and fail (a ledger never faults).  The prefetch policy only says how long a caller of
+``TierStack.prefetch`` waits for backend reads: time, which a simulation has none of; its engine loads as
+``kvtier run``'s does, without prefetching.  ``tests/test_simulate.py`` holds the two together: the hit
+rates per tier of real ``kvtier run``s and of simulations of the same workloads agree.
+
+Invariants: every block the planner hands out held (a store's new blocks, a write-back victim, a copy
+down, a load's plan) is handed back before the call returns (checked by ``Planner.check_locked`` in the
+tests); the counters count each block moved once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..config import KvtierConfig, direct_loads
+from ..groups import group_of, load_chunks, whole_groups
+from ..host_slots import SlotTable
+from ..index import BlockIndex
+from ..metrics import StackMetrics
+from ..tiering.backend_set import BackendSet
+from ..tiering.load_steps import Source
+from ..tiering.manager import TierManager
+from ..tiering.planner import CopyDown, GroupWrite, Planner
+from ..tiering.results import SKIPPED, STORED, LoadResult, LookupResult, StoreResult, StoreStatus
+from .ledger import LedgerBackend
+
+
+@dataclass
+class TierCounters:
+    """Traffic of one tier over a simulation, in blocks (bytes = blocks x bytes per block)."""
+
+    written: int = 0
+    read: int = 0
+    evicted: int = 0
+    skipped: int = 0
+    # (trace time in whole seconds) -> blocks written in that second: the store traffic a backend sees.
+    writes_per_s: dict[int, int] = field(default_factory=dict)
+
+
+class _Done:
+    """A finished handle: what ``.wait()`` returns."""
+
+    def __init__(self, result: object):
+        self.result = result
+
+    def wait(self, timeout: float | None = None) -> object:
+        return self.result
+
+
+class SimulatedStack:
+    """Byte-free, synchronous :class:`~kvtier.stack.TierStack` for ``kvtier simulate``: the planner plus a
+    ledger executor.  The engine (:class:`~kvtier.integrations.engine.CachedEngine`) drives it through the
+    same methods."""
+
+    def __init__(self, config: KvtierConfig, block_nbytes: int):
+        self.config = config
+        self.storage_blocks = k = config.storage_blocks  # engine blocks per stored value (kvtier.groups)
+        self.namespace = config.namespace()
+        self.block_size = self.namespace.block_size
+        self.block_nbytes = block_nbytes
+        cap = int(config.host.capacity)
+        self.host_slots = cap // block_nbytes if cap else 0
+        if cap and not self.host_slots:
+            raise ValueError(f"host.capacity: {cap} B holds no block of {block_nbytes} B")
+        self.ledgers = [LedgerBackend.for_config(b, block_nbytes * k) for b in config.backends]
+        # Holds (a load's keys, kept from evictions) change nothing where no backend evicts: skipped there.
+        self._holds = any(led.capacity is not None for led in self.ledgers)
+        names = [led.name for led in self.ledgers]
+        self.metrics = StackMetrics(["device", *(["host"] if self.host_slots else []), *names], self.block_size)
+        self._backends = BackendSet(self.ledgers, [b.write for b in config.backends], self.metrics,
+                                    self.namespace.layout_id, block_nbytes)
+        self.planner = Planner(config, backends=self._backends, metrics=self.metrics,
+                               slots=SlotTable(self.host_slots) if self.host_slots else None,
+                               device_blocks=config.device.num_blocks)
+        self.index: BlockIndex = self.planner.index
+        self.manager: TierManager = self.planner.manager
+        self.direct = self._direct_loads(config)  # per backend: loads skip host memory (TierStack.direct_loads)
+        self.load_chunk_bytes = 32 * 2**20  # TierStack.load_chunk_bytes: a load reads this much at a time
+        self._counters = {n: TierCounters() for n in ["host", *names]}
+        self._keys = self.namespace.keys
+
+    @property
+    def now(self) -> float:
+        """Trace time of the request being served (recency stamps, store traffic per second)."""
+        return self.planner.now or 0.0
+
+    @now.setter
+    def now(self, t: float) -> None:
+        self.planner.now = t
+
+    @staticmethod
+    def _direct_loads(config: KvtierConfig) -> list[bool]:
+        """``TierStack.direct_loads`` for the device ``kvtier run`` would build from this config."""
+        if config.host.promote_loads:
+            return [False] * len(config.backends)  # decided without torch: the common case
+        import torch
+
+        from ..layout import KVLayout
+
+        kind = config.device.kind if config.device.kind != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        layout = KVLayout.from_namespace(config.namespace(), 1, config.device.layout)
+        reads = [bool(getattr(b.plugin(), "reads_segments", False)) for b in config.backends]
+        return direct_loads(config, reads, kind == "cpu" and not layout.rearranges)
+
+    # ------------------------------------------------------------------ what the engine calls
+
+    def lookup(self, hashes: Sequence[bytes], *, start: int = 0) -> LookupResult:
+        return LookupResult(self.manager.resolve(hashes, start), self.block_size, len(hashes),
+                            self.manager.tier_names)
+
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
+        """``load_path.Upward.load``: the planner's plan (host, same device block, fetch), what is only in
+        backends fetched into host slots, then the planner told what landed."""
+        p, ids, hashes = self.planner, [int(b) for b in block_ids], list(hashes)
+        with p.lock:
+            plan = p.plan_load_locked(hashes, ids)
+        cut = len(plan)
+        pos = [i for i, step in enumerate(plan) if step.source is Source.FETCH]
+        if pos:
+            # As Upward.load: puts meanwhile never evict what the load reads.
+            held = self._keys(hashes) if self._holds else []
+            self._backends.hold(held)
+            try:
+                got = (self._fetch_groups(hashes, start, pos) if self.storage_blocks > 1
+                       else self._fetch([hashes[i] for i in pos]))
+            finally:
+                self._backends.release(held)
+            cut = next((i for i, ok in zip(pos, got) if not ok), cut)
+        with p.lock:
+            down = p.loaded_locked(hashes, ids, cut, len(plan))
+        if down:
+            self._write_down(down)
+        loaded = tuple(i < cut for i in range(len(hashes)))
+        return _Done(LoadResult(tuple(ids), loaded, loaded, (), (), self.block_size))
+
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
+        """``store_path.Downward.store``: the planner's classification and slots, victims written back,
+        the new blocks committed (no copy), then what the write policy sends down."""
+        p, hashes = self.planner, list(hashes)
+        with p.lock:
+            plan = p.start_store_locked(hashes, [int(b) for b in block_ids])
+        status, new = plan.status, plan.new
+        if plan.hits:
+            self._write_down(plan.hits)
+        if not new:
+            return _Done(StoreResult(tuple(status)))
+        if not self.host_slots:
+            self._store_direct(hashes, start, new, status)
+            return _Done(StoreResult(tuple(status)))
+        slots = plan.slots + self._write_back(plan.victims)
+        take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
+        if skip:
+            self._counters["host"].skipped += len(skip)
+            p.end_stores([hashes[i] for i in skip])
+        keys = [hashes[i] for i in take]
+        with p.lock:
+            down = p.stored_locked(take, keys, slots, [True] * len(take), status)
+        self._counters["host"].written += len(take)
+        if self.storage_blocks > 1:
+            groups = p.store_groups(hashes, start)
+            with p.lock:
+                for g in groups:
+                    p.remember_group_locked(g)
+            sent = set(down)
+            self._write_groups_from_host([g for g in groups if sent.intersection(g)])
+        elif down:
+            self._write_down(down)
+        return _Done(StoreResult(tuple(status)))
+
+    def on_device_freed(self, block_ids: Sequence[int]) -> None:
+        self.planner.device_freed([int(b) for b in block_ids])
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.manager.close()
+        self.metrics.close()
+
+    # ------------------------------------------------------------------ the way up: backends -> host
+
+    def _reserve(self, n: int) -> list[int]:
+        """``HostRoom.reserve``: the planner's slots, victims written back first."""
+        p = self.planner
+        with p.lock:
+            slots, victims = p.take_slots_locked(n)
+        return slots + self._write_back(victims)
+
+    def _fetch(self, keys: list[bytes]) -> list[bool]:
+        """``Upward.fetch`` for a load: per key whether it arrived (into a host slot when there is room,
+        else a temporary buffer, or straight into the device block)."""
+        p = self.planner
+        strs = self._keys(keys)
+        where = self._backends.locate(strs)
+        out = [False] * len(keys)
+        with p.lock:
+            todo = [j for j in range(len(where)) if p.index.host_slot(keys[j]) is None]
+        for j in set(range(len(where))) - set(todo):
+            out[j] = True  # arrived meanwhile (in host memory already)
+        if not todo:
+            return out
+        straight = {j for j in todo if self.direct[where[j]]}  # read into the device block: no host slot
+        via_host = [j for j in todo if j not in straight]
+        slots = self._reserve(len(via_host)) if self.host_slots else []
+        src = {j: self._read(strs[j], where[j], straight_only=j in straight) for j in todo}
+        with p.lock:
+            for j in todo:
+                b = src[j]
+                if b >= 0:
+                    p.mark_read_locked(keys[j], b)
+                else:
+                    p.mark_missing_locked(keys[j], where[j])  # read and not there: the hint was stale
+            for r, j in enumerate(via_host):
+                if r < len(slots):
+                    if src[j] >= 0:
+                        p.commit_host_locked(keys[j], slots[r])
+                        self._counters["host"].written += 1
+                    else:
+                        p.release_slots([slots[r]])
+        for j in todo:
+            out[j] = src[j] >= 0
+        return out
+
+    def _read(self, key: str, first: int, *, straight_only: bool = False) -> int:
+        """``Upward.fetch``'s reads of one key: from ``first``, then (vanished: a write-back's put made
+        room) the others in order; the backend it came from, or -1."""
+        order = [first, *(i for i in range(len(self.ledgers)) if i != first and (self.direct[i] or not straight_only))]
+        for b in order:
+            if self.ledgers[b].record_get([key])[0]:
+                self._counters[self.ledgers[b].name].read += 1
+                return b
+        return -1
+
+    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int]) -> list[bool]:
+        """``Upward._fetch_groups`` + ``Grouped.fetch`` for a load: a chunk of values at a time, host room
+        made first for the wanted blocks not in host memory (the values held, so a write-back making that
+        room never evicts them), then every value of the chunk read under its last block's key; per
+        position in ``pos`` whether it arrived."""
+        p, k = self.planner, self.storage_blocks
+        got = dict.fromkeys(pos, False)
+        groups: list[tuple[int, int]] = []
+        for i in pos:
+            grp = group_of(start, i, k)
+            if grp[1] >= len(hashes):
+                break  # its value's key is beyond the slice: this block and the rest are not fetched
+            if not groups or groups[-1] != grp:
+                groups.append(grp)
+        strs = self._keys([hashes[last] for _, last in groups])
+        where = self._backends.locate(strs)
+        for a, z in load_chunks(len(where), self.block_nbytes * k, self.load_chunk_bytes):
+            chunk = groups[a:z]
+            todo: list[tuple[int, list[int]]] = []  # (group index, its wanted blocks not in host memory)
+            with p.lock:
+                for g in range(a, z):
+                    first, last = groups[g]
+                    members = [i for i in range(max(first, 0), last + 1) if i in got]
+                    missing = [i for i in members if p.index.host_slot(hashes[i]) is None]
+                    for i in members:
+                        got[i] = i not in missing
+                    if missing:
+                        todo.append((g, missing))
+            held = [strs[g] for g, _ in todo]
+            self._backends.hold(held)
+            try:
+                slots = self._reserve(sum(len(m) for _, m in todo)) if self.host_slots else []
+                src = {g: self._read(strs[g], where[g]) for g, _ in todo}
+            finally:
+                self._backends.release(held)
+            r = 0
+            with p.lock:
+                for g, missing in todo:
+                    first, last = groups[g]
+                    mine = slots[r:r + len(missing)]
+                    r += len(missing)
+                    if src[g] >= 0:
+                        for i in range(max(first, 0), last + 1):
+                            p.mark_read_locked(hashes[i], src[g])
+                        for i, slot in zip(missing, mine):
+                            p.commit_host_locked(hashes[i], slot)
+                            self._counters["host"].written += 1
+                        for i in missing:
+                            got[i] = True  # in a host slot, or a temporary row when host memory had no room
+                        if first >= 0:
+                            p.remember_group_locked(tuple(hashes[first:last + 1]))
+                    else:
+                        p.release_slots(mine)
+                        p.mark_missing_locked(hashes[last], where[g])  # read and not there: a stale hint
+                p.release_slots(slots[r:])
+            if any(not got[i] for first, last in chunk for i in range(max(first, 0), last + 1) if i in got):
+                break
+        return [got[i] for i in pos]
+
+    # ------------------------------------------------------------------ the way down
+
+    def _write_back(self, victims: list[CopyDown]) -> list[int]:
+        """``HostRoom.write_back``: copy the victims down, then the planner frees those a backend took."""
+        if not victims:
+            return []
+        written = self._copy_down(victims)
+        with self.planner.lock:
+            return self.planner.written_back_locked(victims, written)
+
+    def _write_down(self, keys: Sequence[bytes]) -> None:
+        """``Downward.write_down``: host blocks to every writable backend lacking them (with values of
+        several blocks: their whole groups)."""
+        p = self.planner
+        if self.storage_blocks > 1:
+            with p.lock:
+                groups = p.groups_to_write_locked(keys)
+            self._write_groups_from_host(groups)
+            return
+        with p.lock:
+            todo = p.plan_write_down_locked(keys)
+        if todo:
+            try:
+                self._copy_down(todo)
+            finally:
+                with p.lock:
+                    p.copies_done_locked([c.key for c in todo])
+
+    def _copy_down(self, todo: Sequence[CopyDown]) -> dict[bytes, bool]:
+        """``HostRoom.copy_down``: held host blocks to their target backends."""
+        p = self.planner
+        if self.storage_blocks > 1:
+            with p.lock:
+                groups = {c.key: p.group_of_locked(c.key) for c in todo}
+            written = self._write_groups_now([g for g in groups.values() if g is not None],
+                                             frozenset(c.key for c in todo))
+            return {key: g is not None and g[-1] in written for key, g in groups.items()}
+        taken = {c.key: False for c in todo}
+        for b in self._backends.writable:
+            part = [c.key for c in todo if b in c.targets]
+            if not part:
+                continue
+            for key, good in zip(part, self._put(b, [(key,) for key in part])):
+                taken[key] = taken[key] or good
+            self._counters["host"].read += len(part)
+            with p.lock:
+                p.trim_index_locked()
+        return taken
+
+    def _write_groups_from_host(self, groups: Sequence[tuple[bytes, ...]]) -> None:
+        """``Grouped.write_from_host`` (run at once)."""
+        with self.planner.lock:
+            claims = self.planner.claim_groups_locked(groups)
+        self._put_groups(claims)
+
+    def _write_groups_now(self, groups: Sequence[tuple[bytes, ...]], mine: frozenset[bytes]) -> set[bytes]:
+        """``Grouped.write_now``: a write-back's groups; the last keys of those a backend took."""
+        with self.planner.lock:
+            claims = self.planner.claim_groups_locked(groups, mine)
+        return self._put_groups(claims)
+
+    def _put_groups(self, claims: list[GroupWrite]) -> set[bytes]:
+        written: set[bytes] = set()
+        try:
+            for b in self._backends.writable:
+                part = [c for c in claims if b in c.targets]
+                if not part:
+                    continue
+                ok = self._put(b, [c.members for c in part])
+                written.update(c.members[-1] for c, good in zip(part, ok) if good)
+                self._counters["host"].read += sum(len(c.members) for c in part)
+        finally:
+            self.planner.release_groups(claims)
+        return written
+
+    def _store_direct(self, hashes: list[bytes], start: int, new: list[int], status: list[StoreStatus]) -> None:
+        """``Downward._store_direct``: no host tier, every stored value holding a new block (a block, or a
+        whole group of the store) written to every writable backend."""
+        fresh = set(new)
+        spans = [(a, b) for a, b in whole_groups(start, len(hashes), self.storage_blocks)
+                 if not fresh.isdisjoint(range(a, b + 1))]
+        took = [False] * len(spans)
+        values = [tuple(hashes[a:b + 1]) for a, b in spans]
+        for j in self._backends.writable:
+            for v, good in enumerate(self._put(j, values)):
+                took[v] = took[v] or good
+        for (a, b), ok in zip(spans, took):
+            for i in range(a, b + 1):
+                if i in fresh:
+                    status[i] = STORED if ok else SKIPPED
+        self.planner.end_stores([hashes[i] for i in new])
+
+    def _put(self, b: int, values: Sequence[tuple[bytes, ...]]) -> list[bool]:
+        """``BackendWriter.put_values`` into ledger ``b``, counting its traffic."""
+        p, led = self.planner, self.ledgers[b]
+        lasts = [v[-1] for v in values]
+        with p.lock:
+            p.begin_put_locked(b, lasts)
+        before = led.evictions
+        ok = led.record_put(self._keys(lasts))
+        with p.lock:
+            p.put_done_locked(b, values, ok)
+        c = self._counters[led.name]
+        n = sum(ok)
+        c.written += n
+        c.skipped += len(ok) - n
+        c.evicted += led.evictions - before
+        sec = int(self.now)
+        c.writes_per_s[sec] = c.writes_per_s.get(sec, 0) + n
+        return ok
+
+    @property
+    def counters(self) -> dict[str, TierCounters]:
+        """Traffic per tier so far: host memory's evictions are the planner's (counted in the metrics)."""
+        if self.host_slots:
+            self._counters["host"].evicted = int(self.metrics.snapshot()["tiers"]["host"]["evictions"])
+        return self._counters
+
+
+__all__ = ["SimulatedStack", "TierCounters"]

@@ -1,0 +1,550 @@
+"""The planner: every placement decision of a tier stack, and the state those decisions read.
+
+Torch-free by import, never waits on I/O.  It owns the block index, the write and eviction policies, the
+host slots' bookkeeping (:class:`~kvtier.host_slots.SlotTable`: which slot a block goes to; the bytes are
+the executor's), the scheduler half (:class:`~kvtier.manager.TierManager`, sharing the index and the
+lock) and what is in flight.  The executors (:mod:`~kvtier.tiering.store_path`,
+:mod:`~kvtier.tiering.load_path`, :mod:`~kvtier.tiering.grouped_io`) ask it, under :attr:`Planner.lock`,
+what to do (which slots, which victims to write back, what to write down and where, where each block of a
+load comes from), run that against memory and backends outside the lock, and tell it what happened.
+
+Invariants (checked by :meth:`Planner.check_locked` in the tests, after every operation has settled):
+
+* **Pins.**  A block is evicted from host memory only when nothing uses it: no index reference (loads,
+  prefetches, stores, write-back victims) and no copy down in flight (``writing``).  Those two are the
+  only pins: the slot table keeps states, no pin count of its own.
+* **Index = truth about memory.**  The index says a block is in host slot ``s`` iff slot ``s`` is READY
+  or WRITING under this planner's commit (``commit_host_locked``); a slot is never in two blocks.
+* **One at a time.**  A block is in at most one store (``storing``) and at most one copy down
+  (``writing``).
+* **Bounded.**  At most ``max_unwritten`` host blocks wait on a write-back that failed (beyond that the
+  next such victim is evicted unwritten, counted ``dropped``); ``owed`` and ``members`` only name blocks in
+  host memory (they leave with the block); backend-only index entries beyond ``max_index_entries`` are
+  forgotten oldest first.
+* **Reports.**  With a listener (``start_report``), every host-memory change and every backend mark is
+  recorded for a manager in another process, once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import KvtierConfig
+from ..groups import whole_groups
+from ..host_slots import WRITING, SlotTable
+from ..index import BlockIndex, Tier
+from ..metrics import StackMetrics
+from ..plans import WorkerReport
+from ..policy_api import EvictionPolicy, WritePolicy
+from .backend_set import BackendSet
+from .load_steps import Source, Step
+from .manager import TierManager
+from .results import FAILED, PRESENT, SKIPPED, STORED, StoreStatus
+
+
+@dataclass(frozen=True)
+class CopyDown:
+    """A host block held for a copy to backends: in ``writing`` (and, for a write-back victim, referenced)
+    until the executor reports the copy over."""
+
+    key: bytes
+    slot: int
+    targets: tuple[int, ...]  # the writable backends lacking it
+
+
+@dataclass(frozen=True)
+class GroupWrite:
+    """A whole stored value (``storage.block_tokens`` > 1) claimed for writing from host memory."""
+
+    members: tuple[bytes, ...]   # its blocks' keys, in chain order (the value is stored under the last)
+    slots: tuple[int, ...]       # their host slots
+    targets: tuple[int, ...]     # the writable backends lacking it
+    added: tuple[bytes, ...]     # the blocks this claim put in ``writing`` (released by it alone)
+
+
+@dataclass
+class StoreStart:
+    """What a store does, decided at its start: per block its status so far; ``new``: positions to copy
+    (pinned, in ``storing``); ``hits``: blocks already held that the write policy sends down on this hit;
+    ``slots`` / ``victims``: host slots taken for the new blocks, and the write-back victims to copy down
+    before the rest of the slots exist."""
+
+    status: list[StoreStatus]
+    new: list[int]
+    hits: list[bytes]
+    slots: list[int]
+    victims: list[CopyDown]
+
+
+class Planner:
+    """Placement decisions and their state for one stack (see the module docstring)."""
+
+    def __init__(self, config: KvtierConfig, *, backends: BackendSet, metrics: StackMetrics,
+                 slots: SlotTable | None, device_blocks: int):
+        self.config = config
+        self.namespace = config.namespace()
+        self.storage_blocks = config.storage_blocks  # engine blocks per stored value (kvtier.groups)
+        self.backends = backends
+        self.metrics = metrics
+        self.slots = slots
+        pol = config.policies
+        self.write_policy: WritePolicy = pol.write.plugin()(pol.write.options)
+        self.eviction_policy: EvictionPolicy = pol.eviction.plugin()(pol.eviction.options)
+        n_slots = slots.num_slots if slots is not None else 0
+        self.index = BlockIndex(capacity=max(1024, device_blocks + n_slots))
+        # Entries only in backends are hints (hit counts, where a block was written); beyond this many
+        # entries the oldest of them are forgotten, so the index stays bounded in a long-lived process.
+        self.max_index_entries = max(1 << 20, 4 * (device_blocks + n_slots))
+        self.max_unwritten = max(1, n_slots // 4)
+        self.lock = threading.Lock()
+        # The time a hit is stamped with: None = the clock (a deployment); a simulation sets its trace time.
+        self.now: float | None = None
+        self._storing: set[bytes] = set()  # device -> host copy (or direct backend write) in flight
+        self._writing: set[bytes] = set()  # host -> backend copy in flight
+        # Host blocks whose write-back failed (insertion order = oldest first), bounded by max_unwritten.
+        self._unwritten: dict[bytes, None] = {}
+        # Host blocks the write policy sent down that a writable backend has not taken yet (it failed, was
+        # down or refused): written again when a backend comes back (``owed_to``).
+        self._owed: dict[bytes, None] = {}
+        # Host blocks of whole stored-value groups (storage.block_tokens > 1): block -> its group's blocks.
+        self._members: dict[bytes, tuple[bytes, ...]] = {}
+        # What host memory gained and lost since the last drain_report(): a manager in another process
+        # (vLLM's scheduler) mirrors host residency from it.  None = nobody listens, nothing recorded.
+        self._report: WorkerReport | None = None
+        # The scheduler half: the same index and lock.
+        self.manager = TierManager(config, backends=backends, index=self.index, lock=self.lock)
+        self.manager.on_forgotten = self._backend_evicted_locked
+
+    # ------------------------------------------------------------------ host slots and blocks
+
+    def host_slots(self) -> SlotTable:
+        if self.slots is None:
+            raise RuntimeError("this stack has no host tier (host.capacity: 0)")
+        return self.slots
+
+    def hit_locked(self, key: bytes) -> int:
+        """Count a hit (a reuse): recency for eviction, and the count write policies look at."""
+        hits = self.index.touch(key, self.now)
+        if self.index.host_slot(key) is not None:
+            self.eviction_policy.on_access(Tier.HOST, [key])
+        return hits
+
+    def commit_host_locked(self, key: bytes, slot: int) -> int:
+        """Record ``key`` in host ``slot`` (READY or WRITING, unpinned) unless another slot already holds
+        it (a concurrent store or fetch won): then ``slot`` is freed.  Returns the slot holding ``key``."""
+        e = self.index.get(key)
+        table = self.host_slots()
+        if e is not None and e.host is not None and e.host != slot:
+            table.free([slot])
+            return e.host
+        if table.state(slot) == WRITING:
+            table.commit([slot], [key])
+        if key not in self.index:
+            self.index.insert(key)
+        self.index.set_host(key, slot)
+        self.eviction_policy.on_insert(Tier.HOST, [key])
+        if self._report is not None:
+            self._report.in_host[key] = slot
+            self._report.left_host.discard(key)
+        return slot
+
+    def drop_host_locked(self, key: bytes) -> None:
+        """Evict ``key`` from host memory (unpinned): its slot becomes free."""
+        slot = self.index.clear_host(key)
+        self._unwritten.pop(key, None)
+        self._owed.pop(key, None)
+        self._members.pop(key, None)
+        if slot is not None:
+            self.host_slots().free([slot])
+            self.eviction_policy.on_remove(Tier.HOST, [key])
+            self.metrics.add("host", evictions=1)
+            if self._report is not None:
+                self._report.in_host.pop(key, None)
+                self._report.left_host.add(key)
+        self.index.discard_if_unused(key)
+
+    def copying_locked(self, key: bytes) -> bool:
+        """Whether a copy of ``key`` to a backend is in flight (it cannot be evicted now)."""
+        return key in self._writing
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Give back WRITING slots that were not used."""
+        if slots:
+            self.host_slots().free(list(slots))
+
+    def take_slots_locked(self, n: int) -> tuple[list[int], list[CopyDown]]:
+        """Up to ``n`` WRITING slots without I/O: free slots first, then the eviction policy's victims.
+        Victims the write policy wants written back first are returned held (an index reference,
+        ``writing``); :meth:`written_back_locked` turns them into slots once copied."""
+        table = self.host_slots()
+        slots = table.allocate(min(n, table.num_free)).slots if n > 0 else []
+        need, dropped, wb = n - len(slots), 0, []
+        if need > 0:
+            self.manager.fold_evictions_locked()  # a write-back must not skip a backend that evicted the block
+        seen: set[bytes] = set()
+        writable = self.backends.writable
+        while need > 0:
+            fresh = [k for k in self.eviction_policy.victims(self.index, Tier.HOST, need + len(seen))
+                     if k not in seen]
+            if not fresh:
+                break
+            for key in fresh:
+                seen.add(key)
+                e = self.index.get(key)
+                if need == 0 or e is None or e.host is None or e.refs or key in self._writing:
+                    continue  # only unpinned host blocks with no copy down in flight are evictable
+                targets = tuple(i for i in writable if i not in e.backends)
+                if targets and self.storage_blocks > 1 and self.group_of_locked(key) is None:
+                    targets = ()  # a block of a group no longer whole in host memory cannot be written
+                if targets and key in self._unwritten and len(self._unwritten) > self.max_unwritten:
+                    # Its write-back already failed and too many blocks wait on failing writes: evict it
+                    # unwritten (a future miss) rather than let a refusing backend hold host memory.
+                    self.drop_host_locked(key)
+                    self.metrics.add("host", dropped=1)
+                    dropped += 1
+                elif targets and self.write_policy.on_evict(key):
+                    self.index.acquire(key)
+                    self._writing.add(key)
+                    wb.append(CopyDown(key, e.host, targets))
+                else:
+                    self.drop_host_locked(key)
+                    dropped += 1
+                need -= 1
+        if dropped:
+            slots += table.allocate(dropped).slots
+        return slots, wb
+
+    def written_back_locked(self, victims: Sequence[CopyDown], written: dict[bytes, bool]) -> list[int]:
+        """Victims of ``take_slots_locked`` were copied down (``written``: per key, whether a backend took
+        it): free those a backend took and nobody referenced meanwhile; as many WRITING slots as freed."""
+        freed = 0
+        for v in victims:
+            key, slot = v.key, v.slot
+            self._writing.discard(key)
+            self.index.unpin(key)
+            e = self.index.get(key)
+            if written.get(key):
+                self._unwritten.pop(key, None)
+            elif e is not None and e.host == slot:
+                self._unwritten[key] = None  # still dirty in host memory: counts against the bound
+            if written.get(key) and e is not None and e.refs == 0 and e.host == slot:
+                self.drop_host_locked(key)
+                freed += 1
+            else:
+                self.index.discard_if_unused(key)
+        return self.host_slots().allocate(freed).slots if freed else []
+
+    def abandon_victims(self, victims: Sequence[CopyDown]) -> None:
+        """Victims that will not be copied after all (the store that wanted their slots was dropped)."""
+        if victims:
+            with self.lock:
+                for v in victims:
+                    self._writing.discard(v.key)
+                    self.index.release(v.key)
+
+    def trim_index_locked(self) -> None:
+        """Forget the least recently used backend-only entries once the index is over its bound."""
+        excess = len(self.index) - self.max_index_entries
+        if excess <= 0:
+            return
+        excess += self.max_index_entries // 8  # trim in batches: the scan below is O(entries)
+        for i in range(len(self.backends)):
+            for key in self.index.eviction_candidates(Tier.backend(i), excess):
+                e = self.index.get(key)
+                if e is not None and e.refs == 0 and e.device is None and e.host is None:
+                    self.index.remove(key)
+                    excess -= 1
+            if excess <= 0:
+                return
+
+    # ------------------------------------------------------------------ store
+
+    def start_store_locked(self, hashes: list[bytes], ids: list[int]) -> StoreStart:
+        """Classify a store's blocks: already held (host memory, or with no host tier the writable
+        backends), already being stored, or new (pinned, in ``storing``); take host slots for the new ones.
+        Placing a block, or pinning one, changes no later block's host slot or backend marks: the steps run
+        over the batch."""
+        n = len(hashes)
+        status = [SKIPPED] * n
+        new: list[int] = []
+        hits: list[bytes] = []
+        seen: set[bytes] = set()
+        idx, writable, storing = self.index, self.backends.writable, self._storing
+        idx.place_on_device_many(hashes, ids)
+        if self.slots is not None:
+            held = [h >= 0 for h in idx.host_slots(hashes)]
+        else:
+            held = [bool(writable) and idx.in_backends(key, writable) for key in hashes]
+        for i, key in enumerate(hashes):
+            if key in seen or key in storing or held[i]:
+                status[i] = PRESENT
+                if key not in seen and self.write_policy.on_hit(key, self.hit_locked(key)):
+                    hits.append(key)
+                seen.add(key)
+                continue
+            seen.add(key)
+            new.append(i)
+            storing.add(key)
+        idx.acquire_many([hashes[i] for i in new])
+        slots: list[int] = []
+        victims: list[CopyDown] = []
+        if self.slots is not None and new:
+            slots, victims = self.take_slots_locked(len(new))
+        return StoreStart(status, new, hits, slots, victims)
+
+    def stored_locked(self, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
+                      ok: Sequence[bool], status: list[StoreStatus]) -> list[bytes]:
+        """The device -> host copies of a store landed (``ok`` per block): commit them, set ``status``, and
+        return the blocks the write policy sends down now."""
+        down: list[bytes] = []
+        for i, key, slot, good in zip(take, keys, slots, ok):
+            self._storing.discard(key)
+            if good:
+                if self.commit_host_locked(key, slot) == slot:
+                    status[i] = STORED
+                    if self.write_policy.on_store(key):
+                        down.append(key)
+                else:
+                    status[i] = PRESENT
+            else:
+                status[i] = FAILED
+            self.index.release(key)
+        return down
+
+    def end_stores(self, keys: Sequence[bytes]) -> None:
+        """Stores of ``keys`` are over without landing in host memory (skipped, failed, written direct)."""
+        with self.lock:
+            for key in keys:
+                self._storing.discard(key)
+                self.index.release(key)
+
+    def store_groups(self, hashes: Sequence[bytes], start: int) -> list[tuple[bytes, ...]]:
+        """The whole stored values (groups of ``storage_blocks`` keys) a store of ``hashes`` at chain
+        position ``start`` holds."""
+        return [tuple(hashes[a:b + 1]) for a, b in whole_groups(start, len(hashes), self.storage_blocks)]
+
+    # ------------------------------------------------------------------ writes to backends
+
+    def plan_write_down_locked(self, keys: Sequence[bytes]) -> list[CopyDown]:
+        """Host blocks to copy to every writable backend that lacks them (blocks already there, not in host
+        memory, or already being copied are left alone); each returned one is in ``writing`` until
+        :meth:`copies_done_locked`.  Single-block values only (see :meth:`groups_to_write_locked`)."""
+        self.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
+        todo: list[CopyDown] = []
+        writable = self.backends.writable
+        for key in dict.fromkeys(keys):
+            e = self.index.get(key)
+            if e is None or e.host is None:
+                continue
+            targets = tuple(i for i in writable if i not in e.backends)
+            if not targets:
+                continue
+            self._owed[key] = None  # until every writable backend took it (put_done_locked)
+            if key in self._writing:
+                continue
+            # No index reference: a copy down is not a use and must not change the block's recency (an
+            # index reference takes it off the LRU list); ``writing`` keeps eviction away.
+            self._writing.add(key)
+            todo.append(CopyDown(key, e.host, targets))
+        return todo
+
+    def copies_done_locked(self, keys: Sequence[bytes]) -> None:
+        self._writing.difference_update(keys)
+
+    def groups_to_write_locked(self, keys: Sequence[bytes]) -> list[tuple[bytes, ...]]:
+        """Values of several blocks: the whole groups ``keys`` are in, their blocks owed to the writable
+        backends that lack them."""
+        groups = [g for g in map(self.group_of_locked, dict.fromkeys(keys)) if g is not None]
+        writable = self.backends.writable
+        self._owed.update((k, None) for g in groups for k in g if self.index.host_slot(k) is not None
+                          and not self.index.in_backends(k, writable))
+        return groups
+
+    def begin_put_locked(self, b: int, lasts: Sequence[bytes]) -> None:
+        """Values under ``lasts`` are about to be written to backend ``b``."""
+        self.manager.begin_writes_locked(b, lasts)
+
+    def put_done_locked(self, b: int, values: Sequence[tuple[bytes, ...]], ok: Sequence[bool]) -> None:
+        """Backend ``b`` took (``ok``) or refused each value: mark every block of a value it took (unless
+        the backend evicted it during its own write), and settle what was owed."""
+        evicted = self.manager.end_writes_locked(b, [v[-1] for v in values])
+        report = self._report
+        writable = self.backends.writable
+        for members, good in zip(values, ok):
+            if good and members[-1] not in evicted:  # a value evicted during its own write is not there
+                for key in members:
+                    if key in self.index:
+                        self.index.add_backend(key, b)
+                        if key in self._owed and self.index.in_backends(key, writable):
+                            del self._owed[key]
+                    if report is not None:  # a manager elsewhere learns it without asking the backend
+                        report.in_backend.add((key, b))
+                        report.left_backend.discard((key, b))
+
+    def owed_to(self, i: int, in_host: Sequence[bytes]) -> list[bytes]:
+        """Backend ``i`` is back after an outage: the host blocks to write to it again, those it was known
+        to hold (it may have come back empty) and those the write policy sent down whose writes failed or
+        were skipped meanwhile.  Not the write-back victims that failed (``unwritten``): write-back wants a
+        block written when it is evicted, which those are again (and then written) at their next
+        eviction."""
+        with self.lock:
+            wanted = dict.fromkeys([*in_host, *self._owed])
+            return [k for k in wanted if self.index.host_slot(k) is not None]
+
+    # ------------------------------------------------------------------ groups (storage.block_tokens > 1)
+
+    def remember_group_locked(self, members: tuple[bytes, ...]) -> None:
+        """Record a whole group for the blocks of it in host memory, so a later write of one of them
+        (write-back on eviction, a selective write on a hit) writes the group.  Entries leave with their
+        block's host copy."""
+        for key in members:
+            if self.index.host_slot(key) is not None:
+                self._members[key] = members
+
+    def group_of_locked(self, key: bytes) -> tuple[bytes, ...] | None:
+        """The whole group of a host block, if known and every block of it is in host memory."""
+        members = self._members.get(key)
+        if members is None or any(self.index.host_slot(m) is None for m in members):
+            return None
+        return members
+
+    def claim_groups_locked(self, groups: Sequence[tuple[bytes, ...]],
+                            mine: frozenset[bytes] = frozenset()) -> list[GroupWrite]:
+        """Claim each group that is whole in host memory, not being written, and missing from a writable
+        backend: its blocks go into ``writing`` (so none is evicted while the group is written); ``mine``:
+        blocks the caller already holds for writing (a write-back victim)."""
+        todo: list[GroupWrite] = []
+        for members in dict.fromkeys(groups):
+            slots = [self.index.host_slot(key) for key in members]
+            if any(slot is None for slot in slots) or any(k in self._writing and k not in mine for k in members):
+                continue
+            have = tuple(int(slot) for slot in slots if slot is not None)
+            targets = tuple(b for b in self.backends.writable if not self.index.in_backends(members[-1], (b,)))
+            if not targets:
+                continue
+            added = tuple(k for k in members if k not in self._writing)
+            self._writing.update(added)
+            todo.append(GroupWrite(members, have, targets, added))
+        return todo
+
+    def release_groups(self, claims: Sequence[GroupWrite]) -> None:
+        with self.lock:
+            for c in claims:
+                self._writing.difference_update(c.added)
+
+    # ------------------------------------------------------------------ load and fetch
+
+    def plan_load_locked(self, hashes: Sequence[bytes], ids: list[int]) -> list[Step]:
+        """Where each block of the longest loadable prefix comes from: host memory, the same device block
+        (no copy), or the backends (FETCH).  The planned blocks are pinned (one call: a pin changes no later
+        block's plan) and the device blocks about to be overwritten forget what they held."""
+        plan: list[Step] = []
+        idx = self.index
+        in_host = idx.host_slots(hashes) if self.slots is not None else [-1] * len(hashes)
+        for key, b, h in zip(hashes, ids, in_host):
+            if h >= 0:
+                plan.append(Step(Source.HOST, h))
+            elif idx.key_at_device(b) == key:
+                plan.append(Step(Source.SAME))
+            elif len(self.backends):
+                plan.append(Step(Source.FETCH))
+            else:
+                break  # nowhere to get it from: the usable prefix ends here
+        idx.acquire_many(hashes[:len(plan)])
+        idx.free_devices([b for step, b in zip(plan, ids) if step.source is not Source.SAME])
+        return plan
+
+    def loaded_locked(self, hashes: Sequence[bytes], ids: list[int], num: int, planned: int) -> list[bytes]:
+        """A load finished with its first ``num`` blocks on the device: place them, count the hits, unpin
+        the ``planned`` blocks; the blocks the write policy sends down on this hit."""
+        try:
+            self.index.place_on_device_many(hashes[:num], ids[:num])
+            return [key for key in hashes[:num] if self.write_policy.on_hit(key, self.hit_locked(key))]
+        finally:
+            self.index.release_many(hashes[:planned])
+
+    def mark_read_locked(self, key: bytes, b: int) -> None:
+        """Backend ``b`` delivered ``key`` (verified)."""
+        if key in self.index:
+            self.index.add_backend(key, b)
+
+    def mark_missing_locked(self, key: bytes, b: int) -> None:
+        """Backend ``b`` did not deliver ``key`` although the index said it held it: the hint was stale."""
+        if key in self.index and b in self.index.entry(key).backends:
+            self.index.remove_backend(key, b)
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            for key in keys:
+                self.index.acquire(key)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            for key in keys:
+                self.index.release(key)
+
+    def leading_in_memory(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``hashes`` in host memory or on the device."""
+        with self.lock:
+            return self.index.lookup_prefix(list(hashes)).in_memory
+
+    def device_freed(self, block_ids: list[int]) -> None:
+        with self.lock:
+            self.index.free_devices(block_ids)
+
+    # ------------------------------------------------------------------ reports and observability
+
+    def drain_report(self) -> WorkerReport:
+        """Host-memory changes, and blocks the backends evicted, since the last call (recording starts with
+        the first call)."""
+        with self.lock:
+            self.manager.fold_evictions_locked()
+            out, self._report = self._report or WorkerReport(), WorkerReport()
+        return out
+
+    def _backend_evicted_locked(self, key: bytes, backend: int) -> None:
+        """Backend ``backend`` evicted ``key`` (the manager has unmarked it there): a manager in another
+        process must forget it too, or it offers a hit every load of which fails."""
+        if self._report is not None:
+            self._report.left_backend.add((key, backend))
+            self._report.in_backend.discard((key, backend))
+
+    def counts(self) -> dict[str, int]:
+        """The index and in-flight sizes (stats, gauges)."""
+        with self.lock:
+            return {"entries": len(self.index), "device": self.index.count(Tier.DEVICE),
+                    "host": self.index.count(Tier.HOST), "pinned": self.index.pinned,
+                    "writing_down": len(self._writing), "unwritten": len(self._unwritten),
+                    "owed": len(self._owed),
+                    **{n: self.index.count(Tier.backend(i)) for i, n in enumerate(self.backends.names)}}
+
+    def check_locked(self) -> None:
+        """Raise AssertionError naming the first invariant that does not hold (call when nothing is in
+        flight: a settled stack)."""
+        if self.slots is not None:
+            slot_of: dict[int, bytes] = {}
+            for key in list(self.index):
+                slot = self.index.host_slot(key)
+                if slot is None:
+                    continue
+                if slot in slot_of:
+                    raise AssertionError(f"planner: host slot {slot} is held by two blocks")
+                slot_of[slot] = key
+            ready = self.slots.counts().ready
+            if ready != len(slot_of):
+                raise AssertionError(f"planner: {ready} READY host slots but the index places {len(slot_of)} "
+                                     "blocks in host memory")
+        if self._storing or self._writing:
+            raise AssertionError(f"planner: {len(self._storing)} stores and {len(self._writing)} copies down "
+                                 "still in flight")
+        if len(self._unwritten) > self.max_unwritten + 1:
+            raise AssertionError(f"planner: {len(self._unwritten)} unwritten blocks, bound {self.max_unwritten}")
+        for what, keys in (("owed", self._owed), ("members", self._members)):
+            stray = [k for k in keys if self.index.host_slot(k) is None]
+            if stray:
+                raise AssertionError(f"planner: {len(stray)} {what} block(s) not in host memory")
+
+
+__all__ = ["CopyDown", "GroupWrite", "Planner", "StoreStart"]

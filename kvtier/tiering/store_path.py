@@ -1,0 +1,280 @@
+"""The way down, executed: device -> host (store), host -> backends (write-down, write-back), making room.
+
+What to do is the planner's (:class:`~kvtier.tiering.planner.Planner`: which slots, which victims, what goes
+down where); this module runs it against the device, host memory and the backends and reports back.
+
+Invariants:
+* every block the planner hands out held (a store's new blocks, a write-back victim, a copy down) is
+  handed back exactly once, whatever fails: ``stored_locked`` / ``end_stores``, ``written_back_locked`` /
+  ``abandon_victims``, ``copies_done_locked``;
+* a WRITING host slot taken for a store is committed or released, never left WRITING;
+* backend I/O and copies run outside the planner's lock; write-back victims reach a backend before their
+  slots take new blocks (the copy of a store that needed them is issued after that I/O).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..groups import whole_groups
+from .grouped_io import Grouped
+from .parts import StackParts
+from .planner import CopyDown
+from .results import FAILED, SKIPPED, STORED, StoreHandle, StoreResult, StoreStatus
+from .writes import BackendWriter
+
+if TYPE_CHECKING:
+    from ..transfer import TransferResult
+
+log = logging.getLogger("kvtier.stack")
+
+
+class HostRoom:
+    """Host slots for blocks coming into host memory: the planner's free slots and victims, the victims
+    that must be written back first copied down here (outside the lock)."""
+
+    def __init__(self, parts: StackParts, writer: BackendWriter):
+        self.parts = parts
+        self.writer = writer
+        self.grouped: Grouped | None = None  # set by the stack when stored values hold several blocks
+
+    def write_back(self, victims: Sequence[CopyDown]) -> list[int]:
+        """Copy victims down (no lock held), then let the planner free those a backend took and nobody
+        referenced meanwhile; returns as many WRITING slots as were freed."""
+        if not victims:
+            return []
+        written = self.copy_down(victims)
+        planner = self.parts.planner
+        with planner.lock:
+            return planner.written_back_locked(victims, written)
+
+    def reserve(self, n: int) -> list[int]:
+        """Up to ``n`` WRITING slots, writing victims back when the policy says (call without the lock,
+        from a worker: it may do backend I/O)."""
+        planner = self.parts.planner
+        with planner.lock:
+            slots, wb = planner.take_slots_locked(n)
+        return slots + self.write_back(wb)
+
+    def release(self, slots: list[int]) -> None:
+        """Give back WRITING slots that were not used."""
+        self.parts.planner.release_slots(slots)
+
+    def copy_down(self, todo: Sequence[CopyDown]) -> dict[bytes, bool]:
+        """Write held host blocks to their target backends (no lock held during I/O); the writer records
+        which backends took them.  Returns {key: taken by at least one backend}.  With values of several
+        blocks, each block's whole group is written instead."""
+        p, planner = self.parts, self.parts.planner
+        if self.grouped is not None:
+            with planner.lock:
+                groups = {c.key: planner.group_of_locked(c.key) for c in todo}
+            written = self.grouped.write_now([g for g in groups.values() if g is not None],
+                                             frozenset(c.key for c in todo))
+            return {key: g is not None and g[-1] in written for key, g in groups.items()}
+        taken = {c.key: False for c in todo}
+        for b in p.backends.writable:
+            part = [c for c in todo if b in c.targets]
+            if not part:
+                continue
+            host = p.host_tier()
+            ok = self.writer.put_values(b, [(c.key,) for c in part], [host.slot_view(c.slot) for c in part])
+            p.metrics.add("host", bytes_out=sum(ok) * p.layout.block_nbytes)
+            for c, good in zip(part, ok):
+                taken[c.key] = taken[c.key] or good
+            with planner.lock:
+                planner.trim_index_locked()
+        return taken
+
+
+class Downward:
+    """``store`` and the write-down of host blocks to the backends."""
+
+    def __init__(self, parts: StackParts, room: HostRoom, writer: BackendWriter, grouped: Grouped | None):
+        self.parts = parts
+        self.room = room
+        self.writer = writer
+        self.grouped = grouped  # stored values of several blocks (storage.block_tokens > 1), else None
+
+    # ------------------------------------------------------------------ store
+
+    def store(self, hashes: list[bytes], ids: np.ndarray, start: int = 0) -> StoreHandle:
+        p, planner, workers = self.parts, self.parts.planner, self.parts.workers
+        handle = StoreHandle(len(hashes))
+        with planner.lock:
+            plan = planner.start_store_locked(hashes, ids.tolist())
+            workers.pending.add()
+        status, new = plan.status, plan.new
+        if plan.hits:
+            self.write_down(plan.hits)
+        if not new:
+            self._finish(handle, status)
+        elif p.host is None:
+            self._store_direct(handle, hashes, ids, new, status, start)
+        elif plan.victims:
+            # Write-back victims must reach a backend before their slots take new blocks: that I/O runs
+            # in a worker, which then issues the copy after the work queued so far on this stream.
+            ev = None
+            if p.device.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(p.device.device))
+            if not workers.submit(workers.io, self._store_deferred, handle, hashes, ids, new, status, plan.slots,
+                                  plan.victims, ev, start):
+                self._abandon(handle, hashes, new, status, plan.slots, plan.victims)
+        else:
+            self._store_submit(handle, hashes, ids, new, status, plan.slots, start)
+        return handle
+
+    def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                        status: list[StoreStatus], slots: list[int], wb: list[CopyDown], ev: Any,
+                        start: int) -> None:
+        try:
+            more = self.room.write_back(wb)
+            if ev is not None:
+                torch.cuda.current_stream(self.parts.device.device).wait_event(ev)
+        except Exception:  # noqa: BLE001 - the store is skipped, never lost track of
+            log.exception("store: write-back failed")
+            self._abandon(handle, hashes, new, status, slots, [])
+            return
+        self._store_submit(handle, hashes, ids, new, status, slots + more, start)
+
+    def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                      status: list[StoreStatus], slots: list[int], start: int = 0) -> None:
+        p = self.parts
+        take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
+        if skip:
+            p.metrics.add("host", stores_skipped=len(skip))
+            p.planner.end_stores([hashes[i] for i in skip])
+        if not take:
+            self._finish(handle, status)
+            return
+        keys = [hashes[i] for i in take]
+        try:
+            xh = p.transfers().store(ids[take], slots, keys=keys)
+        except Exception as e:  # noqa: BLE001 - e.g. the transfer engine is closed
+            log.warning("store: transfer not submitted: %s", e)
+            self.room.release(slots)
+            for i in take:
+                status[i] = FAILED
+            p.planner.end_stores(keys)
+            self._finish(handle, status)
+            return
+        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status, hashes, start))
+
+    def _on_stored(self, handle: StoreHandle, r: TransferResult, take: list[int], keys: list[bytes],
+                   status: list[StoreStatus], hashes: Sequence[bytes] = (), start: int = 0) -> None:
+        p, planner = self.parts, self.parts.planner
+        try:
+            with planner.lock:
+                down = planner.stored_locked(take, keys, r.slots, r.ok, status)
+            p.metrics.add("device", bytes_out=r.nbytes)
+            p.metrics.add("host", bytes_in=r.nbytes, failures=int(not r.all_ok))
+            p.metrics.observe("host", "write", r.seconds)
+            if self.grouped is not None:
+                # Values of several blocks: the store's whole groups are remembered (a later write of one
+                # of their blocks writes the group), and those holding a block the write policy sends
+                # down now are written (their blocks are in host memory, stored here or before).
+                groups = planner.store_groups(hashes, start)
+                sent = set(down)
+                with planner.lock:
+                    for g in groups:
+                        planner.remember_group_locked(g)
+                self.grouped.write_from_host([g for g in groups if sent.intersection(g)])
+            elif down:
+                self.write_down(down)
+        finally:
+            self._finish(handle, status)
+
+    def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
+                      status: list[StoreStatus], start: int) -> None:
+        """No host tier: copy the stored values' blocks out of the device now (this thread, so the copy is
+        ordered after the engine's work), then write them to the writable backends in a worker.  With
+        values of several blocks, a value is a whole group of the store holding a new block; a new block
+        in no whole group is skipped (a partial group is never stored)."""
+        p, planner, workers = self.parts, self.parts.planner, self.parts.workers
+        fresh = set(new)
+        spans = [(a, b) for a, b in whole_groups(start, len(hashes), p.storage_blocks)
+                 if not fresh.isdisjoint(range(a, b + 1))]
+        keys = [hashes[i] for i in new]
+        if not spans:
+            planner.end_stores(keys)
+            self._finish(handle, status)
+            return
+        try:
+            rows = p.device.read_blocks(np.concatenate([ids[a:b + 1] for a, b in spans]))
+        except Exception as e:  # noqa: BLE001
+            log.warning("store: device read failed: %s", e)
+            p.metrics.add("device", failures=1)
+            for i in new:
+                status[i] = FAILED
+            planner.end_stores(keys)
+            self._finish(handle, status)
+            return
+        p.metrics.add("device", bytes_out=rows.numel())
+        rows = rows.view(len(spans), -1)
+
+        def write() -> None:
+            try:
+                took = self.writer.put_rows([tuple(hashes[a:b + 1]) for a, b in spans], rows)
+                for (a, b), ok in zip(spans, took):
+                    for i in range(a, b + 1):
+                        if i in fresh:
+                            status[i] = STORED if ok else SKIPPED
+            finally:
+                planner.end_stores(keys)
+                self._finish(handle, status)
+
+        if not workers.submit(workers.io, write):
+            planner.end_stores(keys)
+            self._finish(handle, status)
+
+    def _abandon(self, handle: StoreHandle, hashes: list[bytes], new: list[int], status: list[StoreStatus],
+                 slots: list[int], wb: list[CopyDown]) -> None:
+        p = self.parts
+        self.room.release(slots)
+        p.planner.abandon_victims(wb)
+        p.metrics.add("host", stores_skipped=len(new))
+        p.planner.end_stores([hashes[i] for i in new])
+        self._finish(handle, status)
+
+    def _finish(self, handle: StoreHandle, status: list[StoreStatus]) -> None:
+        if handle.finish(StoreResult(tuple(status))):
+            self.parts.workers.pending.done()
+
+    # ------------------------------------------------------------------ write-down
+
+    def write_down(self, keys: Sequence[bytes]) -> None:
+        """Asynchronously copy host blocks to every writable backend that lacks them (blocks already
+        there, not in host, or already being written are left alone)."""
+        planner, workers = self.parts.planner, self.parts.workers
+        if self.grouped is not None:
+            with planner.lock:  # values of several blocks: the whole groups these blocks are in
+                groups = planner.groups_to_write_locked(keys)
+            self.grouped.write_from_host(groups)
+            return
+        with planner.lock:
+            todo = planner.plan_write_down_locked(keys)
+            if not todo:
+                return
+            workers.pending.add()
+        if not workers.submit(workers.io, self._write_down_job, todo):
+            self._write_down_done(todo)
+
+    def _write_down_job(self, todo: list[CopyDown]) -> None:
+        try:
+            self.room.copy_down(todo)
+        finally:
+            self._write_down_done(todo)
+
+    def _write_down_done(self, todo: list[CopyDown]) -> None:
+        planner = self.parts.planner
+        with planner.lock:
+            planner.copies_done_locked([c.key for c in todo])
+        self.parts.workers.pending.done()
+
+
+__all__ = ["Downward", "HostRoom"]
