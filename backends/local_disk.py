@@ -39,7 +39,8 @@ Invariants:
   Manifests are not blocks: never evicted, not counted.
 * Every block file unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix``
   included) is noted in the directory's removal journal (``_disk_removals``) with the backend instance
-  that unlinked it, in the same lock session, once the index transaction that dropped it has committed.  Each
+  that unlinked it, in the same lock session, once the index transaction that dropped it has committed (a
+  writer killed before that is recovered from its intents, and its recoverer notes its unlinks).  Each
   backend reads the lines other instances wrote every ``removals_poll_s`` and tells ``on_evicted`` those
   keys the index does not list again (stored again since: loadable); its own lines are skipped, told when
   made (a put's evictions) or asked for (deletes).  So another process's eviction reaches this process's stack (and the
@@ -238,40 +239,48 @@ class LocalDiskBackend(StorageBackend):
         """Check the index against the ledger (rebuild it from the files if it is not this directory's),
         recover dead writers, evict down to the capacity (it may have shrunk since the last run)."""
         rebuild: str | None = None
+        evicted: list[str] = []  # dead writers' unlinks recovered, then this start's evictions
         try:
-            rebuild = self._check_index()
+            rebuild = self._check_index(evicted)
         except sqlite3.DatabaseError as e:  # not a database, malformed: start it again
             log.warning("local_disk: %s: index %s is damaged (%s); rebuilding it", self.root, self._idx.path, e)
             self._idx.remove()
-            rebuild = self._check_index()
+            rebuild = self._check_index(evicted)
         if rebuild is not None:
             self._rebuild(rebuild)
         drop_dead_holders(self.root, self.options.tmp_max_age_s)
         if self._complete:
-            evicted: list[str] = []
             unlinked: list[str] = []
             with self._shared(removed=unlinked) as c:
                 self._make_room(c, 0, evicted, unlinked)
-            self._evicted(evicted)
+        self._evicted(evicted)
 
-    def _check_index(self) -> str | None:
-        """Validate the index in one locked session; the generation to rebuild, or None."""
-        with locked(self.root) as mirror, self._idx.transaction() as c:
-            gen, complete = self._idx.meta(c, "id"), self._idx.meta(c, "complete") == 1
-            named = mirror.doc.get("index") if mirror.doc is not None else None
-            if gen is not None and gen == named:
-                self._gen = str(gen)
-                self._complete = complete
-                if complete:
-                    self._recover(c)
-                    return None
-                builder = str(self._idx.meta(c, "rebuilder", ""))
-                if writer_alive(builder, time.time(), self.options.tmp_max_age_s) and builder != self._writer():
-                    return None  # another process is rebuilding it: puts wait for it to finish
-            gen = self._idx.reset(c, self._writer())
-            self._gen, self._complete = str(gen), False
-            mirror.write({"bytes": 0, "held": {}, "index": gen})
-            return str(gen)
+    def _check_index(self, gone: list[str]) -> str | None:
+        """Validate the index in one locked session (recovering dead writers: the blocks they had unlinked
+        are added to ``gone`` and noted in the removal journal); the generation to rebuild, or None."""
+        recovered: list[str] = []
+        with locked(self.root) as mirror:
+            try:
+                with self._idx.transaction() as c:
+                    gen, complete = self._idx.meta(c, "id"), self._idx.meta(c, "complete") == 1
+                    named = mirror.doc.get("index") if mirror.doc is not None else None
+                    if gen is not None and gen == named:
+                        self._gen = str(gen)
+                        self._complete = complete
+                        if complete:
+                            self._recover(c, recovered)
+                            return None
+                        builder = str(self._idx.meta(c, "rebuilder", ""))
+                        if (writer_alive(builder, time.time(), self.options.tmp_max_age_s)
+                                and builder != self._writer()):
+                            return None  # another process is rebuilding it: puts wait for it to finish
+                    gen = self._idx.reset(c, self._writer())
+                    self._gen, self._complete = str(gen), False
+                    mirror.write({"bytes": 0, "held": {}, "index": gen})
+                    return str(gen)
+            finally:  # after the commit, under the lock (as ``_shared``)
+                append_removals(self.root, recovered, self._remover())
+                gone.extend(recovered)
 
     def _rebuild(self, gen: str) -> None:
         """Index every block file under the root (the only full scan), one shard per locked session so
@@ -348,16 +357,18 @@ class LocalDiskBackend(StorageBackend):
         if gone_now:
             self._idx.drop(c, gone_now)
 
-    def _recover(self, c: sqlite3.Connection) -> bool:
+    def _recover(self, c: sqlite3.Connection, gone: list[str]) -> bool:
         """Recover every dead writer from its intents: remove its temp files, re-read each block it named
-        (one ``lstat``).  True if any was found."""
+        (one ``lstat``).  The blocks it had unlinked (an eviction's or a delete's intent, the file gone) are
+        added to ``gone``: it died before noting them in the removal journal, so the caller notes them, as
+        its own, and tells its own listener.  True if any writer was found dead."""
         found = False
         for writer, (_, last) in self._idx.held(c).items():
             if writer_alive(writer, last, self.options.tmp_max_age_s) or writer == self._writer():
                 continue
             t0 = time.perf_counter()
             intents = self._idx.intents(c, writer)
-            present, absent = [], []
+            present, absent, unlinked = [], [], []  # unlinked: by the dead writer, never journaled
             for key, _, tmp in intents:
                 if tmp is not None:
                     _unlink(tmp)
@@ -367,6 +378,9 @@ class LocalDiskBackend(StorageBackend):
                     present.append((key, size))
                 else:
                     absent.append(key)
+                    if tmp is None:  # an eviction's or a delete's: it died before noting it in the journal
+                        unlinked.append(key)
+            gone.extend(self._idx.sizes(c, unlinked))  # those the index listed: a delete names any key
             self._idx.drop(c, absent)
             if present:
                 known = self._idx.sizes(c, [k for k, _ in present])
@@ -392,7 +406,11 @@ class LocalDiskBackend(StorageBackend):
         excess = self._total(c) + need - self.capacity
         if excess <= 0:
             return True
-        if self._recover(c):
+        recovered: list[str] = []
+        found = self._recover(c, recovered)
+        victims.extend(recovered)
+        unlinked.extend(recovered)
+        if found:
             excess = self._total(c) + need - self.capacity
             if excess <= 0:
                 return True

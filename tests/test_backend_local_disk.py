@@ -713,7 +713,9 @@ def test_ledger_survives_a_writer_killed_between_unlink_and_account(tmp_path, ho
     size = 1000
     cap = 4 * (H + size)
     root = tmp_path / "d"
-    a = LocalDiskBackend({"path": str(root), "capacity": cap})
+    a = LocalDiskBackend({"path": str(root), "capacity": cap, "removals_poll_s": 0.05})
+    told: list[str] = []
+    a.on_evicted = told.extend
     full = newkeys(4)
     assert a.put(full, [os.urandom(size)] * 4, LID) == [True] * 4
     assert {k: v for k, v in _ledger(root).items() if k != "index"} == {"bytes": cap, "held": {}}
@@ -742,6 +744,13 @@ def test_ledger_survives_a_writer_killed_between_unlink_and_account(tmp_path, ho
     assert a.put(ks, [os.urandom(size)] * 2, LID) == [True, True]
     assert _ledger(root)["held"] == {} and _intents(a) == 0
     assert _ledger(root)["bytes"] == disk_bytes(root) <= cap
+    # The dead writer's unlink never reached the removal journal: the recoverer notes it there, and tells
+    # its own listener (with its own eviction), once.
+    from kvtier.backends.local_disk import JOURNAL_NAME
+
+    assert (root / JOURNAL_NAME).read_text().count(full[0]) == 1
+    time.sleep(0.2)
+    assert sorted(told) == sorted(full[:2])
     a.close()
 
 
