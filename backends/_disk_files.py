@@ -3,7 +3,8 @@ the directory at start-up.  No state: the backend (``local_disk.py``) owns the i
 the capacity, and calls these with its root and options.
 
 A block's file is ``<root>/<namespace>/<hash[:2]>/<hash>``; a temp file is
-``.<hash>.<host tag>.<pid>.<n>.tmp`` beside it (a dot first: never read as a block).
+``.<hash>.<host tag>.<pid>.<n>.tmp`` beside it (a dot first: never read as a block).  The listing of the
+whole directory (``shards`` / ``scan_shard``) serves only an index rebuild.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import logging
 import os
 import re
 import stat
-from operator import itemgetter
 
 from kvtier import blockformat
-from kvtier import threads as kvthreads
 from kvtier.backends._disk_ledger import HOST_TAG, pid_alive
 
 log = logging.getLogger("kvtier.backends.local_disk")
@@ -35,11 +34,15 @@ _PROBE = memoryview(bytearray(1))  # one byte past the expected end: tells "long
 
 # ------------------------------------------------------------------ one value
 
-def write_tmp(d: str, path: str, header: bytes, payload: memoryview, seq: int, fsync: bool) -> str:
-    """Write the value to a new temp file beside ``path`` (``seq``: this process's next temp number; with
-    ``fsync``, synced before it is closed); its name (removed again on any error)."""
-    # The pid is read per write, not cached: a forked child must not reuse its parent's temp names.
-    tmp = f"{d}/.{path[len(d) + 1:]}.{HOST_TAG}.{os.getpid()}.{seq}.tmp"
+def tmp_name(d: str, path: str, seq: int) -> str:
+    """The temp file a writer fills for ``path`` (in directory ``d``) with its ``seq``-th temp number."""
+    # The pid is read per call, not cached: a forked child must not reuse its parent's temp names.
+    return f"{d}/.{path[len(d) + 1:]}.{HOST_TAG}.{os.getpid()}.{seq}.tmp"
+
+
+def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview, fsync: bool) -> str:
+    """Write the value to the new temp file ``tmp`` in directory ``d`` (``tmp_name``; with ``fsync``,
+    synced before it is closed); its name (removed again on any error)."""
     try:
         fd = os.open(tmp, WFLAGS, 0o666)
     except FileNotFoundError:  # first block of this shard: create it, once, lazily
@@ -105,10 +108,10 @@ def read_file(path: str, header: memoryview,
 
 # ------------------------------------------------------------------ the directory at start-up
 
-def list_blocks(root: str, now: float, threads: int, tmp_max_age_s: float) -> list[tuple[float, str, int]]:
-    """(last use, key, size) of every block file under ``root``, oldest first; dead writers' temp files
-    removed (``remove_stale_tmp``)."""
-    shards: list[tuple[str, os.DirEntry[str]]] = []
+def shards(root: str, now: float, tmp_max_age_s: float) -> list[tuple[str, os.DirEntry[str]]]:
+    """(namespace, shard directory) of every shard under ``root``; dead writers' manifest temp files
+    removed on the way."""
+    out: list[tuple[str, os.DirEntry[str]]] = []
     for ns in scandir(root):
         if not (NS.fullmatch(ns.name) and ns.is_dir(follow_symlinks=False)):
             continue
@@ -116,15 +119,11 @@ def list_blocks(root: str, now: float, threads: int, tmp_max_age_s: float) -> li
             if m := TMP.fullmatch(shard.name):  # a manifest's temp file
                 remove_stale_tmp(shard, m, now, tmp_max_age_s)
             elif SHARD.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
-                shards.append((ns.name, shard))
-    # stat() releases the GIL: shards are listed in parallel (a cold cache makes this I/O bound).
-    with kvthreads.pool(threads, "kvtier-disk-put") as pool:
-        parts = list(pool.map(lambda s: _scan_shard(s[0], s[1], now, tmp_max_age_s), shards))
-    found = [e for part in parts for e in part]
-    found.sort(key=itemgetter(0))
-    return found
+                out.append((ns.name, shard))
+    return out
 
-def _scan_shard(ns: str, shard: os.DirEntry[str], now: float,
+
+def scan_shard(ns: str, shard: os.DirEntry[str], now: float,
                 tmp_max_age_s: float) -> list[tuple[float, str, int]]:
     found = []
     prefix = shard.name

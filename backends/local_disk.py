@@ -14,30 +14,41 @@ Invariants:
   base class refuses such keys before any hook; the hooks check again, as tools call them directly), and
   files are opened with ``O_NOFOLLOW``.
 * ``capacity`` bounds the directory, whatever number of processes share it: the bytes of its block files
-  plus the bytes reserved by every writer's in-flight temp files never exceed it.  All of them keep that
-  account in one ledger, ``<path>/.kvtier-usage.json``, changed only under an exclusive ``flock`` on it
-  and always together with the filesystem change it describes: a put reserves room for its batch first
-  (evicting least recently used blocks if needed), writes its temp files, then renames them into place
-  under the lock, which frees the replaced files' bytes in the same step; deletes and evictions unlink
-  under it.  So bytes on disk never run ahead of the ledger.  A put that cannot get room (the room is held
-  by in-flight writes) is refused, never waits.  The ledger is recounted from a scan of the directory
-  when it is missing or unreadable, when a writer that held bytes in it is found dead (kill -9: it may
-  have renamed or unlinked without accounting), and when a process must evict but knows no block to
-  evict.  A writer with nothing in flight enters itself (1 byte) before it unlinks, so a kill among its
-  unlinks is found too.
-* The in-memory index is a cache of the directory, rebuilt at start-up (LRU order from each file's
-  max(atime, mtime)) and refreshed whenever the ledger is recounted (blocks it did not know go first,
-  oldest first).  A key it does not know is looked up on disk (another process may have written it) and
-  adopted on a verified read; a known key whose file vanished (evicted or deleted as corrupt by another
-  process) is dropped when a read or an ``exists`` finds it gone, and ``exists`` always asks the directory.
-  Each process evicts in its own LRU order, so across processes eviction is only roughly LRU.  The
-  blocks a put evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
-* Every block unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix`` included) is
-  noted in the directory's removal journal in the same lock session (``_disk_removals``); each backend
-  polls it every ``removals_poll_s`` and tells ``on_evicted`` the keys it had indexed that another process
-  removed.  So another process's eviction reaches this process's stack (and the KV events routers read)
-  within about ``removals_poll_s``, without waiting for a read to miss.
+  plus the bytes reserved by every writer's in-flight temp files never exceed it.  The account is the
+  directory's index (``_disk_index``: one SQLite database per directory and host, outside the directory),
+  changed only under the directory's lock (an exclusive ``flock`` on ``<path>/.kvtier-usage.json``, which
+  is rewritten after each session as a mirror of the account) and always together with the filesystem
+  change it describes: a put reserves room for its batch first (evicting least recently used blocks if
+  needed), writes its temp files, then renames them into place under the lock and records them in the
+  same session.  A put that cannot get room (the room is held by in-flight writes) is refused, never
+  waits.
+* kill -9 at any point leaves an account that is right or names what to re-read: every file change
+  (a put's rename, an eviction's or a delete's unlink) is announced as an intent of its writer, committed
+  before the change, and dropped in the transaction that records its effect.  A writer found dead (at
+  start-up, or when a put needs room) is recovered from its intents alone: its temp files removed, the
+  blocks it named re-read with one ``lstat`` each.  No operation scans the directory under the lock.
+* The index is shared by every process on the host and opened, not rebuilt, at start-up (a few
+  milliseconds at any size).  It is rebuilt from the files only when it is missing, damaged, or not the one
+  the ledger names (another directory once at this path): the only full scan, logged with its time, one
+  shard per locked session (puts are refused until it is complete; reads never need it).  LRU order is
+  the index's clock: puts and verified reads make a block the most recent (reads are recorded in batches,
+  at this process's next session or within a second).  A verified read of a block the index does not
+  know adopts it; a read or an ``exists`` that finds a known block's file gone drops it, after checking
+  again under the lock; ``exists`` always asks the directory, ``lookup`` only the index.  The blocks a put
+  evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
   Manifests are not blocks: never evicted, not counted.
+* Every block file unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix``
+  included) is noted in the directory's removal journal (``_disk_removals``) with the backend instance
+  that unlinked it, in the same lock session, once the index transaction that dropped it has committed (a
+  writer killed before that is recovered from its intents, and its recoverer notes its unlinks).  Each
+  backend reads the lines other instances wrote every ``removals_poll_s`` and tells ``on_evicted`` those
+  keys the index does not list again (stored again since: loadable); its own lines are skipped, told when
+  made (a put's evictions) or asked for (deletes).  So another process's eviction reaches this process's stack (and the
+  KV events routers read) within about ``removals_poll_s``, without waiting for a read to miss.  With one
+  shared index no process keeps a set of the keys it knew: every other instance's removal is told, and the
+  listener (the stack, the KV event stream) forgets only what it knew.  A poll costs the journal lines
+  written since the last one and one index lookup of their keys: it walks neither the directory nor the
+  index.
 * A held block (``hold``: a load will read it) is evicted by no process sharing the directory until its
   holder releases it or dies: this process counts its holds, other processes see them as hard links
   (``_disk_holds``); a put that finds only held blocks in its way is refused.
@@ -49,10 +60,11 @@ import contextlib
 import itertools
 import logging
 import os
+import sqlite3
 import threading
 import time
+import uuid
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -66,19 +78,22 @@ from kvtier.backends._disk_files import (
     NS,
     SHARD,
     entry_kind,
-    list_blocks,
     read_file,
     regular_size,
+    scan_shard,
+    shards,
+    tmp_name,
     write_tmp,
 )
 from kvtier.backends._disk_files import scandir as _scandir
 from kvtier.backends._disk_files import unlink as _unlink
 from kvtier.backends._disk_files import unlink_sized as _unlink_sized  # (a test replaces it here)
 from kvtier.backends._disk_holds import DiskHolds, drop_dead_holders, held_elsewhere
-from kvtier.backends._disk_ledger import HOST_TAG, Ledger, shared_ledger
+from kvtier.backends._disk_index import DiskIndex, index_path, prune_indexes
+from kvtier.backends._disk_ledger import HOST_TAG, locked, writer_alive
 from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
 from kvtier.backends._disk_removals import JOURNAL_NAME as JOURNAL_NAME  # public, as LEDGER_NAME
-from kvtier.backends._disk_removals import RemovalFeed
+from kvtier.backends._disk_removals import RemovalFeed, append_removals
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key
 from kvtier.units import ByteSize
 
@@ -86,6 +101,12 @@ log = logging.getLogger("kvtier.backends.local_disk")
 _T = TypeVar("_T")
 
 _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces at least this large
+# Verified reads are recorded in the index (LRU) at the next session, or once this many wait or _FLUSH_S
+# passed: recording a batch of 1,000 costs about as much as a lookup of them (a few ms), too much per get.
+_FLUSH_READS = 16384
+_FLUSH_S = 5.0
+
+
 class LocalDiskBackend(StorageBackend):
     """Blocks as files in a (possibly shared) directory, bounded by ``capacity`` bytes with LRU eviction."""
 
@@ -101,6 +122,14 @@ class LocalDiskBackend(StorageBackend):
                                      "this are removed at start-up")
         removals_poll_s: float = Field(1.0, ge=0, description="how often the blocks other processes "
                                        "removed from the directory are read from its journal (0: never)")
+        index_dir: str = Field("~/.cache/kvtier/disk-index", validate_default=True,
+                               description="where the directory's index lives (one SQLite file per "
+                               "directory, shared by the host's processes); ~ and $VARS are expanded")
+
+        @field_validator("index_dir")
+        @classmethod
+        def _expand_index(cls, v: str) -> str:
+            return os.path.abspath(os.path.expandvars(os.path.expanduser(v)))
 
         @field_validator("path")
         @classmethod
@@ -116,38 +145,56 @@ class LocalDiskBackend(StorageBackend):
         o = self.options
         self.root = o.path
         self.capacity = o.capacity
-        self._idx_lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> stored bytes, LRU first
+        self._idx_lock = threading.Lock()  # guards _inflight and the pending read records
+        self._idx = DiskIndex(index_path(o.index_dir, self.root), self.root)
+        self._gen: str | None = None  # the index generation this process checked against the ledger
+        self._complete = False  # the index lists every block (no rebuild in progress)
         # Keys this process is writing, or holds for a planned read (``hold``): never evicted.
         self._inflight: dict[str, int] = {}
+        # Verified reads not yet recorded in the index (LRU order; size for adoption), keys found gone.
+        self._read: dict[str, int] = {}
+        self._gone: set[str] = set()
+        self._flushed = time.monotonic()
         self._holds = DiskHolds(self.root)  # what other processes must not evict either (hard links)
-        self._dir_bytes = 0  # the ledger's total when last seen
+        self._dir_bytes = 0  # the account's total when last seen
         self._tmp_seq = itertools.count()  # next() on itertools.count is atomic under the GIL
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()  # its own: the pool is first needed under other locks
         self._closed = False
         self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
+        self._instance = uuid.uuid4().hex[:8]  # this backend among the removal journal's writers
         os.makedirs(self.root, exist_ok=True)
         self._stop_watch = threading.Event()
         # Opened before the index is built: a removal made meanwhile is then read, not missed.
         feed = RemovalFeed(self.root) if o.removals_poll_s > 0 else None
         t0 = time.perf_counter()
-        self._rebuild()
+        prune_indexes(o.index_dir)
+        try:
+            self._open()
+        except OSError as e:  # read-only, full: reads work, and each write will say why it fails
+            log.warning("local_disk: %s: cannot open its index at start-up (%s); reads work, writes will "
+                        "fail until it can be", self.root, e)
         self.startup_seconds = time.perf_counter() - t0
         if feed is not None:
             threading.Thread(target=_watch_removals, args=(weakref.ref(self), feed, self._stop_watch,
                              o.removals_poll_s), name="kvtier-local-disk-removals", daemon=True).start()
 
     def removed_elsewhere(self, keys: Sequence[str]) -> list[str]:
-        """Blocks removed from the directory by some process (its journal says): those this process had
-        indexed are dropped from the index and told to ``on_evicted``.  (This process's own removals left
-        the index before they were unlinked, so they are not told twice.)  Returns the keys told."""
-        if not keys:
+        """Blocks other backends (other processes, or other instances in this one) removed from the
+        directory, as its journal says (the watcher's ``RemovalFeed.poll`` left out this instance's own
+        lines: told when made, or asked for): told to ``on_evicted``, except those the index lists again
+        (stored again since, so loadable) and lines that are no block key.  Their remover dropped them
+        from the shared index already.  One index lookup for the batch.  Returns the keys told."""
+        keys = [k for k in dict.fromkeys(keys) if invalid_key([k]) is None]
+        if not keys or self._closed:
             return []
-        with self._idx_lock:
-            mine = [k for k in keys if self._index.pop(k, None) is not None]
-        self._evicted(mine)
-        return mine
+        try:
+            again = self._idx.lookup(keys)
+        except sqlite3.Error:  # the index cannot be read: a block stored again is told once too often
+            again = [False] * len(keys)
+        told = [k for k, listed in zip(keys, again) if not listed]
+        self._evicted(told)
+        return told
 
     # ------------------------------------------------------------------ paths
 
@@ -187,153 +234,279 @@ class LocalDiskBackend(StorageBackend):
 
     # ------------------------------------------------------------------ start-up
 
-    def _rebuild(self) -> None:
-        """Index every block file under the root, oldest use first; remove dead writers' temp files; evict
-        down to the capacity."""
-        found = self._list_blocks(time.time())
-        with self._idx_lock:
-            for _, key, size in found:
-                self._index[key] = size
-        drop_dead_holders(self.root, self.options.tmp_max_age_s)
+    def _open(self) -> None:
+        """Check the index against the ledger (rebuild it from the files if it is not this directory's),
+        recover dead writers, evict down to the capacity (it may have shrunk since the last run)."""
+        rebuild: str | None = None
+        evicted: list[str] = []  # dead writers' unlinks recovered, then this start's evictions
         try:
-            with self._shared() as led:
-                if led.drop_dead_writers(self.options.tmp_max_age_s):
-                    self._recount(led)
-                self._make_room(led, 0)  # the capacity may have shrunk since the last run
-        except OSError as e:  # read-only, full: reads work, and each write will say why it fails
-            log.warning("local_disk: %s: cannot update the usage ledger at start-up (%s); reads work, "
-                        "writes will fail until it can be", self.root, e)
+            rebuild = self._check_index(evicted)
+        except sqlite3.DatabaseError as e:  # not a database, malformed: start it again
+            log.warning("local_disk: %s: index %s is damaged (%s); rebuilding it", self.root, self._idx.path, e)
+            self._idx.remove()
+            rebuild = self._check_index(evicted)
+        if rebuild is not None:
+            self._rebuild(rebuild)
+        drop_dead_holders(self.root, self.options.tmp_max_age_s)
+        if self._complete:
+            unlinked: list[str] = []
+            with self._shared(removed=unlinked) as c:
+                self._make_room(c, 0, evicted, unlinked)
+        self._evicted(evicted)
 
-    def _list_blocks(self, now: float) -> list[tuple[float, str, int]]:
-        """(last use, key, size) of every block file, oldest first; dead writers' temp files removed."""
-        found: list[tuple[float, str, int]] = list_blocks(self.root, now, self.options.threads,
-                                                          self.options.tmp_max_age_s)
-        return found
+    def _check_index(self, gone: list[str]) -> str | None:
+        """Validate the index in one locked session (recovering dead writers: the blocks they had unlinked
+        are added to ``gone`` and noted in the removal journal); the generation to rebuild, or None."""
+        recovered: list[str] = []
+        with locked(self.root) as mirror:
+            try:
+                with self._idx.transaction() as c:
+                    gen, complete = self._idx.meta(c, "id"), self._idx.meta(c, "complete") == 1
+                    named = mirror.doc.get("index") if mirror.doc is not None else None
+                    if gen is not None and gen == named:
+                        self._gen = str(gen)
+                        self._complete = complete
+                        if complete:
+                            self._recover(c, recovered)
+                            return None
+                        builder = str(self._idx.meta(c, "rebuilder", ""))
+                        if (writer_alive(builder, time.time(), self.options.tmp_max_age_s)
+                                and builder != self._writer()):
+                            return None  # another process is rebuilding it: puts wait for it to finish
+                    gen = self._idx.reset(c, self._writer())
+                    self._gen, self._complete = str(gen), False
+                    mirror.write({"bytes": 0, "held": {}, "index": gen})
+                    return str(gen)
+            finally:  # after the commit, under the lock (as ``_shared``)
+                append_removals(self.root, recovered, self._remover())
+                gone.extend(recovered)
 
-    # ------------------------------------------------------------------ the shared ledger, capacity
+    def _rebuild(self, gen: str) -> None:
+        """Index every block file under the root (the only full scan), one shard per locked session so
+        that no writer waits for the whole scan; remove dead writers' temp files; then mark it complete."""
+        t0 = time.perf_counter()
+        now = time.time()
+        n = 0
+        self._idx.cache(256 << 10)  # for the rebuild only: 5 million rows are a few hundred MiB of pages
+        try:
+            with kvthreads.pool(self.options.threads, "kvtier-disk-scan") as pool:
+                parts = pool.map(lambda s: scan_shard(s[0], s[1], now, self.options.tmp_max_age_s),
+                                 shards(self.root, now, self.options.tmp_max_age_s))
+                for part in parts:
+                    with self._shared(check=False) as c:
+                        if self._idx.meta(c, "id") != gen:
+                            log.warning("local_disk: %s: another process restarted the index rebuild", self.root)
+                            return
+                        self._idx.adopt(c, [(key, size, int(t * 1e6)) for t, key, size in part])
+                    n += len(part)
+        finally:
+            self._idx.cache()
+        with self._shared(check=False) as c:
+            if self._idx.meta(c, "id") != gen:
+                return
+            self._idx.tick(c, 1)  # the clock passes every file time
+            self._idx.recount(c)
+            self._idx.set_meta(c, "complete", 1)
+            self._complete = True
+        log.info("local_disk: %s: index rebuilt from the files: %d blocks in %.2f s", self.root, n,
+                 time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ the directory's lock, capacity
 
     @contextlib.contextmanager
-    def _shared(self) -> Iterator[Ledger]:
-        """The directory's ledger, held exclusively (``shared_ledger``), counted from the directory when it
-        is new or unreadable.  The index lock is taken inside, only around index changes, and never held
-        while waiting for the flock or for the pool: the pool's read tasks take it."""
-        with shared_ledger(self.root, self._recount) as led:
+    def _shared(self, check: bool = True, removed: Sequence[str] = ()) -> Iterator[sqlite3.Connection]:
+        """One session on the directory: its lock, one index transaction (committed also after an error:
+        each change in it stands for a file change already made), this process's pending read records,
+        then the ledger file rewritten as the account's mirror and the block keys the session unlinked
+        (``removed``: the caller's list, filled in the session) appended to the removal journal, still
+        under the lock.  ``_idx_lock`` is taken inside, only around in-memory changes, and never held while
+        waiting for the flock or for the pool."""
+        with locked(self.root) as mirror:
             try:
-                yield led
+                with self._idx.transaction() as c:
+                    if check and (gen := self._idx.meta(c, "id")) != self._gen and gen is not None:
+                        # Another process rebuilt the index (its ledger file was lost): follow it; puts
+                        # wait for it to be complete.
+                        log.warning("local_disk: %s: the index was rebuilt by another process", self.root)
+                        self._gen, self._complete = str(gen), self._idx.meta(c, "complete") == 1
+                    if check:
+                        self._record_reads(c)
+                    yield c
             finally:
-                self._dir_bytes = led.total
+                try:
+                    doc = self._idx.doc()
+                    self._dir_bytes = int(doc["bytes"]) + sum(int(h[0]) for h in doc["held"].values())
+                    mirror.write(doc)
+                finally:  # after the commit: a reader that looks a key up finds it dropped already
+                    append_removals(self.root, removed, self._remover())
 
-    def _recount(self, led: Ledger) -> None:
-        """Set the ledger's block bytes from a scan of the directory (under the ledger's lock, so no other
-        process changes it meanwhile), and refresh the index from it: blocks this process did not know
-        (other processes', a dead writer's) go first, oldest first, ahead of its own LRU order."""
-        found = self._list_blocks(time.time())
-        led.bytes = sum(size for _, _, size in found)
-        led.changed = True
-        log.info("local_disk: %s recounted: %d blocks, %d bytes", self.root, len(found), led.bytes)
-        sizes = {key: size for _, key, size in found}
+    def _record_reads(self, c: sqlite3.Connection) -> None:
+        """Put this process's verified reads into the index's LRU order (adopting blocks it did not know)
+        and drop the blocks reads found gone, if they still are (checked under the lock)."""
         with self._idx_lock:
-            index = OrderedDict((key, size) for _, key, size in found if key not in self._index)
-            index.update((key, sizes[key]) for key in self._index if key in sizes)
-            self._index = index
+            read, self._read = self._read, {}
+            gone, self._gone = self._gone, set()
+            self._flushed = time.monotonic()
+        if read:
+            known = self._idx.sizes(c, list(read))
+            self._idx.touch(c, [k for k in read if k in known])
+            self._idx.put(c, [(k, n) for k, n in read.items() if k not in known])
+        # Only blocks the index knows are checked (a miss on a key never stored costs nothing here).
+        gone_now = [k for k in self._idx.sizes(c, list(gone)) if entry_kind(self._where(k, checked=True)[1]) is None]
+        if gone_now:
+            self._idx.drop(c, gone_now)
 
-    def _make_room(self, led: Ledger, need: int, victims: list[str] | None = None) -> bool:
-        """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if in-flight
-        writes hold the room.  Called under ``_shared``; the keys unlinked are added to ``victims``."""
-        if led.total + need <= self.capacity:
+    def _recover(self, c: sqlite3.Connection, gone: list[str]) -> bool:
+        """Recover every dead writer from its intents: remove its temp files, re-read each block it named
+        (one ``lstat``).  The blocks it had unlinked (an eviction's or a delete's intent, the file gone) are
+        added to ``gone``: it died before noting them in the removal journal, so the caller notes them, as
+        its own, and tells its own listener.  True if any writer was found dead."""
+        found = False
+        for writer, (_, last) in self._idx.held(c).items():
+            if writer_alive(writer, last, self.options.tmp_max_age_s) or writer == self._writer():
+                continue
+            t0 = time.perf_counter()
+            intents = self._idx.intents(c, writer)
+            present, absent, unlinked = [], [], []  # unlinked: by the dead writer, never journaled
+            for key, _, tmp in intents:
+                if tmp is not None:
+                    _unlink(tmp)
+                path = self._where(key, checked=True)[1]
+                size = regular_size(path)
+                if size or entry_kind(path) is True:
+                    present.append((key, size))
+                else:
+                    absent.append(key)
+                    if tmp is None:  # an eviction's or a delete's: it died before noting it in the journal
+                        unlinked.append(key)
+            gone.extend(self._idx.sizes(c, unlinked))  # those the index listed: a delete names any key
+            self._idx.drop(c, absent)
+            if present:
+                known = self._idx.sizes(c, [k for k, _ in present])
+                self._idx.drop(c, [k for k, n in present if known.get(k, n) != n])  # re-sized: re-entered
+                # A dead writer's blocks go first in the LRU order, as blocks of unknown use.
+                self._idx.put(c, [(k, n) for k, n in present if known.get(k) != n], first_use=1)
+            self._idx.drop_writer(c, writer)
+            found = True
+            log.info("local_disk: %s: recovered dead writer %s: %d in-flight changes re-read in %.1f ms",
+                     self.root, writer, len(intents), (time.perf_counter() - t0) * 1000)
+        return found
+
+    def _total(self, c: sqlite3.Connection) -> int:
+        nbytes, held = self._idx.totals(c)
+        total: int = nbytes + held
+        return total
+
+    def _make_room(self, c: sqlite3.Connection, need: int, victims: list[str], unlinked: list[str]) -> bool:
+        """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if
+        in-flight writes and holds keep the room.  Called in a session; the keys evicted are added to
+        ``victims``, those whose file this call unlinked (not found gone already) to ``unlinked`` (the
+        session's journal lines).  Victims are announced (one commit) before they are unlinked."""
+        excess = self._total(c) + need - self.capacity
+        if excess <= 0:
             return True
-        # A dead writer's entry: it may have renamed without accounting.
-        recounted = led.drop_dead_writers(self.options.tmp_max_age_s)
-        if recounted:
-            self._recount(led)
-        held: set[str] = set()  # blocks another process holds for a read: skipped (one eviction at a time:
-        # this runs under the directory's flock, so no other thread picks victims meanwhile)
-        with led.unlinking(self._writer()) as marker:
-            while led.total - marker + need > self.capacity:
-                with self._idx_lock:
-                    victim = next((k for k in self._index if k not in self._inflight and k not in held), None)
-                if victim is None:
-                    if recounted or not self._knows_less_than(led):
-                        return False  # the room is held by in-flight writes and loads
-                    self._recount(led)  # the room is held by blocks other processes wrote
-                    recounted = True
+        recovered: list[str] = []
+        found = self._recover(c, recovered)
+        victims.extend(recovered)
+        unlinked.extend(recovered)
+        if found:
+            excess = self._total(c) + need - self.capacity
+            if excess <= 0:
+                return True
+        held: set[str] = set()
+        dropped_holders = False
+        picked: list[str] = []
+        for key, size in self._idx.lru(c):
+            if excess <= 0:
+                break
+            with self._idx_lock:
+                if key in self._inflight:
                     continue
-                path = self._where(victim, checked=True)[1]
-                if held_elsewhere(path):
-                    if not held:  # a holder that died would pin its blocks for good
-                        drop_dead_holders(self.root, self.options.tmp_max_age_s)
-                    if held_elsewhere(path):
-                        held.add(victim)
-                        continue
-                with self._idx_lock:
-                    self._index.pop(victim, None)
-                removed, freed = _unlink_sized(path)
-                led.bytes -= freed
-                led.changed = True
-                if removed:
-                    led.removed.append(victim)
-                if victims is not None:
-                    victims.append(victim)
-        return True
-
-    def _knows_less_than(self, led: Ledger) -> bool:
-        """Whether the directory holds block bytes this process's index does not know (another process's
-        blocks), so that a recount could find something to evict.  When it knows every byte and all of
-        it is held, a put is refused without a scan of the directory."""
-        with self._idx_lock:
-            known: int = sum(self._index.values())
-        return bool(led.bytes > known)
+            if held_elsewhere(self._where(key, checked=True)[1]):
+                if not dropped_holders:  # a holder that died would pin its blocks for good
+                    drop_dead_holders(self.root, self.options.tmp_max_age_s)
+                    dropped_holders = True
+                if held_elsewhere(self._where(key, checked=True)[1]):
+                    held.add(key)
+                    continue
+            picked.append(key)
+            excess -= size
+        if picked:
+            writer = self._writer()
+            self._idx.intend(c, writer, [(k, 0, None) for k in picked])
+            self._idx.checkpoint(c)  # announced before unlinked (a kill among the unlinks is recovered)
+            for key in picked:
+                if _unlink_sized(self._where(key, checked=True)[1])[0]:
+                    unlinked.append(key)
+            self._idx.drop(c, picked)
+            self._idx.done(c, writer, picked)
+            victims.extend(picked)
+        return excess <= 0
 
     def _writer(self) -> str:
         return f"{HOST_TAG}:{os.getpid()}"  # read per call: a forked child is a writer of its own
 
-    def _reserve(self, keys: Sequence[str], sizes: Sequence[int]) -> list[bool]:
-        """Reserve room for a batch's blocks, in order, in one lock session; per key whether granted (not:
-        a block bigger than the capacity, or once the room is held by in-flight writes).  Manifests are
-        not blocks: always granted, never reserved."""
+    def _remover(self) -> str:
+        """This backend as the removal journal's writer (``_disk_removals``): one process may run several."""
+        return f"{self._writer()}:{self._instance}"
+
+    def _reserve(self, keys: Sequence[str], sizes: Sequence[int], tmps: Sequence[str]) -> list[bool]:
+        """Reserve room for a batch's blocks, in order, in one session; per key whether granted (not: a
+        block bigger than the capacity, once the room is held by in-flight writes, or while the index is
+        being rebuilt).  Each grant is an intent naming its temp file.  Manifests are not blocks: always
+        granted, never reserved."""
+        if self._gen is None:
+            self._open()  # start-up could not open the index (read-only, full): try again
         granted = [False] * len(keys)
         evicted: list[str] = []
-        with self._shared() as led:
-            held = 0  # this batch's reservations so far, entered in the ledger once, at the end
+        unlinked: list[str] = []
+        with self._shared(removed=unlinked) as c:
+            if not self._complete:
+                self._complete = self._idx.meta(c, "complete") == 1
+            rows: list[tuple[str, int, str | None]] = []
+            reserved = 0  # this batch's reservations so far (entered as intents at the end)
+            total = self._total(c)  # the directory's account, kept here while nothing is evicted
             for i, (key, size) in enumerate(zip(keys, sizes)):
                 if key.endswith(MANIFEST_NAME):
                     granted[i] = True
                     continue
-                if size > self.capacity:
+                if size > self.capacity or not self._complete:
                     continue
-                if not self._make_room(led, held + size, evicted):
-                    break  # the room is in flight: the rest of the batch would only scan again
-                held += size
+                if total + reserved + size > self.capacity:
+                    if not self._make_room(c, reserved + size, evicted, unlinked):
+                        break  # the room is in flight: the rest of the batch would only look again
+                    total = self._total(c)
+                rows.append((key, size, tmps[i]))
+                reserved += size
                 with self._idx_lock:
                     self._inflight[key] = self._inflight.get(key, 0) + 1
                 granted[i] = True
-            if held:
-                led.hold(self._writer(), held)
+            self._idx.intend(c, self._writer(), rows)
         self._evicted(evicted)  # outside the directory's lock: the listener takes the stack's
         return granted
 
     def _settle(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],
-                granted: Sequence[bool], tmps: Sequence[str | None]) -> tuple[list[bool], list[OSError]]:
-        """End a batch's reservations: rename each written temp file into place and account it, all under
-        one lock session, so a replaced file's bytes are freed in the same step.  Per key whether it is
+                granted: Sequence[bool], tmps: Sequence[str | None],
+                mtimes: dict[str, int]) -> tuple[list[bool], list[OSError]]:
+        """End a batch's reservations: rename each written temp file into place and record it, all in one
+        session (the renames were announced by the reservations' intents).  Per key whether it is
         stored, and the rename errors (their temp files removed)."""
         written = {i: tmp for i, tmp in enumerate(tmps) if granted[i] and tmp is not None}  # index -> temp file
         # A key twice in one batch: only its last value is renamed (as if written in order), so that no
-        # two threads rename over one path at once and each rename's replaced size is exact.
+        # two threads rename over one path at once.
         last = {keys[i]: i for i in written}
         todo = [i for i in written if last[keys[i]] == i]
         superseded = [i for i in written if last[keys[i]] != i]
 
-        def rename(idx: range) -> list[int | OSError]:
-            """lstat + replace for todo[idx]: the bytes each replaced (or its error).  In the pool's threads,
-            on the session's behalf: replacing a file frees its pages, which is worth spreading."""
-            out: list[int | OSError] = []
+        def rename(idx: range) -> list[OSError | None]:
+            """replace for todo[idx] (or its error).  In the pool's threads, on the session's behalf:
+            replacing a file frees its pages, which is worth spreading."""
+            out: list[OSError | None] = []
             for j in idx:
                 tmp, path = written[todo[j]], where[todo[j]][1]
                 try:
-                    old = regular_size(path)
                     os.replace(tmp, path)
-                    out.append(old)
+                    out.append(None)
                 except OSError as e:
                     _unlink(tmp)
                     out.append(e)
@@ -341,34 +514,29 @@ class LocalDiskBackend(StorageBackend):
 
         stored = [False] * len(keys)
         errors: list[OSError] = []
-        released = 0
         for i in superseded:
             _unlink(written[i])
             stored[i] = True
-        with self._shared() as led:
+        mine = [k for i, k in enumerate(keys) if granted[i] and not k.endswith(MANIFEST_NAME)]
+        with self._shared() as c:
             try:
-                replaced = dict(zip(todo, self._batch(len(todo), sum(sizes[i] for i in todo), rename)))
+                renamed = dict(zip(todo, self._batch(len(todo), sum(sizes[i] for i in todo), rename)))
             finally:  # the reservations end whatever happened to the renames
                 with self._idx_lock:
-                    for i, key in enumerate(keys):
-                        if granted[i] and not key.endswith(MANIFEST_NAME):
-                            n = self._inflight.pop(key) - 1
-                            if n:
-                                self._inflight[key] = n
-                            released += sizes[i]
-                if released:
-                    led.hold(self._writer(), -released)
-            with self._idx_lock:
-                for i, old in replaced.items():
-                    if isinstance(old, OSError):
-                        errors.append(old)
-                        continue
-                    stored[i] = True
-                    if not keys[i].endswith(MANIFEST_NAME):
-                        led.bytes += sizes[i] - old
-                        led.changed = True
-                        self._index.pop(keys[i], None)
-                        self._index[keys[i]] = sizes[i]
+                    for key in mine:
+                        n = self._inflight.pop(key) - 1
+                        if n:
+                            self._inflight[key] = n
+            entries = []
+            for i, err in renamed.items():
+                if err is not None:
+                    errors.append(err)
+                    continue
+                stored[i] = True
+                if not keys[i].endswith(MANIFEST_NAME):
+                    entries.append((keys[i], sizes[i]))
+            self._idx.put(c, entries, mtimes=mtimes)
+            self._idx.done(c, self._writer(), mine)
         return stored, errors
 
     # ------------------------------------------------------------------ one file
@@ -378,18 +546,22 @@ class LocalDiskBackend(StorageBackend):
         """Store a batch: reserve room for all of it, write each granted ``value(i)`` (header, payload) to a
         temp file (in the pool's threads), then rename them into place under one lock; per key whether
         stored.  Two ledger sessions per batch, not per block."""
-        granted = self._reserve(keys, sizes)
+        # Temp names chosen first: each reservation names its temp file.
+        names = [tmp_name(*w, next(self._tmp_seq)) for w in where]
+        granted = self._reserve(keys, sizes, names)
         tmps: list[str | None] = [None] * len(keys)
+        mtimes: dict[str, int] = {}  # as written (see _eviction_order); a dict's item set is atomic
 
         def one(i: int) -> bool:
             if granted[i]:
-                tmps[i] = write_tmp(*where[i], *value(i), next(self._tmp_seq), self.options.fsync)
+                tmp = tmps[i] = write_tmp(where[i][0], names[i], *value(i), self.options.fsync)
+                mtimes[keys[i]] = os.stat(tmp).st_mtime_ns // 1000
             return True
 
         try:
             self._per_key(keys, sum(sizes), one, what)  # raises only if every write failed
         finally:
-            stored, errors = self._settle(keys, where, sizes, granted, tmps)  # whatever happened above
+            stored, errors = self._settle(keys, where, sizes, granted, tmps, mtimes)  # whatever happened above
         self._report(errors, len(keys), what)
         if self.options.fsync:
             for d in {w[0] for w, ok in zip(where, stored) if ok}:
@@ -507,18 +679,30 @@ class LocalDiskBackend(StorageBackend):
             return out
 
         out = self._batch(len(keys), sum(p.nbytes for p in payloads), work)
-        if verified or forgotten:
-            with self._idx_lock:
-                index = self._index
-                for key in forgotten:
-                    index.pop(key, None)
-                for key, size in verified:  # a verified read: most recent, adopted if another process wrote it
-                    if key in index:
-                        index.move_to_end(key)
-                    else:
-                        index[key] = size
+        self._note_reads(verified, forgotten)
         self._report(errors, len(keys), "get")
         return out
+
+    def _note_reads(self, verified: Sequence[tuple[str, int]], gone: Sequence[str]) -> None:
+        """Remember verified reads (most recent last) and keys found gone, for the index; recorded at this
+        process's next session, or now when many are waiting or a second has passed."""
+        if not verified and not gone:
+            return
+        with self._idx_lock:
+            for key, size in verified:
+                self._read.pop(key, None)
+                self._read[key] = size
+            self._gone.update(gone)
+            due = len(self._read) >= _FLUSH_READS or time.monotonic() - self._flushed >= _FLUSH_S
+        if due and self._gen is not None:
+            with contextlib.suppress(OSError, sqlite3.Error), self._shared():
+                pass  # a lost LRU update is no fault: the next session records it
+
+    def lookup(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the directory's index knows each key (no filesystem access: ``exists`` asks the files)."""
+        self._refuse_invalid_paths(keys)
+        found: list[bool] = self._idx.lookup(keys)
+        return found
 
     def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
                    payloads: Sequence[memoryview]) -> list[int | None]:
@@ -545,25 +729,26 @@ class LocalDiskBackend(StorageBackend):
         gone = [k for k, ok in zip(keys, out) if not ok]
         if gone:
             with self._idx_lock:
-                for k in gone:
-                    self._index.pop(k, None)
+                self._gone.update(gone)  # dropped from the index at the next session, if still gone
         return out
 
     def _delete(self, keys: Sequence[str]) -> int:
         where = self._check_keys(keys)
         n = 0
-        # Unlinked under the lock: a put cannot reuse room not yet freed.
-        with self._shared() as led, led.unlinking(self._writer()):
+        blocks = [k for k in dict.fromkeys(keys) if not k.endswith(MANIFEST_NAME)]
+        writer = self._writer()
+        unlinked: list[str] = []  # manifests are not blocks: not in the journal either
+        # Announced, then unlinked, then recorded, in one session: a put cannot reuse room not yet freed.
+        with self._shared(removed=unlinked) as c:
+            self._idx.intend(c, writer, [(k, 0, None) for k in blocks])
+            self._idx.checkpoint(c)
             for key, (_, path) in zip(keys, where):
-                with self._idx_lock:
-                    self._index.pop(key, None)
-                removed, freed = _unlink_sized(path)
-                if not key.endswith(MANIFEST_NAME):  # manifests are not in the ledger, nor in the journal
-                    led.bytes -= freed
-                    led.changed = True
-                    if removed:
-                        led.removed.append(key)
+                removed = _unlink_sized(path)[0]
                 n += removed
+                if removed and not key.endswith(MANIFEST_NAME):
+                    unlinked.append(key)
+            self._idx.drop(c, blocks)
+            self._idx.done(c, writer, blocks)
         return n
 
     def _scan(self, prefix: str) -> Iterator[StoredBlock]:
@@ -620,27 +805,51 @@ class LocalDiskBackend(StorageBackend):
             self._holds.release(key)
 
     def _eviction_order(self) -> list[StoredBlock]:
-        """The index's LRU order (the order a put evicts in), in-flight writes excluded."""
+        """Every block, least recently used first (``evict_to``: ``kvtier gc``), this process's in-flight
+        writes and holds excluded.  Last use is the index's, except for a file whose modification time is
+        no longer the one it was written with: its times were set since (restored from a backup, or by an
+        operator), and its own max(atime, mtime) counts.  One ``lstat`` per block: this is a tool's walk
+        over every block, never a put's eviction (which takes the index's order as it stands)."""
+        with self._shared():
+            pass  # this process's reads recorded first
         with self._idx_lock:
-            return [StoredBlock(k, n) for k, n in self._index.items() if k not in self._inflight]
+            inflight = set(self._inflight)
+        order: list[tuple[int, str, int]] = []
+        for key, size, used, mtime in self._idx.rows():
+            if key in inflight:
+                continue
+            if mtime is not None:
+                try:
+                    st = os.lstat(self._where(key, checked=True)[1])
+                except FileNotFoundError:
+                    continue
+                if st.st_mtime_ns // 1000 != mtime:
+                    used = max(st.st_atime_ns, st.st_mtime_ns) // 1000
+            order.append((used, key, size))
+        order.sort()
+        return [StoredBlock(k, n) for _, k, n in order]
 
     def _usage(self) -> dict[str, Any]:
-        """``blocks``: those this process knows; ``bytes``: the directory's (every process's blocks and
-        in-flight writes), from the ledger."""
-        if not self._closed:  # refresh; if the ledger cannot be read (read-only root): the last value seen
+        """``blocks``: the directory's (the index's count); ``bytes``: the directory's, in-flight writes
+        included."""
+        if not self._closed:  # refresh; if the lock cannot be had (read-only root): the last value seen
             with contextlib.suppress(OSError), self._shared():
                 pass
-        with self._idx_lock:
-            return {"blocks": len(self._index), "bytes": self._dir_bytes, "capacity_bytes": self.capacity,
-                    "path": self.root, "startup_seconds": self.startup_seconds}
+        blocks, _ = self._idx.counts() if self._gen is not None else (0, 0)
+        return {"blocks": blocks, "bytes": self._dir_bytes, "capacity_bytes": self.capacity,
+                "path": self.root, "startup_seconds": self.startup_seconds, "index": self._idx.path}
 
     def _close(self) -> None:
+        if not self._closed and self._gen is not None:
+            with contextlib.suppress(OSError, sqlite3.Error), self._shared():
+                pass  # this process's last reads recorded
         self._closed = True
         self._stop_watch.set()
         self._holds.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._idx.close()
 
 
 def _watch_removals(backend: weakref.ref[LocalDiskBackend], feed: RemovalFeed, stop: threading.Event,
@@ -653,7 +862,7 @@ def _watch_removals(backend: weakref.ref[LocalDiskBackend], feed: RemovalFeed, s
             if b is None:
                 return
             try:
-                b.removed_elsewhere(feed.poll())
+                b.removed_elsewhere(feed.poll(skip=b._remover()))
             except OSError as e:  # a read of the journal failed: retried next period, the data path untouched
                 log.debug("local_disk: %s: reading the removal journal: %s", b.root, e)
             del b

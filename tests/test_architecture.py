@@ -133,7 +133,8 @@ KNOWN_PRIVATE_IMPORTS = {
         ("peers", "positive_int"), ("peers", "positive_size"), ("peers", "positive_sizes"), ("vllm", "out_file"),
         ("vllm", "positive_int"), ("index", "out_file"), ("index", "positive_int"), ("keys", "out_file"),
         ("keys", "positive_int"), ("prefix", "out_file"), ("prefix", "positive_int"), ("backends", "out_file"),
-        ("backends", "positive_int"), ("backends", "positive_size"), ("backends", "positive_sizes")]},
+        ("backends", "positive_int"), ("backends", "positive_size"), ("backends", "positive_sizes"),
+        ("disk_scale", "out_file")]},  # written on a branch before this list: the same shared type
     ("kvtier.commands.plugins", "kvtier.bench._util", "print_table"),
 }
 

@@ -1,5 +1,6 @@
 """local_disk specifics: atomic files, capacity + LRU, restart, shared directories, path safety."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -40,7 +41,7 @@ def get(b, key, size):
 
 def disk_bytes(root):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
-               if not f.startswith(".kvtier-"))  # the ledger and the removal journal: not blocks
+               if not (f.startswith(".kvtier-") or f.endswith(".json")))  # ledger, journal, manifests
 
 
 # ------------------------------------------------------------------ options and registry
@@ -72,7 +73,10 @@ def test_layout_is_sharded(tmp_path):
     assert os.path.getsize(os.path.join(b.root, ns, h[:2], h)) == H + 10
 
 
-def test_temp_files_are_never_blocks_and_are_cleaned_at_start(tmp_path):
+def test_temp_files_are_never_blocks_and_are_cleaned_by_a_rebuild(tmp_path):
+    """Temp files no writer announced (planted, or left by an older kvtier) are never blocks; the index
+    rebuild (the one full scan: here the ledger file is lost) removes those of dead writers.  A killed
+    writer's own temp files go at the next start-up without a scan (test_killed_writer_leaves_no_block)."""
     b = mk(tmp_path)
     k = newkeys(1)[0]
     ns, h = k.split("/")
@@ -86,6 +90,7 @@ def test_temp_files_are_never_blocks_and_are_cleaned_at_start(tmp_path):
             f.write(b"half a block")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
     assert b.exists([k]) == [False] and get(b, k, 10) is None and list(b.scan()) == []
+    os.unlink(os.path.join(b.root, ".kvtier-usage.json"))
     b2 = mk(tmp_path)
     assert not os.path.exists(dead) and not os.path.exists(stale)
     assert os.path.exists(alive), "a live writer's temp file must survive another instance's start-up"
@@ -194,9 +199,9 @@ def test_held_keys_are_never_evicted_until_released(tmp_path):
 
 
 def test_a_put_refused_because_all_room_is_held_scans_no_directory(tmp_path, monkeypatch):
-    """Every block held by loads: a put is refused without a directory scan when this process knows every
-    block on disk (before, each refused put recounted the whole directory); once another process's blocks
-    are on disk, the next refused put recounts once and evicts those."""
+    """Every block held by loads: a put is refused without a directory scan (before the shared index, each
+    refused put recounted the whole directory); once another process's blocks are on disk, the next put
+    evicts those, known from the shared index, again without a scan."""
     size = 1000
     b = mk(tmp_path, capacity=3 * (H + size))
     ks = newkeys(6)
@@ -207,10 +212,11 @@ def test_a_put_refused_because_all_room_is_held_scans_no_directory(tmp_path, mon
     for i, k in enumerate(ks[:3]):
         os.utime(b._where(k)[1], (t + i, t + i))
     b.hold(ks[:3])
+    from kvtier.backends import local_disk as ld
+
     scans = []
-    real = LocalDiskBackend._list_blocks
-    monkeypatch.setattr(LocalDiskBackend, "_list_blocks",
-                        lambda self, now: scans.append(1) or real(self, now))  # type: ignore[func-returns-value]
+    real = ld.scan_shard
+    monkeypatch.setattr(ld, "scan_shard", lambda *a: scans.append(1) or real(*a))  # type: ignore[func-returns-value]
     for k in ks[3:5]:
         assert b.put([k], [os.urandom(size)], LID) == [False]
     assert scans == []
@@ -218,10 +224,9 @@ def test_a_put_refused_because_all_room_is_held_scans_no_directory(tmp_path, mon
     other = mk(tmp_path, capacity=3 * (H + size))  # another process's writer over the same directory
     assert other.put(ks[5:6], [os.urandom(size)], LID) == [True]  # it evicts ks[0], the one not held
     other.close()
-    scans.clear()  # its start-up scan
     assert b.exists(ks) == [False, True, True, False, False, True]
-    assert b.put(ks[3:4], [os.urandom(size)], LID) == [True]  # ks[5] is unknown here: one recount finds it
-    assert len(scans) == 1
+    assert b.put(ks[3:4], [os.urandom(size)], LID) == [True]  # ks[5]: from the shared index
+    assert scans == []
     assert b.exists(ks) == [False, True, True, True, False, False]
     b.release(ks[1:3])
 
@@ -644,58 +649,76 @@ def _ledger(root) -> dict[str, Any]:
     return ledger
 
 
+def _intents(b) -> int:
+    """Intents in the directory's index (each names a file change a writer announced)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(b.stats().extra["index"])) as c:
+        n: int = c.execute("SELECT count(*) FROM intents").fetchone()[0]
+    return n
+
+
+def _no_scans(monkeypatch):
+    from kvtier.backends import local_disk as ld
+
+    def scan(*a):
+        raise AssertionError("a directory scan")
+
+    monkeypatch.setattr(ld, "scan_shard", scan)
+
+
 @pytest.mark.timeout(60)
-def test_ledger_survives_a_writer_killed_between_rename_and_account(tmp_path):
-    """kill -9 of a writer after its batch's renames and before the ledger records them: its reservation
-    stays and its blocks are not counted.  The next process that needs room finds that writer dead,
-    recounts the directory, and the account matches the disk again; the whole capacity stays usable."""
+def test_ledger_survives_a_writer_killed_between_rename_and_account(tmp_path, monkeypatch):
+    """kill -9 of a writer after its batch's renames and before the index records them: its reservation
+    stays (its intents name the four blocks and their temp files) and its blocks are not counted.  The
+    next process that needs room finds that writer dead, re-reads just those four files (no scan of the
+    directory), and the account matches the disk again; the whole capacity stays usable."""
     size = 1000
     cap = 10 * (H + size)
     root = tmp_path / "d"
     a = LocalDiskBackend({"path": str(root), "capacity": cap})  # running before and after the kill
     code = textwrap.dedent(f"""
         import os, signal
-        from kvtier.backends import _disk_ledger, local_disk
+        from kvtier.backends import _disk_index, local_disk
         from kvtier.keys import Namespace
         ns = Namespace("m", "bfloat16", 2, 2, 64, 16)
         b = local_disk.LocalDiskBackend({{"path": {str(root)!r}, "capacity": {cap}}})
-        writes = []
-        real = _disk_ledger.Ledger.write
-        def write(self):
-            writes.append(1)
-            if len(writes) == 2:  # the batch's second session: renames done, not yet accounted
-                os.kill(os.getpid(), signal.SIGKILL)
-            real(self)
-        _disk_ledger.Ledger.write = write
+        def put(self, c, entries, *a, **k):  # the batch's second session: renames done, not yet recorded
+            os.kill(os.getpid(), signal.SIGKILL)
+        _disk_index.DiskIndex.put = put
         b.put([ns.key(bytes([i]) * 16) for i in range(4)], [os.urandom({size})] * 4, ns.layout_id)
     """)
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == -9
     led = _ledger(root)
     assert led["bytes"] == 0 and sum(n for n, _ in led["held"].values()) == 4 * (H + size)
     assert disk_bytes(root) == 4 * (H + size), "the killed writer's blocks are on disk, unaccounted"
+    assert _intents(a) == 4
+    _no_scans(monkeypatch)
     ks = newkeys(10)
     for k in ks:  # a whole capacity of new blocks: needs the dead writer's room and its blocks' room
         assert a.put([k], [os.urandom(size)], LID) == [True]
         assert disk_bytes(root) <= cap
-    assert _ledger(root)["held"] == {}
+    assert _ledger(root)["held"] == {} and _intents(a) == 0
     assert a.stats().extra["bytes"] == disk_bytes(root) == cap
     assert a.exists(ks) == [True] * 10
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["evicting", "deleting"])
-def test_ledger_survives_a_writer_killed_between_unlink_and_account(tmp_path, how):
+def test_ledger_survives_a_writer_killed_between_unlink_and_account(tmp_path, how, monkeypatch):
     """kill -9 of a writer, with nothing else in flight, right after it unlinked a block (evicting for a
-    put, or deleting) and before the ledger records it: the ledger must show that writer, or it would
-    count the freed bytes for ever.  The next process that needs room recounts, and the account matches
-    the disk again."""
+    put, or deleting) and before the index records it: its intent names the block (committed before the
+    unlink), or the index would count the freed bytes for ever.  The next process that needs room
+    re-reads that one file, and the account matches the disk again."""
     size = 1000
     cap = 4 * (H + size)
     root = tmp_path / "d"
-    a = LocalDiskBackend({"path": str(root), "capacity": cap})
+    a = LocalDiskBackend({"path": str(root), "capacity": cap, "removals_poll_s": 0.05})
+    told: list[str] = []
+    a.on_evicted = told.extend
     full = newkeys(4)
     assert a.put(full, [os.urandom(size)] * 4, LID) == [True] * 4
-    assert _ledger(root) == {"bytes": cap, "held": {}}
+    assert {k: v for k, v in _ledger(root).items() if k != "index"} == {"bytes": cap, "held": {}}
     code = textwrap.dedent(f"""
         import os, signal
         from kvtier.backends import local_disk
@@ -715,12 +738,19 @@ def test_ledger_survives_a_writer_killed_between_unlink_and_account(tmp_path, ho
     """)
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == -9
     assert disk_bytes(root) == 3 * (H + size), "the killed writer unlinked one block"
-    led = _ledger(root)
-    assert led["bytes"] == cap and list(led["held"].values())[0][0] == 1, "the writer is named before unlinking"
+    assert _intents(a) == 1, "the writer named the block before unlinking it"
+    _no_scans(monkeypatch)
     ks = newkeys(2)
     assert a.put(ks, [os.urandom(size)] * 2, LID) == [True, True]
-    assert _ledger(root)["held"] == {}
+    assert _ledger(root)["held"] == {} and _intents(a) == 0
     assert _ledger(root)["bytes"] == disk_bytes(root) <= cap
+    # The dead writer's unlink never reached the removal journal: the recoverer notes it there, and tells
+    # its own listener (with its own eviction), once.
+    from kvtier.backends.local_disk import JOURNAL_NAME
+
+    assert (root / JOURNAL_NAME).read_text().count(full[0]) == 1
+    time.sleep(0.2)
+    assert sorted(told) == sorted(full[:2])
     a.close()
 
 
@@ -831,7 +861,8 @@ def wait_for(pred, timeout=10.0):
 def test_another_processes_evictions_and_deletes_reach_this_ones_listener(tmp_path):
     """A writes 4 blocks; B (another process, same directory) evicts 2 of them with its own puts; a tool
     (a third process, as ``kvtier gc`` is) deletes a third.  A's listener hears exactly those 3, each once,
-    within its poll period, and A's index drops them; nothing is told twice."""
+    within its poll period; nothing is told twice.  (Three backends of one process: each is a writer of its
+    own in the journal, as vLLM's scheduler and worker sides are in a one-process engine.)"""
     size = 1000
     root = str(tmp_path / "d")
     a = LocalDiskBackend({"path": root, "capacity": 4 * (H + size), "removals_poll_s": 0.05})
@@ -853,10 +884,11 @@ def test_another_processes_evictions_and_deletes_reach_this_ones_listener(tmp_pa
     assert wait_for(lambda: len(told_a) == 3), told_a
     time.sleep(0.2)  # nothing told twice
     assert sorted(told_a) == sorted([*evicted, survivor])
-    # B learnt A's blocks when it recounted the directory to find room: it hears its own evictions once
-    # (from the put that made them, not again from the journal) and the tool's delete.
+    # B hears its own evictions once (from the put that made them, not again from the journal) and the
+    # tool's delete.
     assert sorted(told_b) == sorted([*evicted, survivor])
-    assert a.stats().extra["blocks"] == 1
+    assert a.stats().extra["blocks"] == 3  # the directory's: B's 2 and A's last
+    assert a.lookup([*evicted, survivor]) == [False] * 3
     a.close()
     b.close()
 
@@ -908,3 +940,42 @@ def test_a_backend_dropped_without_close_stops_reading_the_journal(tmp_path):
 
     gc.collect()
     assert wait_for(lambda: sum(t.name == "kvtier-local-disk-removals" for t in threading.enumerate()) < before)
+
+
+def test_journal_lines_name_their_writer_and_a_reader_leaves_out_its_own(tmp_path):
+    """A line is the key, then the backend instance that removed it; a reader leaves out the lines of the
+    writer it names, and takes a line of the first format (the key alone: no writer known) as another's."""
+    from kvtier.backends import _disk_removals as journal
+
+    root = str(tmp_path)
+    feed = journal.RemovalFeed(root)
+    ks = newkeys(3)
+    journal.append_removals(root, [ks[0]], "h:1:aaaa")
+    journal.append_removals(root, [ks[1]], "h:1:bbbb")
+    journal.append_removals(root, [ks[2]])
+    text = (tmp_path / journal.JOURNAL_NAME).read_text()
+    assert text == f"{ks[0]} h:1:aaaa\n{ks[1]} h:1:bbbb\n{ks[2]}\n"
+    assert feed.poll(skip="h:1:aaaa") == [ks[1], ks[2]]
+    feed.close()
+
+
+def test_a_removal_is_not_told_once_its_block_is_stored_again(tmp_path):
+    """What the journal says is checked against the shared index (one lookup per poll): a block stored
+    again since its removal is loadable and not told; a line that is no block key is passed over."""
+    from kvtier.backends._disk_removals import RemovalFeed
+
+    a = mk(tmp_path, removals_poll_s=0)
+    b = mk(tmp_path, removals_poll_s=0)
+    told: list[str] = []
+    a.on_evicted = told.extend
+    ks = newkeys(2)
+    assert a.put(ks, [os.urandom(100)] * 2, LID) == [True, True]
+    feed = RemovalFeed(a.root)
+    assert b.delete(ks) == 2
+    assert b.put([ks[1]], [os.urandom(100)], LID) == [True]
+    news = feed.poll()
+    assert news == ks
+    assert a.removed_elsewhere([*news, "h:1:aaaa"]) == [ks[0]] and told == [ks[0]]
+    feed.close()
+    a.close()
+    b.close()

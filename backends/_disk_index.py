@@ -1,0 +1,383 @@
+"""The index of a ``local_disk`` directory: one SQLite database per directory and host, shared by every
+process on the host that opens the directory, so no process scans the directory or keeps a copy of it.
+
+Why SQLite (it ships with Python): a B-tree on disk that a process opens in milliseconds whatever its size,
+whose pages live once in the page cache for all processes (resident memory per process is its page cache
+budget, not per block), with transactions that survive kill -9 (WAL: an uncommitted transaction is rolled
+back by the next opener).  LMDB would do as well but is not installed with Python; a hand-written file
+would have to re-earn all three.
+
+It lives outside the directory, ``<index_dir>/<sha256(root)[:24]>.sqlite``: the directory holds blocks,
+manifests and the usage ledger only, as tools and operators expect.  The ledger file names the index
+generation it goes with (``index``), so an index left from an earlier directory at the same path is never
+trusted.
+
+Tables: ``blocks(key, size, used, mtime)`` (key: namespace digest + block hash, bytes; ``used``: a clock in
+microseconds, the LRU order; ``mtime``: the file's modification time as written, in microseconds, so a
+tool can tell a file whose times were set by hand since, NULL when unknown), ``intents(writer, key, size, tmp)`` (what each writer is about to change on disk: a put's
+reservation with its temp file, or an unlink), ``meta`` (``id``, ``bytes``, ``blocks``, ``clock``,
+``complete``, ``rebuilder``).
+
+Invariants:
+* every change is made by the backend under the directory's lock (the ledger's flock), so at most one
+  write transaction is open at a time; readers (``lookup``) never wait (WAL);
+* an intent is committed before the file change it announces, and dropped in the same transaction that
+  records the change's effect: after a kill -9, a writer's intents name every file it may have changed
+  without accounting, and ``recover`` re-reads just those (time proportional to its in-flight work);
+* ``bytes`` / ``blocks`` are the sums over ``blocks``, kept by deltas (counting 5 million rows is not
+  free); ``complete`` is 1 once a rebuild from the files finished: until then puts are refused;
+* a connection is never used across ``fork``: a child opens its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blocks(key BLOB PRIMARY KEY, size INTEGER NOT NULL, used INTEGER NOT NULL,
+                                  mtime INTEGER) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS blocks_used ON blocks(used);
+CREATE TABLE IF NOT EXISTS intents(writer TEXT NOT NULL, key BLOB NOT NULL, size INTEGER NOT NULL,
+                                   tmp TEXT, t REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS intents_writer ON intents(writer, key);
+"""
+_CACHE_KIB = 8192  # SQLite's page cache per connection: the index's resident memory in a process
+
+
+def blob(key: str) -> bytes:
+    """A canonical key (``<32 hex>/<32|64 hex>``) as the index stores it."""
+    return bytes.fromhex(key[:32] + key[33:])
+
+
+def unblob(b: bytes) -> str:
+    h = b.hex()
+    return f"{h[:32]}/{h[32:]}"
+
+
+def index_path(index_dir: str, root: str) -> str:
+    return f"{index_dir}/{hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:24]}.sqlite"
+
+
+class DiskIndex:
+    """One process's connection to a directory's index (a new one after ``fork``)."""
+
+    def __init__(self, path: str, root: str):
+        self.path = path
+        self.root = root
+        self._lock = threading.RLock()  # one connection per process, used by its threads in turn
+        self._conn: sqlite3.Connection | None = None
+        self._pid = -1
+        self._rlock = threading.Lock()  # reads on a second connection: never behind a write transaction
+        self._r: sqlite3.Connection | None = None
+        self._rpid = -1
+        # Connections inherited across fork: kept, never closed or freed in the child (closing one would
+        # drop the child's own POSIX locks on the database file, which SQLite takes per process).
+        self._inherited: list[sqlite3.Connection] = []
+
+    # ------------------------------------------------------------------ connection
+
+    def conn(self) -> sqlite3.Connection:
+        if self._conn is None or self._pid != os.getpid():
+            if self._conn is not None:
+                self._inherited.append(self._conn)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            c = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=60)
+            c.execute("PRAGMA journal_mode=WAL")
+            c.execute("PRAGMA synchronous=NORMAL")  # a kill loses nothing committed; a power cut may lose
+            # the last transactions, which the next rebuild-free start treats like a killed writer's
+            c.execute(f"PRAGMA cache_size=-{_CACHE_KIB}")
+            c.executescript(_SCHEMA)
+            if "mtime" not in {r[1] for r in c.execute("PRAGMA table_info(blocks)")}:  # an index of an earlier
+                c.execute("ALTER TABLE blocks ADD COLUMN mtime INTEGER")  # build: its rows' mtimes unknown
+            self._conn, self._pid = c, os.getpid()
+            side = self.path[: -len(".sqlite")] + ".root"
+            if not os.path.exists(side):  # which directory it indexes: prune_indexes removes orphans
+                with open(side, "w") as f:
+                    f.write(os.path.realpath(self.root))
+        return self._conn
+
+    def rconn(self) -> sqlite3.Connection:
+        if self._r is None or self._rpid != os.getpid():
+            if self._r is not None:
+                self._inherited.append(self._r)
+            self.conn()  # the schema
+            c = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=60)
+            c.execute(f"PRAGMA cache_size=-{_CACHE_KIB}")
+            self._r, self._rpid = c, os.getpid()
+        return self._r
+
+    def close(self) -> None:
+        with self._lock, self._rlock:
+            for c, pid in ((self._conn, self._pid), (self._r, self._rpid)):
+                if c is not None and pid == os.getpid():
+                    with contextlib.suppress(sqlite3.Error):
+                        c.close()
+            self._conn = self._r = None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (the caller holds the directory's lock), committed on the way out, also
+        after an error: every change in it stands for a filesystem change already made."""
+        with self._lock:
+            c = self.conn()
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                yield c
+            finally:
+                if c.in_transaction:
+                    c.execute("COMMIT")
+
+    def cache(self, kib: int = _CACHE_KIB) -> None:
+        """Set the write connection's page cache (a rebuild fills the B-tree faster with a large one)."""
+        with self._lock:
+            self.conn().execute(f"PRAGMA cache_size=-{kib}")
+
+    def checkpoint(self, c: sqlite3.Connection) -> None:
+        """Commit what the open transaction holds so far (an intent must be durable before its file
+        change) and go on in a new one."""
+        c.execute("COMMIT")
+        c.execute("BEGIN IMMEDIATE")
+
+    # ------------------------------------------------------------------ meta
+
+    @staticmethod
+    def meta(c: sqlite3.Connection, k: str, default: Any = None) -> Any:
+        row = c.execute("SELECT v FROM meta WHERE k=?", (k,)).fetchone()
+        return default if row is None else row[0]
+
+    @staticmethod
+    def set_meta(c: sqlite3.Connection, k: str, v: object) -> None:
+        c.execute("INSERT OR REPLACE INTO meta(k, v) VALUES (?, ?)", (k, v))
+
+    def state(self) -> tuple[str | None, bool]:
+        """(generation id, complete) as committed; (None, False) for a new or unreadable index."""
+        c = self.rconn()
+        with self._rlock:
+            rows = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('id', 'complete')").fetchall())
+        return (str(rows["id"]) if "id" in rows else None), rows.get("complete") == 1
+
+    def reset(self, c: sqlite3.Connection, rebuilder: str) -> str:
+        """Empty the index for a rebuild (in the caller's transaction); the new generation id."""
+        gen = uuid.uuid4().hex
+        c.execute("DELETE FROM blocks")
+        c.execute("DELETE FROM intents")
+        c.execute("DELETE FROM meta")
+        for k, v in (("id", gen), ("bytes", 0), ("blocks", 0), ("clock", 0), ("complete", 0),
+                     ("rebuilder", rebuilder), ("root", os.path.realpath(self.root))):
+            self.set_meta(c, k, v)
+        return gen
+
+    def remove(self) -> None:
+        """Delete the index's files (a damaged index, before its rebuild)."""
+        self.close()
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path + suffix)
+
+    def adopt(self, c: sqlite3.Connection, rows: Sequence[tuple[str, int, int]]) -> None:
+        """A rebuild's rows (key, size, last use in microseconds), in key order (B-tree pages filled in
+        order); keys already there keep theirs.  ``bytes`` / ``blocks`` are set once at the end
+        (``recount``): nothing else writes blocks while a rebuild runs (puts are refused)."""
+        c.executemany("INSERT OR IGNORE INTO blocks(key, size, used) VALUES (?, ?, ?)",
+                      sorted((blob(k), n, u) for k, n, u in rows))
+
+    def recount(self, c: sqlite3.Connection) -> tuple[int, int]:
+        """Set ``blocks`` / ``bytes`` from the rows (a pass over the index, not the directory)."""
+        blocks, nbytes = c.execute("SELECT count(*), coalesce(sum(size), 0) FROM blocks").fetchone()
+        self.set_meta(c, "blocks", int(blocks))
+        self.set_meta(c, "bytes", int(nbytes))
+        return int(blocks), int(nbytes)
+
+    def doc(self) -> dict[str, object]:
+        """The ledger's mirror of the committed state: block bytes, each writer's reservations, the
+        index generation."""
+        c = self.rconn()
+        with self._rlock:
+            rows = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('bytes', 'id')").fetchall())
+            held = self.held(c)
+        return {"bytes": int(rows.get("bytes", 0)), "held": held, "index": rows.get("id")}
+
+    # ------------------------------------------------------------------ reads (no lock)
+
+    def lookup(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the index knows each key: one query per batch of up to 30,000 keys (bound parameters:
+        SQLite's limit is 32,766)."""
+        blobs = [blob(k) for k in keys]
+        found: set[bytes] = set()
+        c = self.rconn()
+        with self._rlock:
+            for i in range(0, len(blobs), 30_000):
+                part = blobs[i:i + 30_000]
+                found.update(r[0] for r in c.execute(
+                    f"SELECT key FROM blocks WHERE key IN ({','.join('?' * len(part))})", part))
+        return [b in found for b in blobs]
+
+    def sizes(self, c: sqlite3.Connection, keys: Sequence[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for i in range(0, len(keys), 900):
+            part = keys[i:i + 900]
+            for k, n in c.execute(f"SELECT key, size FROM blocks WHERE key IN ({','.join('?' * len(part))})",
+                                  [blob(k) for k in part]):
+                out[unblob(k)] = n
+        return out
+
+    def lru(self, c: sqlite3.Connection | None = None) -> Iterator[tuple[str, int]]:
+        """Every block, least recently used first, read in pages (a 5-million-row answer is never held)."""
+        after: tuple[int, bytes] = (-1, b"")
+        while True:
+            with contextlib.nullcontext() if c is not None else self._rlock:
+                cc = c or self.rconn()
+                rows = cc.execute("SELECT key, size, used FROM blocks WHERE (used, key) > (?, ?) "
+                                  "ORDER BY used, key LIMIT 512", after).fetchall()
+            if not rows:
+                return
+            for k, n, _ in rows:
+                yield unblob(k), n
+            after = (rows[-1][2], rows[-1][0])
+
+    def rows(self) -> Iterator[tuple[str, int, int, int | None]]:
+        """Every block as (key, size, used, mtime), in key order, read in pages."""
+        after = b""
+        while True:
+            c = self.rconn()
+            with self._rlock:
+                page = c.execute("SELECT key, size, used, mtime FROM blocks WHERE key > ? ORDER BY key LIMIT 4096",
+                                 (after,)).fetchall()
+            if not page:
+                return
+            for k, n, u, m in page:
+                yield unblob(k), n, u, m
+            after = page[-1][0]
+
+    def counts(self) -> tuple[int, int]:
+        """(blocks, bytes) as last committed."""
+        c = self.rconn()
+        with self._rlock:
+            rows = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('blocks', 'bytes')").fetchall())
+        return int(rows.get("blocks", 0)), int(rows.get("bytes", 0))
+
+    # ------------------------------------------------------------------ changes (in a transaction)
+
+    @staticmethod
+    def held(c: sqlite3.Connection) -> dict[str, list[float]]:
+        """Each writer's reserved bytes and the time of its last intent (the ledger's ``held``)."""
+        return {w: [int(n), float(t)] for w, n, t in
+                c.execute("SELECT writer, sum(size), max(t) FROM intents GROUP BY writer")}
+
+    @staticmethod
+    def intend(c: sqlite3.Connection, writer: str, rows: Iterable[tuple[str, int, str | None]]) -> None:
+        now = time.time()
+        c.executemany("INSERT INTO intents(writer, key, size, tmp, t) VALUES (?, ?, ?, ?, ?)",
+                      [(writer, blob(k), n, tmp, now) for k, n, tmp in rows])
+
+    @staticmethod
+    def done(c: sqlite3.Connection, writer: str, keys: Iterable[str]) -> None:
+        """Drop ``writer``'s intents on ``keys`` (one row each: a key twice in a batch has two)."""
+        c.executemany("DELETE FROM intents WHERE rowid = (SELECT rowid FROM intents WHERE writer=? AND key=? "
+                      "LIMIT 1)", [(writer, blob(k)) for k in keys])
+
+    @staticmethod
+    def intents(c: sqlite3.Connection, writer: str) -> list[tuple[str, int, str | None]]:
+        return [(unblob(k), n, tmp) for k, n, tmp in
+                c.execute("SELECT key, size, tmp FROM intents WHERE writer=?", (writer,))]
+
+    @staticmethod
+    def drop_writer(c: sqlite3.Connection, writer: str) -> None:
+        c.execute("DELETE FROM intents WHERE writer=?", (writer,))
+
+    @staticmethod
+    def _add(c: sqlite3.Connection, blocks: int, nbytes: int) -> None:
+        if blocks or nbytes:
+            c.execute("UPDATE meta SET v = v + ? WHERE k='blocks'", (blocks,))
+            c.execute("UPDATE meta SET v = v + ? WHERE k='bytes'", (nbytes,))
+
+    def tick(self, c: sqlite3.Connection, n: int) -> int:
+        """The first of ``n`` new LRU clock values, all later than every value given before."""
+        first: int = max(int(self.meta(c, "clock", 0) or 0) + 1, time.time_ns() // 1000)
+        self.set_meta(c, "clock", first + n - 1)
+        return first
+
+    def put(self, c: sqlite3.Connection, entries: Sequence[tuple[str, int]], first_use: int | None = None,
+            keep_use: bool = False, mtimes: dict[str, int] | None = None) -> int:
+        """Record blocks (key, size) now on disk, most recent last; the change in bytes.  ``keep_use``: a
+        key already known keeps its place (a rebuild's rows never overtake newer puts)."""
+        if not entries:
+            return 0
+        t = self.tick(c, len(entries)) if first_use is None else first_use
+        old = self.sizes(c, [k for k, _ in entries])
+        m = mtimes or {}
+        rows = [(blob(k), n, t + i, m.get(k)) for i, (k, n) in enumerate(entries)]
+        if keep_use:
+            c.executemany("INSERT OR IGNORE INTO blocks(key, size, used, mtime) VALUES (?, ?, ?, ?)", rows)
+            new = [(k, n) for k, n in entries if k not in old]
+            delta = sum(n for _, n in new)
+            self._add(c, len(new), delta)
+            return delta
+        c.executemany("INSERT OR REPLACE INTO blocks(key, size, used, mtime) VALUES (?, ?, ?, ?)", rows)
+        last = dict(entries)  # a key twice: its last size counts
+        delta = sum(n for n in last.values()) - sum(old.values())
+        self._add(c, len(last) - len(old), delta)
+        return delta
+
+    def drop(self, c: sqlite3.Connection, keys: Sequence[str]) -> int:
+        """Forget blocks no longer on disk; the bytes they had."""
+        old = self.sizes(c, keys)
+        if old:
+            c.executemany("DELETE FROM blocks WHERE key=?", [(blob(k),) for k in old])
+            self._add(c, -len(old), -sum(old.values()))
+        return sum(old.values())
+
+    def touch(self, c: sqlite3.Connection, keys: Sequence[str]) -> None:
+        """Make ``keys`` the most recently used, in order (unknown keys are skipped)."""
+        if keys:
+            t = self.tick(c, len(keys))
+            c.executemany("UPDATE blocks SET used=? WHERE key=?", [(t + i, blob(k)) for i, k in enumerate(keys)])
+
+    def totals(self, c: sqlite3.Connection) -> tuple[int, int]:
+        """(block bytes, reserved bytes) in this transaction."""
+        nbytes = int(self.meta(c, "bytes", 0) or 0)
+        held = c.execute("SELECT coalesce(sum(size), 0) FROM intents").fetchone()[0]
+        return nbytes, int(held)
+
+
+_pruned: set[str] = set()
+
+
+def prune_indexes(index_dir: str) -> int:
+    """Remove the indexes of directories that no longer exist (once per process and ``index_dir``: a
+    listing of a few files); how many."""
+    if index_dir in _pruned:
+        return 0
+    _pruned.add(index_dir)
+    n = 0
+    try:
+        names = os.listdir(index_dir)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        if not name.endswith(".root"):
+            continue
+        base = f"{index_dir}/{name[: -len('.root')]}"
+        try:
+            with open(f"{base}.root") as f:
+                root = f.read()
+        except OSError:
+            continue
+        if root and not os.path.isdir(root):
+            for suffix in (".sqlite", ".sqlite-wal", ".sqlite-shm", ".root"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(base + suffix)
+            n += 1
+    return n
+
+
+__all__ = ["DiskIndex", "blob", "index_path", "prune_indexes", "unblob"]
