@@ -125,7 +125,6 @@ KNOWN_PRIVATE_IMPORTS = {
     ("kvtier.index.batches", "kvtier.index.core", "_column"),
     ("kvtier.index.batches", "kvtier.index.tiers", "_check_backend"),
     ("kvtier.keys.namespace", "kvtier.keys.hasher", "_algo_problem"),
-    ("kvtier.bench.prefix", "kvtier.bench.backend_s3", "_ChildMoto"),
     ("kvtier.bench.vllm", "kvtier.backends._resp", "Connection"),
     # commands/ and bench/ share argument types and table printing through each other's private modules.
     *{(f"kvtier.bench.{m}", "kvtier.commands._types", n) for m, n in [

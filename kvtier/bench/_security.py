@@ -74,9 +74,9 @@ def _store(name: str) -> Iterator[tuple[Callable[[Any], Any], int]]:
             from kvtier.backends.s3 import S3Backend
             from kvtier.testing.moto_server import dummy_credentials
 
-            from .backend_s3 import _ChildMoto
+            from .backend_s3 import ChildMoto
 
-            with dummy_credentials(), _ChildMoto() as url:
+            with dummy_credentials(), ChildMoto() as url:
                 bucket = f"kvtier-bench-sec-{os.getpid()}"
 
                 def make_s3(seal: Any) -> Any:

@@ -43,7 +43,7 @@ with dummy_credentials(), start_moto() as server:
 """
 
 
-class _ChildMoto:
+class ChildMoto:
     """A moto server in a child interpreter; ``with`` gives its endpoint URL."""
 
     def __enter__(self) -> str:
@@ -81,7 +81,7 @@ def run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[di
     from kvtier.testing.moto_server import dummy_credentials
 
     rows: list[dict[str, Any]] = []
-    with dummy_credentials(), _ChildMoto() as endpoint:
+    with dummy_credentials(), ChildMoto() as endpoint:
         bucket = f"kvtier-bench-{uuid.uuid4().hex[:8]}"
         backend = S3Backend({"bucket": bucket, "endpoint_url": endpoint, "create_bucket": True,
                              "max_workers": MAX_WORKERS, "timeout_s": 30}, name="bench-s3")

@@ -60,11 +60,11 @@ def backend_section(name: str, stack: ExitStack, tmp: str, *, capacity: str = "4
         import uuid
 
         from ..testing.moto_server import dummy_credentials
-        from .backend_s3 import _ChildMoto
+        from .backend_s3 import ChildMoto
 
         # moto in a child process, so the server does not compete with the model for this process's GIL.
         stack.enter_context(dummy_credentials())
-        endpoint = stack.enter_context(_ChildMoto())
+        endpoint = stack.enter_context(ChildMoto())
         return {"name": "s3", "type": "s3", "options": {"bucket": f"{bucket_prefix}-{uuid.uuid4().hex[:8]}",
                                                         "create_bucket": True, "endpoint_url": endpoint,
                                                         "region": "us-east-1", "max_workers": 8}}
