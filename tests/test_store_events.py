@@ -200,3 +200,30 @@ def test_kvtier_events_needs_one_namespace(tmp_path: Path, capsys):
     assert main(["events", "--config", str(cfg), "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
     assert "--namespace is needed: the config names no model of its own and its backends hold 2 namespaces" in err
+
+
+def test_kvtier_events_refuses_a_listing_period_that_is_not_positive(tmp_path: Path, capsys):
+    from kvtier.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"backends": [{"name": "disk", "type": "local_disk",
+                                                 "options": {"path": str(tmp_path / "disk")}}]}))
+    for bad in ("0", "-1"):
+        assert main(["events", "--config", str(cfg), "--engine", "vllm", "--reconcile-s", bad]) == 2
+        assert f"--reconcile-s must be > 0, got {float(bad)}" in capsys.readouterr().err
+
+
+def test_kvtier_events_needs_a_block_size_where_no_backend_holds_the_namespaces_manifest(tmp_path: Path, capsys):
+    """Blocks of one namespace on disk, but no manifest: the events' block size (tokens per block) cannot be
+    told, and the error names the option and the namespace before anything is published."""
+    from kvtier.cli import main
+
+    root = tmp_path / "disk"
+    disk = LocalDiskBackend({"path": str(root)})
+    put(disk, NS, hashes(1, 1))
+    disk.close()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"backends": [{"name": "disk", "type": "local_disk",
+                                                 "options": {"path": str(root)}}]}))
+    assert main(["events", "--config", str(cfg), "--engine", "vllm", "--namespace", NS.id]) == 2
+    assert f"--block-size is needed: no backend holds a manifest of namespace {NS.id}" in capsys.readouterr().err
