@@ -1,7 +1,7 @@
 """The storage backend contract: what a third party subclasses to add a tier below host memory.
 
 A backend stores *values* under string keys ``<namespace id>/<block hash hex>``.  Each value is one
-stored block (``kvtier.blockformat``): header + payload, written and replaced atomically as one unit
+stored block (``kvtier.format.blockformat``): header + payload, written and replaced atomically as one unit
 (one file, one Redis key, one S3 object).  The public methods here do the framing, the verification,
 the metrics and the error typing once, for every backend; a backend implements the ``_underscore`` hooks.
 
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from . import blockformat
+from .format import blockformat
 from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
 from .plugins import strict_options
 from .security import Forged, Seal
@@ -157,7 +157,7 @@ class StorageBackend(ABC):
     #: that key's buffer holds verified bytes (in its own reading thread).  Otherwise ``get_into``
     #: reports the verified keys once the whole batch has been read.
     streams_verified: ClassVar[bool] = False
-    #: Whether ``_get_blocks`` takes a :class:`kvtier.blockformat.Segments` in place of a payload buffer
+    #: Whether ``_get_blocks`` takes a :class:`kvtier.format.blockformat.Segments` in place of a payload buffer
     #: (one payload in several buffers: read it into them in order, verify it with ``check_block``, which
     #: takes segments too).  Then ``get_into`` may be handed segments, and a CPU engine's blocks are read
     #: straight into its KV tensors, with no copy through host memory.

@@ -577,7 +577,7 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _read_yaml(text: str, source: str) -> Any:
+def read_yaml(text: str, source: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
@@ -693,7 +693,7 @@ def _blame(line: str, sources: dict[str, str]) -> str:
     return line
 
 
-def _config_text(path: str | os.PathLike[str] | None) -> tuple[str, str]:
+def config_text(path: str | os.PathLike[str] | None) -> tuple[str, str]:
     """(source name, text) of a config file, or of the embedded default for None."""
     if path is None:
         source = f"kvtier.configs/{DEFAULT_CONFIG}"
@@ -711,8 +711,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                 resolve_plugins: bool = True) -> KvtierConfig:
     """Read, override from ``env`` (default ``os.environ``; ``{}`` for none) and validate a config file.
     ``None`` reads the embedded default, ``configs/local.yaml``."""
-    source, text = _config_text(path)
-    return parse_config(_read_yaml(text, source), source=source,
+    source, text = config_text(path)
+    return parse_config(read_yaml(text, source), source=source,
                         env=os.environ if env is None else env, resolve_plugins=resolve_plugins)
 
 
@@ -725,8 +725,8 @@ def load_engine_config(path: str | os.PathLike[str] | None, facts: Mapping[str, 
     engine.  ``model.id`` from the YAML wins over the engine's name (paths differ between hosts that
     share blocks); ``device`` fields (the layout the engine's tensors have) are set the same way.
     ``path`` None: the embedded default config's tiers and policies, with the engine's model."""
-    source, text = _config_text(path)
-    data = _read_yaml(text, source)
+    source, text = config_text(path)
+    data = read_yaml(text, source)
     if path is None and isinstance(data, dict):  # the embedded default's tiers, the engine's model
         data.pop("model", None)
         data.pop("device", None)
@@ -775,8 +775,8 @@ def load_config_as_deployed(path: str | os.PathLike[str] | None, engine: str = "
     if engine not in ("auto", "none", *ENGINES):
         raise ValueError(f"engine: expected auto, none, {', '.join(ENGINES)}; got {engine!r}")
     env = os.environ if env is None else env
-    source, text = _config_text(path)
-    data = _read_yaml(text, source)
+    source, text = config_text(path)
+    data = read_yaml(text, source)
     if engine == "auto":
         model = data.get("model") if isinstance(data, dict) else None
         required = [k for k, f in ModelSection.model_fields.items() if f.is_required()]

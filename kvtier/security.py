@@ -2,7 +2,7 @@
 
 A checksum catches damage, not intent: whoever can write a shared store can write a well-formed value with
 other KV under any key, even one of a prompt nobody sent yet.  A backend whose mode is not ``none`` stores
-format version 2 values (``kvtier.blockformat``) sealed with AES-256-GCM under a key only holders of the
+format version 2 values (``kvtier.format.blockformat``) sealed with AES-256-GCM under a key only holders of the
 deployment key can derive, and serves a value only when its tag verifies.
 
 Invariants:
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import blockformat as bf
+from .format import blockformat as bf
 from .keys import split_key
 
 if TYPE_CHECKING:

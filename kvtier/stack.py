@@ -47,12 +47,15 @@ import torch
 
 from . import threads as kvthreads
 from .backend_api import StorageBackend
-from .blockids import int_array
 from .config import KvtierConfig, direct_loads, load_config
-from .host import HostTier, memory_available
+from .format.layout import KVLayout, LayoutError
 from .index import BlockIndex
 from .keys import Namespace
-from .layout import KVLayout, LayoutError
+from .memory.blockpool import BlockPool
+from .memory.device import DeviceTier
+from .memory.blockids import int_array
+from .memory.host import HostTier, memory_available
+from .memory.transfer import TransferEngine
 from .metrics import StackMetrics
 from .plans import WorkerReport
 from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
@@ -73,8 +76,6 @@ from .tiering.results import (
 )
 from .tiering.store_path import Downward, HostRoom
 from .tiering.writes import BackendWriter
-from .tiers import BlockPool, DeviceTier
-from .transfer import TransferEngine
 from .units import format_size
 
 log = logging.getLogger("kvtier.stack")
@@ -86,7 +87,7 @@ class TierStack:
 
     ``kv_caches``: the engine's KV tensors in ``config.device.layout`` (a list of per-layer tensors or
     one stacked tensor); None allocates a standalone cache of ``config.device.num_blocks`` blocks on
-    ``config.device.kind`` (and a :class:`~kvtier.tiers.BlockPool` as ``block_pool``).
+    ``config.device.kind`` (and a :class:`~kvtier.memory.BlockPool` as ``block_pool``).
     ``backends``: instances to use instead of building ``config.backends`` (tests); each is writable
     unless a config backend of the same name says ``write: false``.  The stack closes only the
     backends it built.
@@ -119,7 +120,7 @@ class TierStack:
 
         tiers = ["device", *(["host"] if self.host else []), *names]
         self.metrics = StackMetrics(tiers, self.block_size, gauges=self._gauges)
-        # Engine blocks per stored value (storage.block_tokens): see kvtier.groups.
+        # Engine blocks per stored value (storage.block_tokens): see kvtier.format.groups.
         self.storage_blocks = config.storage_blocks
         self._backends = BackendSet(built, [cfg_write.get(n, True) for n in names], self.metrics,
                                     self.namespace.layout_id, self.layout.block_nbytes * self.storage_blocks)

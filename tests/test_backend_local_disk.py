@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from kvtier import blockformat, plugins
+from kvtier import plugins
 from kvtier.backend_api import BackendError
 from kvtier.backends._disk_ledger import HOST_TAG
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.config import parse_config
+from kvtier.format import blockformat
 from kvtier.keys import MANIFEST_NAME, Namespace
 
 NS = Namespace("m", "bfloat16", 2, 2, 64, 16)
@@ -427,8 +428,8 @@ def test_two_processes_writing_and_evicting_one_directory(tmp_path):
 def test_bench_backends_disk_smoke(tmp_path, monkeypatch, capsys):
     import json
 
-    from kvtier.bench import backend_disk
-    from kvtier.cli import main
+    from kvtier.tools.bench import backend_disk
+    from kvtier.tools.cli import main
 
     monkeypatch.setattr(backend_disk, "STARTUP_BLOCKS", 2000)
     out = tmp_path / "b.json"

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.backend_api import BackendError, BackendTimeout, BackendUnavailable
 from kvtier.backends.redis import RedisBackend
-from kvtier.blockformat import Segments
+from kvtier.format.blockformat import Segments
 from kvtier.keys import Namespace
 from kvtier.testing.redis_server import redis_available, start_redis
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvtier.bench import peers
+from kvtier.tools.bench import peers
 
 
 def test_without_lmcache_prints_how_to_install_and_exits_2(monkeypatch, capsys):

@@ -6,7 +6,7 @@ import struct
 import pytest
 import xxhash
 
-from kvtier import blockformat as bf
+from kvtier.format import blockformat as bf
 from kvtier.keys import Namespace
 
 NS = Namespace("m", "bfloat16", 32, 8, 128, 16)

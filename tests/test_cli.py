@@ -10,7 +10,7 @@ from typing import cast
 
 import pytest
 
-from kvtier.cli import build_parser
+from kvtier.tools.cli import build_parser
 
 
 def _subcommands():
@@ -39,7 +39,7 @@ def test_expected_commands_exist():
 def test_help(cmd, capsys):
     # In process: each `python -m kvtier` costs about 5 s of imports here, and the entry point itself is
     # exercised by the subprocess tests below.
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     with pytest.raises(SystemExit) as done:
         main([*cmd, "--help"])
@@ -85,7 +85,7 @@ def test_numbers_out_of_range_are_refused_naming_the_flag(argv, message, capsys)
 def test_a_device_pool_smaller_than_one_request_is_a_user_error(cmd, tmp_path, capsys):
     """A request needs its whole block table on the device at once: a pool smaller than that is refused
     naming the request, the blocks it needs and the setting (it was a PoolExhausted traceback)."""
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     extra = ["--no-progress"] if cmd == "run" else []
     assert main([cmd, "--device-blocks", "2", "--users", "1", "--turns", "1", "--out", str(tmp_path / "o"),
@@ -102,7 +102,7 @@ def test_a_device_pool_smaller_than_one_request_is_a_user_error(cmd, tmp_path, c
 ])
 def test_bench_prefix_refuses_a_prefix_it_cannot_measure(argv, message, capsys):
     """A prefix shorter than one stored value was an mmap OSError out of the raw ceiling."""
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     assert main(["bench", "prefix", "--backends", "disk", "--repeats", "1", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -115,7 +115,7 @@ def test_bench_prefix_refuses_a_prefix_it_cannot_measure(argv, message, capsys):
 def test_pd_requests_errors_name_the_file_line(second, message, tmp_path, capsys):
     """Errors name the line of the requests file (a blank line before it included), whether found while
     reading it or when the request is served; a string max_new_tokens was a TypeError traceback."""
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     reqs = tmp_path / "reqs.jsonl"
     reqs.write_text('{"tokens": [1, 2, 3]}\n\n' + second + "\n")
@@ -129,7 +129,7 @@ def test_pd_requests_errors_name_the_file_line(second, message, tmp_path, capsys
 def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
     """An output that cannot be written is refused naming the flag before anything runs (it was a
     FileNotFoundError traceback after the whole workload had run)."""
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     a_file = tmp_path / "f"
     a_file.write_text("x")

@@ -10,7 +10,7 @@ from importlib import metadata
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier import cli, plugins
+from kvtier import plugins
 from kvtier.config import (
     ConfigError,
     KvtierConfig,
@@ -21,6 +21,7 @@ from kvtier.config import (
 )
 from kvtier.keys import Namespace
 from kvtier.plugins import PluginError
+from kvtier.tools import cli
 from kvtier.units import ByteSize, format_size, parse_size
 
 MODEL = {"id": "m", "num_layers": 4, "num_kv_heads": 4, "head_dim": 32}

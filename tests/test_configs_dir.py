@@ -79,7 +79,7 @@ def test_pd_pair_shares_a_namespace_and_a_backend():
 
 
 def check(capsys, *argv: str) -> tuple[int, list[str], str]:
-    from kvtier import cli
+    from kvtier.tools import cli
 
     rc = cli.main(["config", "check", "--no-env", *argv])
     out, err = capsys.readouterr()

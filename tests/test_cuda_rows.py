@@ -1,4 +1,4 @@
-"""The one-launch row kernel (``kvtier._cuda_rows``), run by Triton's interpreter on CPU tensors: the
+"""The one-launch row kernel (``kvtier.memory._cuda_rows``), run by Triton's interpreter on CPU tensors: the
 same kernel source the GPU compiles, so its addressing (view table, row strides, a payload row's
 layout, layer groups, masked ids, word widths) is checked on every machine.  ``tests/test_gpu.py``
 runs it compiled, against the CPU codec."""
@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier._cuda_rows import RowKernel, _kernel, word_dtype
-from kvtier.layout import KVLayout
+from kvtier.format.layout import KVLayout
+from kvtier.memory._cuda_rows import RowKernel, _kernel, word_dtype
+from kvtier.memory.rows import to_payload
 
 pytest.importorskip("triton")
 
@@ -51,7 +52,7 @@ def kernel_over(layout: KVLayout, ts: list[torch.Tensor], kernel: Any) -> RowKer
 def test_gather_writes_each_block_as_its_payload_at_the_given_rows(kernel, kind, inner):
     layout, ts = make(kind, inner)
     ids = [7, 0, 11, 3]
-    want = layout.to_payload(ts, ids)  # the CPU codec's payloads
+    want = to_payload(layout, ts, ids)  # the CPU codec's payloads
     buf = torch.zeros(len(ids) + 3, layout.block_nbytes, dtype=torch.uint8)
     kernel_over(layout, ts, kernel).gather(torch.tensor(ids), buf, 2, range(layout.num_layers))
     assert torch.equal(buf[2:2 + len(ids)], want)
@@ -61,13 +62,13 @@ def test_gather_writes_each_block_as_its_payload_at_the_given_rows(kernel, kind,
 @pytest.mark.parametrize("kind,inner", KINDS, ids=str)
 def test_scatter_puts_payload_rows_back_into_the_blocks_named(kernel, kind, inner):
     layout, src = make(kind, inner, seed=1)
-    payload = layout.to_payload(src, [5, 9, 2])
+    payload = to_payload(layout, src, [5, 9, 2])
     _, dst = make(kind, inner, seed=2)
     before = [t.clone() for t in dst]
     kernel_over(layout, dst, kernel).scatter(torch.tensor([1, 10, 4]), payload, 0, range(layout.num_layers))
-    assert torch.equal(layout.to_payload(dst, [1, 10, 4]), payload)
+    assert torch.equal(to_payload(layout, dst, [1, 10, 4]), payload)
     others = [b for b in range(layout.num_blocks) if b not in (1, 10, 4)]
-    assert torch.equal(layout.to_payload(dst, others), layout.to_payload(before, others))
+    assert torch.equal(to_payload(layout, dst, others), to_payload(layout, before, others))
 
 
 def test_a_layer_group_moves_only_its_layers_bytes(kernel):
@@ -75,7 +76,7 @@ def test_a_layer_group_moves_only_its_layers_bytes(kernel):
     ids = torch.tensor([6, 1])
     buf = torch.zeros(2, layout.block_nbytes, dtype=torch.uint8)
     kernel_over(layout, ts, kernel).gather(ids, buf, 0, [1, 2])
-    want = layout.to_payload(ts, [6, 1])
+    want = to_payload(layout, ts, [6, 1])
     ln = layout.layer_nbytes
     assert torch.equal(buf[:, ln:3 * ln], want[:, ln:3 * ln])
     assert not buf[:, :ln].any() and not buf[:, 3 * ln:].any()
@@ -83,14 +84,14 @@ def test_a_layer_group_moves_only_its_layers_bytes(kernel):
 
 def test_an_id_out_of_range_is_neither_read_nor_written(kernel):
     layout, src = make("flash_attn", None, seed=5)
-    payload = layout.to_payload(src, [2, 3, 4, 5])
+    payload = to_payload(layout, src, [2, 3, 4, 5])
     _, dst = make("flash_attn", None, seed=6)
     before = [t.clone() for t in dst]
     k = kernel_over(layout, dst, kernel)
     k.scatter(torch.tensor([3, layout.num_blocks, -1, 7]), payload, 0, range(layout.num_layers))
-    assert torch.equal(layout.to_payload(dst, [3, 7]), payload[[0, 3]])
+    assert torch.equal(to_payload(layout, dst, [3, 7]), payload[[0, 3]])
     untouched = [b for b in range(layout.num_blocks) if b not in (3, 7)]
-    assert torch.equal(layout.to_payload(dst, untouched), layout.to_payload(before, untouched))
+    assert torch.equal(to_payload(layout, dst, untouched), to_payload(layout, before, untouched))
     buf = torch.zeros(2, layout.block_nbytes, dtype=torch.uint8)
     k.gather(torch.tensor([-1, 3]), buf, 0, range(layout.num_layers))
     assert not buf[0].any() and torch.equal(buf[1], payload[0])
@@ -111,7 +112,7 @@ def test_odd_widths_copy_exactly(kernel):
     buf = torch.zeros(3, layout.block_nbytes, dtype=torch.uint8)
     kernel_over(layout, src, kernel).gather(torch.tensor([1, 5, 2]), buf, 0, range(layout.num_layers))
     kernel_over(layout, dst, kernel).scatter(torch.tensor([0, 6, 11]), buf, 0, range(layout.num_layers))
-    assert torch.equal(layout.to_payload(dst, [0, 6, 11]), layout.to_payload(src, [1, 5, 2]))
+    assert torch.equal(to_payload(layout, dst, [0, 6, 11]), to_payload(layout, src, [1, 5, 2]))
 
 
 def test_fits_wants_whole_word_rows_on_the_kernels_device(kernel):
@@ -133,7 +134,7 @@ class _Uncompilable:
 
 
 def test_a_kernel_that_cannot_launch_leaves_the_copy_to_torch_and_is_not_tried_again(kernel, caplog):
-    from kvtier.rows import RowCodec
+    from kvtier.memory.rows import RowCodec
 
     layout, ts = make("flash_attn", None, seed=9)
     codec = RowCodec(layout, ts)
@@ -143,18 +144,18 @@ def test_a_kernel_that_cannot_launch_leaves_the_copy_to_torch_and_is_not_tried_a
     buf = torch.zeros(len(ids), layout.block_nbytes, dtype=torch.uint8)
     with caplog.at_level("WARNING", logger="kvtier.rows"):
         codec.gather(ids, buf, None, None)
-    assert torch.equal(buf, layout.to_payload(ts, ids))  # copied all the same, by torch's ops
+    assert torch.equal(buf, to_payload(layout, ts, ids))  # copied all the same, by torch's ops
     assert codec.row_kernel() is None
     assert "row kernel unusable" in caplog.text and "a Triton too old" in caplog.text
     # A working kernel is used: its copy lands, the same bytes.
     codec._kernel = kernel_over(layout, ts, kernel)
     buf.zero_()
     codec.gather(ids, buf, None, None)
-    assert torch.equal(buf, layout.to_payload(ts, ids)) and codec.row_kernel() is not None
+    assert torch.equal(buf, to_payload(layout, ts, ids)) and codec.row_kernel() is not None
 
 
 def test_a_kernel_that_cannot_be_defined_leaves_the_copy_to_torch(monkeypatch, caplog):
-    import kvtier.rows as rows_mod
+    import kvtier.memory.rows as rows_mod
 
     def broken(views: Any) -> None:
         raise RuntimeError("triton.jit: unsupported Python")
@@ -166,5 +167,5 @@ def test_a_kernel_that_cannot_be_defined_leaves_the_copy_to_torch(monkeypatch, c
     buf = torch.zeros(2, layout.block_nbytes, dtype=torch.uint8)
     with caplog.at_level("WARNING", logger="kvtier.rows"):
         codec.gather([3, 0], buf, None, None)
-    assert torch.equal(buf, layout.to_payload(ts, [3, 0]))
+    assert torch.equal(buf, to_payload(layout, ts, [3, 0]))
     assert codec.row_kernel() is None and "unsupported Python" in caplog.text

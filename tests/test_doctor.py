@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.cli import main
-from kvtier.commands import doctor
 from kvtier.testing.redis_server import free_port, redis_available, start_redis
+from kvtier.tools.cli import main
+from kvtier.tools.commands import doctor
 from kvtier.units import format_size
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

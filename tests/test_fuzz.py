@@ -39,12 +39,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvtier import cli, config
+from kvtier import config
 from kvtier.backend_api import BackendError
 from kvtier.backends.local_disk import JOURNAL_NAME, LEDGER_NAME, LocalDiskBackend
 from kvtier.config import KV_DTYPES, ConfigError, KvtierConfig, load_config, parse_config
+from kvtier.format.layout import KINDS, KVLayout, LayoutError
 from kvtier.keys import BlockHasher, MMItem, Namespace, SequenceHasher, sha256_cbor, split_key
-from kvtier.layout import KINDS, KVLayout, LayoutError
+from kvtier.memory.rows import scatter, to_payload
+from kvtier.tools import cli
 
 # Derandomized by default, so the test command gives the same verdict every run (a random draw once failed a
 # coverage threshold and once found a real bug: run with KVTIER_FUZZ_RANDOM=1 to explore new inputs).
@@ -380,7 +382,7 @@ def _covered(expected: str, lines: list[str]) -> bool:
 
 
 def test_fuzz_yaml_configs(figures):
-    """10 000 documents through the loader (``load_config`` = ``_read_yaml`` + ``parse_config``; called as
+    """10 000 documents through the loader (``load_config`` = ``read_yaml`` + ``parse_config``; called as
     those two here so the test sees the parsed data without a second parse)."""
     counts = {"examples": 0, "valid": 0, "invalid": 0, "yaml": 0, "faults_named": 0}
 
@@ -390,7 +392,7 @@ def test_fuzz_yaml_configs(figures):
         text, expected, env = case
         counts["examples"] += 1
         try:
-            data = config._read_yaml(text, SOURCE)
+            data = config.read_yaml(text, SOURCE)
         except ConfigError as e:  # not YAML: reported at the file's line and column
             counts["yaml"] += 1
             assert not expected, "a dumped document must parse"
@@ -740,22 +742,22 @@ def test_fuzz_layouts(figures):
             assert perturb == "strides"  # a size-1 dim's stride is arbitrary; refusing it is allowed
             return
         ids = data.draw(st.lists(st.integers(0, N - 1), min_size=0, max_size=N, unique=True))
-        pay = layout.to_payload(tensors, ids)
+        pay = to_payload(layout, tensors, ids)
         assert tuple(pay.shape) == (len(ids), layout.block_nbytes)
         zeros = [torch.zeros_like(t) for t in tensors]
-        layout.scatter(zeros, pay, ids)
-        assert torch.equal(layout.to_payload(zeros, ids), pay)
+        scatter(layout, zeros, pay, ids)
+        assert torch.equal(to_payload(layout, zeros, ids), pay)
         n["round_trips"] += 1
         # block ids that name no block are refused before anything is written
         wrong = data.draw(st.sampled_from([[-1], [N], [0.5], [True], [-N - 1]]))
         before = [z.clone() for z in zeros]
         with pytest.raises((IndexError, TypeError, ValueError)):
-            layout.scatter(zeros, torch.zeros(1, layout.block_nbytes, dtype=torch.uint8), wrong)
+            scatter(layout, zeros, torch.zeros(1, layout.block_nbytes, dtype=torch.uint8), wrong)
         assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
                    for a, b in zip(before, zeros)), \
             "a refused scatter wrote nothing"  # compared as bytes: random bits include NaNs
         with pytest.raises((IndexError, TypeError, ValueError)):
-            layout.to_payload(tensors, wrong)
+            to_payload(layout, tensors, wrong)
 
     run()
     figures("layouts fuzzed: refused / tensors refused by validate / gather-scatter round trips",

@@ -10,11 +10,15 @@ import time
 import pytest
 import torch
 
-import kvtier.copy2d as copy2d_mod
-import kvtier.device as device_mod
-from kvtier.layout import KVLayout
-from kvtier.tiers import READY, DeviceTier, HostTier, memcpy2d_available
-from kvtier.transfer import TransferEngine
+import kvtier.memory.copy2d as copy2d_mod
+import kvtier.memory.device as device_mod
+from kvtier.format.layout import KVLayout
+from kvtier.memory.copy2d import memcpy2d_available
+from kvtier.memory.device import DeviceTier
+from kvtier.memory.host import HostTier
+from kvtier.memory.host_slots import READY
+from kvtier.memory.rows import to_payload
+from kvtier.memory.transfer import TransferEngine
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -46,7 +50,7 @@ def pinned_host(layout: KVLayout, slots: int) -> HostTier:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("kind,inner", KINDS, ids=lambda k: str(k))
 def test_cuda_round_trip_bit_exact_through_pinned_host(kind, inner, dtype, path):
-    """``path``: the rows of a batch in one Triton launch (kvtier._cuda_rows), or torch's op per
+    """``path``: the rows of a batch in one Triton launch (kvtier.memory._cuda_rows), or torch's op per
     layer-component (where Triton does not import)."""
     layout = make_layout(kind, inner, dtype)
     cpu = random_tensors(layout, device="cpu")
@@ -57,7 +61,7 @@ def test_cuda_round_trip_bit_exact_through_pinned_host(kind, inner, dtype, path)
     else:
         dev._codec._kernel = None
     ids = [17, 3, 22, 8]
-    want = layout.to_payload(cpu, ids)  # the CPU codec is the reference
+    want = to_payload(layout, cpu, ids)  # the CPU codec is the reference
     host = pinned_host(layout, 10)
     dev.gather(ids, host.slab, [9, 0, 4, 5])  # scattered + contiguous host rows
     torch.cuda.synchronize()
@@ -142,7 +146,7 @@ def test_store_is_ordered_after_compute_on_the_current_stream():
         slots = host.allocate(2).slots
         r = eng.store([3, 9], slots).wait(30)
         assert r.all_ok
-        assert torch.equal(host.slab[slots], layout.to_payload([f.cpu() for f in fresh], [3, 9]))
+        assert torch.equal(host.slab[slots], to_payload(layout, [f.cpu() for f in fresh], [3, 9]))
 
 
 def test_layerwise_first_layer_usable_before_last():
@@ -194,7 +198,7 @@ def test_whole_block_copies_in_layer_groups_stay_ordered_on_the_current_stream(m
         t.copy_(f)
     dev.gather(ids, host.slab, slots)
     torch.cuda.current_stream().synchronize()  # only the caller's stream: it must cover the DMA
-    want = layout.to_payload([f.cpu() for f in fresh], ids)
+    want = to_payload(layout, [f.cpu() for f in fresh], ids)
     assert torch.equal(host.slab[slots], want)
     dst = list(range(32))
     torch.cuda._sleep(50_000_000)

@@ -470,7 +470,7 @@ def test_bench_index_smoke(tmp_path, capsys):
     import argparse
     import json
 
-    from kvtier.bench import index as bench
+    from kvtier.tools.bench import index as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -279,7 +279,7 @@ def test_namespace_validation():
 
 
 def test_keys_cli(tmp_path, capsys):
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     req: dict[str, Any] = {"tokens": list(range(40)), "block_size": 8, "algo": "sha256_cbor", "seed": None,
            "mm": [{"identifier": "x", "offset": 0, "length": 3}], "lora": {"name": "a", "path": "/a"},

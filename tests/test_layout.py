@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import kvtier.blockids as blockids_mod
-from kvtier.blockids import contiguous_runs
+import kvtier.memory.blockids as blockids_mod
+from kvtier.format.layout import KVLayout, LayoutError, parse_dtype
 from kvtier.keys import Namespace
-from kvtier.layout import KVLayout, LayoutError, parse_dtype
+from kvtier.memory.blockids import contiguous_runs
+from kvtier.memory.rows import gather, scatter, to_payload
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 KINDS = [("flash_attn", None), ("flashinfer", None), ("mla", None), ("cpu_attn", None), ("cpu_attn_amx", None),
@@ -91,16 +92,16 @@ def test_round_trip_bit_exact(kind, inner, dtype):
     src = random_tensors(layout)
     layout.validate(src)
     ids = [7, 0, 11, 3]
-    payload = layout.to_payload(src, ids)
+    payload = to_payload(layout, src, ids)
     assert payload.shape == (4, layout.block_nbytes)
     assert torch.equal(payload, expected_payload(layout, src, ids))
     assert payload.any()
     dst = random_tensors(layout, seed=1)
-    layout.scatter(dst, payload, [1, 2, 5, 9])
-    assert torch.equal(layout.to_payload(dst, [1, 2, 5, 9]), payload)
+    scatter(layout, dst, payload, [1, 2, 5, 9])
+    assert torch.equal(to_payload(layout, dst, [1, 2, 5, 9]), payload)
     # Untouched blocks keep their bytes.
     before = random_tensors(layout, seed=1)
-    assert torch.equal(layout.to_payload(dst, [0, 4, 10]), layout.to_payload(before, [0, 4, 10]))
+    assert torch.equal(to_payload(layout, dst, [0, 4, 10]), to_payload(layout, before, [0, 4, 10]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32],
@@ -109,7 +110,7 @@ def test_round_trip_bit_exact(kind, inner, dtype):
 def test_write_payload_writes_one_block_as_scatter_does(kind, inner, dtype):
     """The per-block copy a load makes in its reading thread (``DeviceTier.write_payload``) writes the
     same bytes as the batch scatter, into that block only, from any buffer (a memoryview, a numpy row)."""
-    from kvtier.device import DeviceTier
+    from kvtier.memory.device import DeviceTier
 
     layout = make_layout(kind, inner, dtype)
     payload = expected_payload(layout, random_tensors(layout, seed=2), [5, 6])
@@ -117,10 +118,10 @@ def test_write_payload_writes_one_block_as_scatter_does(kind, inner, dtype):
     dev = DeviceTier(layout, dst)
     dev.write_payload(memoryview(payload[0].numpy()), 9)  # type: ignore[arg-type]  # numpy: a Buffer on 3.12+
     dev.write_payload(payload[1].numpy(), 0)
-    assert torch.equal(layout.to_payload(dst, [9, 0]), payload)
+    assert torch.equal(to_payload(layout, dst, [9, 0]), payload)
     before = random_tensors(layout, seed=1)
     others = [b for b in range(layout.num_blocks) if b not in (0, 9)]
-    assert torch.equal(layout.to_payload(dst, others), layout.to_payload(before, others))
+    assert torch.equal(to_payload(layout, dst, others), to_payload(layout, before, others))
     with pytest.raises(IndexError, match=r"block id 12 out of range \[0, 12\)"):
         dev.write_payload(payload[0].numpy(), 12)
     with pytest.raises(LayoutError, match=f"payload of {layout.block_nbytes - 1} B for a block of"):
@@ -132,24 +133,24 @@ def test_scattered_slots_and_layer_subsets(kind, inner):
     layout = make_layout(kind, inner)
     src = random_tensors(layout)
     ids = [4, 8, 1]
-    want = layout.to_payload(src, ids)
+    want = to_payload(layout, src, ids)
     buf = torch.zeros((10, layout.block_nbytes), dtype=torch.uint8)
-    layout.gather(src, ids, buf, slots=[9, 2, 5])
+    gather(layout, src, ids, buf, slots=[9, 2, 5])
     assert torch.equal(buf[[9, 2, 5]], want)
     assert not buf[[0, 1, 3, 4, 6, 7, 8]].any()
     dst = random_tensors(layout, seed=3)
-    layout.scatter(dst, buf, [0, 6, 7], slots=[9, 2, 5])
-    assert torch.equal(layout.to_payload(dst, [0, 6, 7]), want)
+    scatter(layout, dst, buf, [0, 6, 7], slots=[9, 2, 5])
+    assert torch.equal(to_payload(layout, dst, [0, 6, 7]), want)
     # One layer at a time moves exactly that layer's byte range.
     ln = layout.layer_nbytes
     part = torch.zeros_like(want)
-    layout.gather(src, ids, part, layers=[1])
+    gather(layout, src, ids, part, layers=[1])
     assert torch.equal(part[:, ln:2 * ln], want[:, ln:2 * ln])
     assert not part[:, :ln].any() and not part[:, 2 * ln:].any()
     dst = random_tensors(layout, seed=4)
     for layer in range(layout.num_layers):
-        layout.scatter(dst, want, [3, 2, 0], layers=[layer])
-    assert torch.equal(layout.to_payload(dst, [3, 2, 0]), want)
+        scatter(layout, dst, want, [3, 2, 0], layers=[layer])
+    assert torch.equal(to_payload(layout, dst, [3, 2, 0]), want)
 
 
 def test_flash_attn_and_flashinfer_share_payload_bytes():
@@ -161,12 +162,12 @@ def test_flash_attn_and_flashinfer_share_payload_bytes():
     same_kv_fi = [t.transpose(0, 1).contiguous() for t in src]  # the same K/V, FlashInfer order
     same_kv_st = [torch.stack(src)]
     ids = [2, 9, 5]
-    p = fa.to_payload(src, ids)
-    assert torch.equal(p, fi.to_payload(same_kv_fi, ids))
-    assert torch.equal(p, st.to_payload(same_kv_st, ids))
+    p = to_payload(fa, src, ids)
+    assert torch.equal(p, to_payload(fi, same_kv_fi, ids))
+    assert torch.equal(p, to_payload(st, same_kv_st, ids))
     # A flash_attn "prefill" payload loads into a flashinfer "decode" cache as the same K and V.
     dec = random_tensors(fi, seed=5)
-    fi.scatter(dec, p, [0, 1, 2])
+    scatter(fi, dec, p, [0, 1, 2])
     for layer in range(fa.num_layers):
         for kv in range(2):
             assert torch.equal(dec[layer][[0, 1, 2], kv].view(torch.int16),
@@ -183,19 +184,19 @@ def test_block_nbytes_and_copy_dtype():
     odd = KVLayout("flash_attn", 2, 5, 3, 1, 5, torch.float8_e5m2)  # 15-byte rows
     ts = random_tensors(odd)
     assert odd.copy_dtype(ts) == torch.uint8
-    p = odd.to_payload(ts, [4, 0])
+    p = to_payload(odd, ts, [4, 0])
     assert torch.equal(p, expected_payload(odd, ts, [4, 0]))
     assert bench.copy_dtype(random_tensors(KVLayout("flash_attn", 1, 2, 16, 8, 128))) == torch.int64
     narrow = KVLayout("flashinfer", 2, 6, 16, 2, 4, torch.float8_e4m3fn)  # 4-byte last dim, 128-byte rows
     ts = random_tensors(narrow)
     assert narrow.copy_dtype(ts) == torch.int64
-    assert torch.equal(narrow.to_payload(ts, [5, 1]), expected_payload(narrow, ts, [5, 1]))
+    assert torch.equal(to_payload(narrow, ts, [5, 1]), expected_payload(narrow, ts, [5, 1]))
     lay = KVLayout("flash_attn", 2, 6, 16, 2, 4, torch.float8_e5m2)
     n = torch.Size(lay.layer_shape()).numel()
     offset = [torch.randint(1, 256, (n + 4,), dtype=torch.uint8)[4:].view(lay.dtype).view(lay.layer_shape())
               for _ in range(2)]  # storage offset 4 bytes: rows move as int32
     assert lay.copy_dtype(offset) == torch.int32
-    assert torch.equal(lay.to_payload(offset, [0, 5]), expected_payload(lay, offset, [0, 5]))
+    assert torch.equal(to_payload(lay, offset, [0, 5]), expected_payload(lay, offset, [0, 5]))
 
 
 def test_from_namespace_and_infer():
@@ -228,8 +229,8 @@ def test_an_engine_payload_is_the_engines_block_and_its_namespace_names_the_layo
     assert amx.block_nbytes == canonical.block_nbytes and not amx.compatible(canonical)
     src = random_tensors(amx)
     raw = torch.stack([torch.cat([t[b].reshape(-1) for t in src]) for b in (3, 5)]).view(torch.uint8)
-    assert torch.equal(amx.to_payload(src, [3, 5]), raw.reshape(2, -1))
-    assert not torch.equal(canonical.to_payload(src, [3, 5]), raw.reshape(2, -1))
+    assert torch.equal(to_payload(amx, src, [3, 5]), raw.reshape(2, -1))
+    assert not torch.equal(to_payload(canonical, src, [3, 5]), raw.reshape(2, -1))
     # Layouts whose block is the canonical payload: "engine" is the same bytes, the same signature.
     assert make_layout("flash_attn").compatible(KVLayout("flash_attn", 3, 12, 4, 2, 8, payload="engine"))
     ns = Namespace(model="m", kv_dtype="bfloat16", num_layers=3, num_kv_heads=2, head_dim=32, block_size=32,
@@ -308,9 +309,9 @@ def test_payload_buffer_checks():
     lay = make_layout("flash_attn")
     ts = random_tensors(lay)
     with pytest.raises(LayoutError, match=rf"payload buffer: expected a \[n, {lay.block_nbytes}\] uint8 tensor"):
-        lay.gather(ts, [0], torch.zeros((1, 10), dtype=torch.uint8))
+        gather(lay, ts, [0], torch.zeros((1, 10), dtype=torch.uint8))
     with pytest.raises(LayoutError, match="payload buffer has 1 rows, 2 blocks given"):
-        lay.gather(ts, [0, 1], torch.zeros((1, lay.block_nbytes), dtype=torch.uint8))
+        gather(lay, ts, [0, 1], torch.zeros((1, lay.block_nbytes), dtype=torch.uint8))
 
 
 def test_contiguous_runs():

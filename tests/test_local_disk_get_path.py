@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier import blockformat
 from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.format import blockformat
 from kvtier.keys import Namespace
 
 NS = Namespace("m", "bfloat16", 2, 2, 64, 16)

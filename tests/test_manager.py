@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from kvtier import blockformat
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.config import parse_config
+from kvtier.format import blockformat
 from kvtier.index import Tier
 from kvtier.plans import LoadPlan, Lookup, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 from kvtier.testing.faults import FaultyBackend

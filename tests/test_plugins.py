@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import plugins
-from kvtier.cli import main
+from kvtier.tools.cli import main
 
 
 def test_builtins_register_through_entry_points():

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stack, read, where
 
-from kvtier import blockformat, plugins
+from kvtier import plugins
 from kvtier.config import ConfigError
+from kvtier.format import blockformat
 from kvtier.index import BlockIndex, Tier
 from kvtier.policies.eviction import LRU
 from kvtier.policies.prefetch import BestEffort, Timeout, WaitComplete

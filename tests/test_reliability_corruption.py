@@ -26,7 +26,7 @@ import pytest
 from _reliability.common import BLOCK, LID, check, key_of, payload
 
 from kvtier.backends.local_disk import LocalDiskBackend
-from kvtier.blockformat import HEADER_SIZE
+from kvtier.format.blockformat import HEADER_SIZE
 
 N = 40
 FULL = HEADER_SIZE + BLOCK

@@ -22,7 +22,7 @@ from _reliability.common import LID, check, key_of, payload
 
 from kvtier.backend_api import BackendDiskFull, BackendError, BackendPermissionDenied
 from kvtier.backends.local_disk import LocalDiskBackend
-from kvtier.blockformat import HEADER_SIZE
+from kvtier.format.blockformat import HEADER_SIZE
 
 FS_SIZE = 8 << 20  # the size of the small_tmpfs fixture (tests/conftest.py)
 SIZE = 256 << 10  # payload bytes per block

@@ -33,8 +33,8 @@ import torch
 from _reliability_stack_helpers import PD, Prompts, Step, bounded, counters, delta, hits, reusable
 
 from kvtier.backends.local_disk import LocalDiskBackend
-from kvtier.blockformat import HEADER_SIZE
 from kvtier.config import parse_config
+from kvtier.format.blockformat import HEADER_SIZE
 from kvtier.integrations.engine import CachedEngine
 from kvtier.stack import TierStack
 

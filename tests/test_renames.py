@@ -10,6 +10,7 @@ import pytest
 
 
 @pytest.mark.parametrize("old,new,name", [("kvtier.backend", "kvtier.backend_api", "StorageBackend"),
+                                          ("kvtier.blockformat", "kvtier.format.blockformat", "Segments"),
                                           ("kvtier.policy", "kvtier.policy_api", "WritePolicy")])
 def test_old_module_name_is_the_new_module_and_warns(old, new, name):
     code = (f"import warnings\nwith warnings.catch_warnings(record=True) as w:\n"
@@ -26,7 +27,7 @@ def test_old_module_name_is_the_new_module_and_warns(old, new, name):
 def test_nothing_in_kvtier_imports_the_old_names():
     r = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c",
                         "import kvtier.stack, kvtier.tiering.manager, kvtier.backends.local_disk, kvtier.backends.s3, "
-                        "kvtier.backends.redis, kvtier.bench.peers, kvtier.simulate, "
-                        "kvtier.policies.write, kvtier.testing.conformance, kvtier.cli"],
+                        "kvtier.backends.redis, kvtier.tools.bench.peers, kvtier.simulate, "
+                        "kvtier.policies.write, kvtier.testing.conformance, kvtier.tools.cli"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvtier import blockformat as bf
 from kvtier.backend_api import frame
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.s3 import S3Backend
 from kvtier.config import ConfigError, parse_config
+from kvtier.format import blockformat as bf
 from kvtier.keys import Namespace
 from kvtier.security import Forged, KeyRing, Seal, derive_tenant_key
 
@@ -309,7 +309,7 @@ def test_the_key_never_appears_in_repr_errors_logs_or_pickles(tmp_path, monkeypa
 
 
 def test_verify_reports_forged_and_inspect_counts_without_the_key(tmp_path):
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     keyfile = tmp_path / "key"
     keyfile.write_text(os.urandom(32).hex())

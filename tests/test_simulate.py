@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from kvtier.cli import main
 from kvtier.config import ConfigError, load_config
 from kvtier.simulate import LedgerBackend, simulate
 from kvtier.simulate.grid import grid_points, parse_axes
+from kvtier.tools.cli import main
 from kvtier.workload import ChatWorkload, iter_trace
 
 
@@ -173,7 +173,7 @@ def test_a_trace_hashed_once_simulates_exactly_like_the_trace(tmp_path):
 def test_a_grid_hashes_its_trace_once_per_way_of_keying_blocks(tmp_path):
     import argparse
 
-    from kvtier.commands.simulate import _hash_once
+    from kvtier.tools.commands.simulate import _hash_once
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"length": 100 + i}) + "\n" for i in range(5)))
@@ -389,8 +389,8 @@ def test_the_ceiling_times_the_same_prompt_keys_and_changes_no_result(tmp_path):
 def test_a_request_the_pool_cannot_hold_takes_no_block_with_it():
     """The engine refuses a request larger than the whole device pool before touching it, and one that
     finds too few blocks free (others in flight) gives back the references its prefix hit took."""
-    from kvtier.blockpool import BlockPool, PoolExhausted
     from kvtier.integrations.engine import CachedEngine
+    from kvtier.memory.blockpool import BlockPool, PoolExhausted
     from kvtier.simulate.ledger_stack import SimulatedStack
     from kvtier.simulate.replay import NullModel, block_nbytes
 

@@ -14,10 +14,10 @@ from _stack_helpers import BLOCK_NBYTES, TIMEOUT, chain, config, fill, make_stac
 
 from kvtier.backend_api import BackendTimeout, BackendUnavailable
 from kvtier.backends.local_disk import LocalDiskBackend
-from kvtier.blockformat import HEADER_SIZE
-from kvtier.groups import load_chunks
+from kvtier.format.blockformat import HEADER_SIZE
+from kvtier.format.groups import load_chunks
+from kvtier.format.layout import LayoutError
 from kvtier.index import Tier
-from kvtier.layout import LayoutError
 from kvtier.stack import StoreStatus, TierStack
 from kvtier.testing.faults import FaultyBackend
 

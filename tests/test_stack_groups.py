@@ -11,7 +11,7 @@ import torch
 from _stack_helpers import BLOCK, TIMEOUT, chain, config, fill, make_stack, read
 
 from kvtier.config import ConfigError
-from kvtier.groups import group_ends, group_of, whole_groups
+from kvtier.format.groups import group_ends, group_of, whole_groups
 from kvtier.index import BlockEntry, Tier
 from kvtier.integrations.engine import CachedEngine
 
@@ -299,7 +299,7 @@ def test_grouped_write_back_with_a_failing_backend_keeps_the_stack_going(tmp_pat
 
 
 def test_bench_prefix_reads_one_value_per_group_beside_its_raw_ceiling(tmp_path, capsys):
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     out = tmp_path / "prefix.json"
     assert main(["bench", "prefix", "--backends", "disk", "--tokens", "256", "--repeats", "1", "--layers", "1",

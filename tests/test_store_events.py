@@ -186,7 +186,7 @@ def test_kvtier_events_publishes_what_shared_stores_hold(tmp_path: Path, redis_s
 
 
 def test_kvtier_events_needs_one_namespace(tmp_path: Path, capsys):
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     root = tmp_path / "disk"
     disk = LocalDiskBackend({"path": str(root)})
@@ -203,7 +203,7 @@ def test_kvtier_events_needs_one_namespace(tmp_path: Path, capsys):
 
 
 def test_kvtier_events_refuses_a_listing_period_that_is_not_positive(tmp_path: Path, capsys):
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"backends": [{"name": "disk", "type": "local_disk",
@@ -216,7 +216,7 @@ def test_kvtier_events_refuses_a_listing_period_that_is_not_positive(tmp_path: P
 def test_kvtier_events_needs_a_block_size_where_no_backend_holds_the_namespaces_manifest(tmp_path: Path, capsys):
     """Blocks of one namespace on disk, but no manifest: the events' block size (tokens per block) cannot be
     told, and the error names the option and the namespace before anything is published."""
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     root = tmp_path / "disk"
     disk = LocalDiskBackend({"path": str(root)})

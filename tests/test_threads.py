@@ -9,7 +9,7 @@ import pytest
 
 from kvtier import threads
 from kvtier.config import ConfigError, parse_config
-from kvtier.groups import MIN_PARALLEL_READS, load_chunks
+from kvtier.format.groups import MIN_PARALLEL_READS, load_chunks
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(threads.allowed_cpus()) < 2,
                                     reason="needs Linux CPU affinity and at least 2 CPUs")

@@ -11,19 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-import kvtier.device as device_mod
-import kvtier.rows as rows_mod
-from kvtier.layout import KVLayout, LayoutError
-from kvtier.tiers import (
-    FREE,
-    READY,
-    WRITING,
-    BlockPool,
-    DeviceTier,
-    HostTier,
-    PoolExhausted,
-    resolve_pin_memory,
-)
+import kvtier.memory.device as device_mod
+import kvtier.memory.rows as rows_mod
+from kvtier.format.layout import KVLayout, LayoutError
+from kvtier.memory.rows import to_payload
+from kvtier.memory.blockpool import BlockPool, PoolExhausted
+from kvtier.memory.device import DeviceTier
+from kvtier.memory.host import HostTier, resolve_pin_memory
+from kvtier.memory.host_slots import FREE, READY, WRITING
 
 
 def random_tensors(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:
@@ -192,7 +187,7 @@ def test_host_capacity_and_pinned_resolution():
 def test_host_memory_the_machine_cannot_give_is_an_error_naming_host_capacity(monkeypatch):
     """More than the machine's memory is refused before allocating (where the kernel overcommits, the
     prefault would get the process killed); an allocation that fails is the same error, not torch's."""
-    import kvtier.host as host_mod
+    import kvtier.memory.host as host_mod
 
     total = host_mod.memory_total()
     assert total is not None and total > 0
@@ -319,7 +314,7 @@ def test_device_tier_registers_and_copies_into_host_slots():
     lay = KVLayout("flashinfer", 3, 10, 4, 2, 8, torch.float16)
     dev = DeviceTier(lay, random_tensors(lay))
     host = HostTier(lay.block_nbytes, num_slots=6, pinned=False)
-    want = lay.to_payload(dev.tensors, [9, 2, 4])
+    want = to_payload(lay, dev.tensors, [9, 2, 4])
     dev.gather([9, 2, 4], host.slab, [5, 0, 3])
     assert torch.equal(host.slab[[5, 0, 3]], want)
     assert torch.equal(torch.frombuffer(host.slot_view(5), dtype=torch.uint8), want[0])

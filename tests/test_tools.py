@@ -17,10 +17,10 @@ import yaml
 
 from kvtier.backend_api import StoredBlock
 from kvtier.backends.local_disk import JOURNAL_NAME, LEDGER_NAME, LocalDiskBackend
-from kvtier.cli import main
-from kvtier.commands._storage_tools import NamespaceInfo
 from kvtier.keys import Namespace
 from kvtier.testing.redis_server import redis_available, start_redis
+from kvtier.tools.cli import main
+from kvtier.tools.commands._storage_tools import NamespaceInfo
 
 MODEL: dict[str, Any] = {"id": "kvtier/tools-test", "kv_dtype": "float32", "num_layers": 2, "num_kv_heads": 2,
                          "head_dim": 8, "block_size": 4}
@@ -139,7 +139,7 @@ def test_inspect_empty_and_manifest_only(tmp_path, capsys):
 @pytest.mark.parametrize("ns", [NS, OTHER, NOMANIFEST, Namespace("m", "float8_e4m3fn", 3, 1, 64, 16, "mla"),
                                 Namespace("m", "bfloat16", 32, 8, 128, 16)])
 def test_payload_size_matches_layout(ns):
-    from kvtier.layout import KVLayout
+    from kvtier.format.layout import KVLayout
 
     assert NamespaceInfo(ns.id, ns.manifest(), ns).payload_nbytes == KVLayout.from_namespace(ns, 1).block_nbytes
 

@@ -9,9 +9,11 @@ import time
 import pytest
 import torch
 
-from kvtier.layout import KVLayout
-from kvtier.tiers import FREE, READY, WRITING, DeviceTier, HostTier
-from kvtier.transfer import Direction, LayerDoneCounter, TransferEngine, TransferResult
+from kvtier.format.layout import KVLayout
+from kvtier.memory.device import DeviceTier
+from kvtier.memory.host import HostTier
+from kvtier.memory.host_slots import FREE, READY, WRITING
+from kvtier.memory.transfer import Direction, LayerDoneCounter, TransferEngine, TransferResult
 
 
 def random_tensors(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:

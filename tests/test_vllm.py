@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier import blockformat
+from kvtier.format import blockformat
 from kvtier.keys import BlockHasher
 
 BS = 32

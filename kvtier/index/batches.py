@@ -5,8 +5,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 
-from .core import _ID_MAX, DeviceId, IndexCore, _column
-from .tiers import _check_backend
+from .core import ID_MAX, DeviceId, IndexCore, id_column
+from .tiers import check_backend
 
 
 class BatchOps(IndexCore):
@@ -50,11 +50,11 @@ class BatchOps(IndexCore):
         get, dev, refs, rev = self._slots.get, self._dev, self._refs, self._rev[0]
         prev, nxt, head, tail = self._prev[0], self._next[0], self._head, self._tail
         for key, b in zip(keys, block_ids):
-            if type(b) is not int or not 0 <= b <= _ID_MAX:
+            if type(b) is not int or not 0 <= b <= ID_MAX:
                 self.place_on_device(key, b)
                 continue
             if b >= len(rev):
-                rev.extend(_column(max(b + 1, 2 * len(rev)) - len(rev)))
+                rev.extend(id_column(max(b + 1, 2 * len(rev)) - len(rev)))
             o = rev[b]
             s = get(key)
             if o >= 0 and o != s:
@@ -186,7 +186,7 @@ class BatchOps(IndexCore):
 
     def add_backend_many(self, keys: Iterable[bytes], i: int) -> None:
         """:meth:`add_backend` ``i`` on each key that is in the index (others are skipped)."""
-        _check_backend(i)
+        check_backend(i)
         bit, get, mask, n = 1 << i, self._slots.get, self._mask, 0
         for key in keys:
             s = get(key)

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from .tiers import MAX_BACKENDS, Tier, _bits, _check_backend, _mask_of, _tier_backend
+from .tiers import MAX_BACKENDS, Tier, mask_bits, check_backend, mask_of, tier_backend
 
-_ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
+ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
 # A device block id as engines hand them over: a Python int or a numpy integer (an id read out of a numpy
 # array is one); the index stores plain ints.
 DeviceId = int | np.integer[Any]
@@ -51,7 +51,7 @@ def _filled(typecode: str, value: float, n: int) -> array.array[float]:
     return array.array(typecode, [value]) * n
 
 
-def _column(n: int, value: int = -1) -> list[int]:
+def id_column(n: int, value: int = -1) -> list[int]:
     return [value] * n
 
 
@@ -67,15 +67,15 @@ class IndexCore:
         self._free: list[int] = []
         self._top = 0  # slots >= _top have never been used
         self._cap = cap
-        self._dev = _column(cap)
-        self._host = _column(cap)
-        self._mask = _column(cap, 0)
-        self._refs = _column(cap)  # -1 marks a free slot, so vector scans need no live column
-        self._hits = _column(cap, 0)
+        self._dev = id_column(cap)
+        self._host = id_column(cap)
+        self._mask = id_column(cap, 0)
+        self._refs = id_column(cap)  # -1 marks a free slot, so vector scans need no live column
+        self._hits = id_column(cap, 0)
         self._last = _filled("d", 0.0, cap)
         self._loc = (self._dev, self._host)  # indexed by Tier.DEVICE / Tier.HOST
-        self._prev = (_column(cap), _column(cap))
-        self._next = (_column(cap), _column(cap))
+        self._prev = (id_column(cap), id_column(cap))
+        self._next = (id_column(cap), id_column(cap))
         self._head = [-1, -1]  # least recently used
         self._tail = [-1, -1]  # most recently used
         self._lru_len = [0, 0]
@@ -112,7 +112,7 @@ class IndexCore:
         extra = new - self._cap
         for col, fill in ((self._dev, -1), (self._host, -1), (self._mask, 0), (self._refs, -1),
                           (self._hits, 0), *((c, -1) for c in self._prev + self._next)):
-            col.extend(_column(extra, fill))
+            col.extend(id_column(extra, fill))
         self._last.extend(_filled("d", 0.0, extra))
         self._keys.extend([None] * extra)
         self._cap = new
@@ -196,7 +196,7 @@ class IndexCore:
             raise TypeError(f"block key must be non-empty bytes, got {type(key).__name__}")
         if key in self._slots:
             raise ValueError(f"block {key.hex()}: already in the index")
-        mask = _mask_of(backends) if backends != () else 0
+        mask = mask_of(backends) if backends != () else 0
         # validate ids before allocating, so a bad call leaves the index unchanged
         if device is not None:
             self._check_free_id(0, device, key, -1)
@@ -210,7 +210,7 @@ class IndexCore:
         self._last[s] = self._clock()
         if mask:
             self._mask[s] = mask
-            for i in _bits(mask):
+            for i in mask_bits(mask):
                 self._bcount[i] += 1
         if device is not None:
             self._attach(0, s, device)
@@ -222,7 +222,7 @@ class IndexCore:
 
         All-or-nothing: ValueError if any key is already present or repeated, before anything changes.
         """
-        mask = _mask_of(backends)
+        mask = mask_of(backends)
         keys = list(keys)
         n = len(keys)
         for k in keys:
@@ -238,11 +238,11 @@ class IndexCore:
         self._top = b
         self._slots.update(zip(keys, range(a, b)))
         self._keys[a:b] = keys
-        self._refs[a:b] = _column(n, 0)
-        self._hits[a:b] = _column(n, 0)
+        self._refs[a:b] = id_column(n, 0)
+        self._hits[a:b] = id_column(n, 0)
         self._last[a:b] = _filled("d", self._clock(), n)
-        self._mask[a:b] = _column(n, mask)
-        for i in _bits(mask):
+        self._mask[a:b] = id_column(n, mask)
+        for i in mask_bits(mask):
             self._bcount[i] += n
 
     def remove(self, key: bytes) -> BlockEntry:
@@ -260,7 +260,7 @@ class IndexCore:
         if self._host[s] >= 0:
             self._detach(1, s)
         if self._mask[s]:
-            for i in _bits(self._mask[s]):
+            for i in mask_bits(self._mask[s]):
                 self._bcount[i] -= 1
             self._mask[s] = 0
         self._refs[s] = -1
@@ -272,7 +272,7 @@ class IndexCore:
     # -- reading
     def _snapshot(self, key: bytes, s: int) -> BlockEntry:
         d, h = self._dev[s], self._host[s]
-        return BlockEntry(key, d if d >= 0 else None, h if h >= 0 else None, _bits(self._mask[s]),
+        return BlockEntry(key, d if d >= 0 else None, h if h >= 0 else None, mask_bits(self._mask[s]),
                           self._refs[s], self._hits[s], self._last[s])
 
     def get(self, key: bytes) -> BlockEntry | None:
@@ -387,7 +387,7 @@ class IndexCore:
 
     # -- locations
     def _check_free_id(self, t: int, ident: int, key: bytes, s: int) -> None:
-        if type(ident) is not int or not 0 <= ident <= _ID_MAX:
+        if type(ident) is not int or not 0 <= ident <= ID_MAX:
             self._check_id_type(t, ident, key)
         rev = self._rev[t]
         owner = rev[ident] if ident < len(rev) else -1
@@ -399,14 +399,14 @@ class IndexCore:
     @staticmethod
     def _check_id_type(t: int, ident: object, key: bytes) -> None:
         what = ("device block", "host slot")[t]
-        if not isinstance(ident, (int, np.integer)) or not 0 <= ident <= _ID_MAX:
-            raise ValueError(f"block {key.hex()}: {what} must be an int in [0, {_ID_MAX}], got {ident!r}")
+        if not isinstance(ident, (int, np.integer)) or not 0 <= ident <= ID_MAX:
+            raise ValueError(f"block {key.hex()}: {what} must be an int in [0, {ID_MAX}], got {ident!r}")
 
     def _attach(self, t: int, s: int, ident: int) -> None:
         ident = int(ident)
         rev, loc = self._rev[t], self._loc[t]
         if ident >= len(rev):
-            rev.extend(_column(max(ident + 1, 2 * len(rev)) - len(rev)))
+            rev.extend(id_column(max(ident + 1, 2 * len(rev)) - len(rev)))
         old = loc[s]
         if old >= 0:
             rev[old] = -1
@@ -469,7 +469,7 @@ class IndexCore:
         """Backend ``i`` no longer holds ``keys`` (it evicted them): unmark each one marked there, dropping
         an entry that leaves in no tier and unreferenced (as ``discard_if_unused``).  Keys not in the index
         are ignored.  One call for a batch: a full backend evicts on every put."""
-        _check_backend(i)
+        check_backend(i)
         bit = 1 << i
         slots, mask, refs, dev, host = self._slots, self._mask, self._refs, self._dev, self._host
         for key in keys:
@@ -485,7 +485,7 @@ class IndexCore:
 
     def _flip(self, key: bytes, i: int, on: bool) -> bool:
         if type(i) is not int or not 0 <= i < MAX_BACKENDS:
-            _check_backend(i)
+            check_backend(i)
         s = self._slots.get(key)
         if s is None:
             s = self._slot(key)
@@ -499,7 +499,7 @@ class IndexCore:
     # -- tier-wide queries
     def count(self, tier: int) -> int:
         """Entries present in ``tier`` (pinned or not)."""
-        return self._count[tier] if tier in (0, 1) else self._bcount[_tier_backend(tier)]
+        return self._count[tier] if tier in (0, 1) else self._bcount[tier_backend(tier)]
 
     @property
     def pinned(self) -> int:
@@ -511,7 +511,7 @@ class IndexCore:
         if tier in (0, 1):
             return self._lru_len[tier]
         mask, refs = self._np()
-        return int(np.count_nonzero(((mask >> _tier_backend(tier)) & 1).astype(bool) & (refs == 0)))
+        return int(np.count_nonzero(((mask >> tier_backend(tier)) & 1).astype(bool) & (refs == 0)))
 
     def eviction_candidates(self, tier: int, n: int) -> list[bytes]:
         """Up to ``n`` keys present in ``tier`` with ref count 0, least recently used first.
@@ -527,7 +527,7 @@ class IndexCore:
                 out.append(keys[s] or b"")  # a linked slot always holds a key
                 s = nxt[s]
             return out
-        b = _tier_backend(tier)
+        b = tier_backend(tier)
         if n <= 0:
             return []
         mask, refs, last = self._np(last=True)
@@ -537,7 +537,7 @@ class IndexCore:
 
     def host_keys_in_backend(self, i: int) -> list[bytes]:
         """Keys of the blocks in host memory that are marked in backend ``i``.  O(capacity)."""
-        _check_backend(i)
+        check_backend(i)
         mask, refs = self._np()
         marked = np.flatnonzero((mask & (1 << i)).astype(bool) & (refs >= 0)).tolist()
         host, keys = self._host, self._keys
@@ -547,7 +547,7 @@ class IndexCore:
         """Unmark backend ``i`` on every entry: what it holds is unknown again (a server that came back
         from an outage may have come back empty).  Entries this leaves in no tier and unreferenced are
         dropped, as ``discard_if_unused`` would.  Returns how many entries were unmarked.  O(capacity)."""
-        _check_backend(i)
+        check_backend(i)
         mask, refs = self._np()
         bit = 1 << i
         marked = np.flatnonzero((mask & bit).astype(bool) & (refs >= 0)).tolist()

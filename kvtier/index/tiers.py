@@ -27,7 +27,7 @@ class Tier(enum.IntEnum):
     @staticmethod
     def backend(i: int) -> Tier:
         """The tier of backend index ``i`` (0 <= i < 32)."""
-        _check_backend(i)
+        check_backend(i)
         return Tier(2 + i)
 
     @staticmethod
@@ -88,20 +88,20 @@ class TierNames:
         raise ValueError(f"no tier named {name!r}: expected device, host or one of {list(self.backends)}")
 
 
-def _check_backend(i: int) -> None:
+def check_backend(i: int) -> None:
     if not isinstance(i, int) or not 0 <= i < MAX_BACKENDS:
         raise ValueError(f"backend index must be an int in [0, {MAX_BACKENDS}), got {i!r}")
 
 
-def _mask_of(backends: Iterable[int]) -> int:
+def mask_of(backends: Iterable[int]) -> int:
     mask = 0
     for i in backends:
-        _check_backend(i)
+        check_backend(i)
         mask |= 1 << i
     return mask
 
 
-def _bits(mask: int) -> tuple[int, ...]:
+def mask_bits(mask: int) -> tuple[int, ...]:
     out = []
     while mask:
         low = mask & -mask
@@ -110,7 +110,7 @@ def _bits(mask: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _tier_backend(tier: int) -> int:
+def tier_backend(tier: int) -> int:
     i = Tier.backend_index(tier)
     if i is None or i >= MAX_BACKENDS:
         raise ValueError(f"unknown tier code {tier!r}: expected DEVICE (0), HOST (1) or Tier.backend(i)")

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..blockpool import BlockPool
-from ..layout import parse_dtype
+from ..format.layout import parse_dtype
+from ..memory.blockpool import BlockPool
 from .hf_llama import PagedLlama, TinyLlamaSpec
 
 # The dtypes the transformers model computes in on CPU and GPU alike (fp8 KV needs a real engine).

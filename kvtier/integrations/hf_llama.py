@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from ..format.layout import dtype_name
 from ..keys import Namespace
-from ..layout import dtype_name
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def known_algo(algo: object) -> bool:
     return algo in ALGORITHMS or algo == SGLANG_SHA256
 
 
-def _algo_problem(what: str, algo: object) -> str:
+def algo_problem(what: str, algo: object) -> str:
     return (f"{what}: expected one of {', '.join(ALGORITHMS)}, got {algo!r} "
             f"(or {SGLANG_SHA256!r}: SGLang's HiCache page keys)")
 
@@ -61,7 +61,7 @@ class BlockHasher:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: expected an integer >= 1, got {block_size!r}")
         if not known_algo(algo):
-            raise ValueError(_algo_problem("algo", algo))
+            raise ValueError(algo_problem("algo", algo))
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, str | int)):
             raise ValueError(f"seed: expected a string, an integer or None, got {seed!r}")
         self.block_size = block_size

@@ -12,7 +12,7 @@ from typing import Any
 
 import cbor2
 
-from .hasher import BlockHasher, _algo_problem, known_algo, none_hash_seed
+from .hasher import BlockHasher, algo_problem, known_algo, none_hash_seed
 
 # --------------------------------------------------------------------------- namespaces
 
@@ -22,9 +22,9 @@ from .hasher import BlockHasher, _algo_problem, known_algo, none_hash_seed
 # permuted KV), GPU and SGLang deployments' included.
 BLOCK_FORMAT_VERSION = 2
 
-#: ``Namespace.payload`` of values laid out as the canonical block payload (see kvtier.layout).
+#: ``Namespace.payload`` of values laid out as the canonical block payload (see kvtier.format.layout).
 CANONICAL_PAYLOAD = "canonical"
-#: Engine layouts (kvtier.layout kinds) that keep a block in an arrangement of their own, not the canonical
+#: Engine layouts (kvtier.format.layout kinds) that keep a block in an arrangement of their own, not the canonical
 #: payload's: a value can hold either (``Namespace.payload``).  Every other kind's block is the payload.
 HEAD_MAJOR_KINDS = ("cpu_attn", "cpu_attn_amx")
 
@@ -74,7 +74,7 @@ class Namespace:
         if not isinstance(self.payload, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.payload):
             raise ValueError(f"payload: expected 'canonical' or an engine layout name, got {self.payload!r}")
         if not known_algo(self.hash_algo):
-            raise ValueError(_algo_problem("hash_algo", self.hash_algo))
+            raise ValueError(algo_problem("hash_algo", self.hash_algo))
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size", "pp_size", "storage_blocks"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import ENV_PREFIX, ConfigError, KvtierConfig, _config_text, _read_yaml, parse_config
+from ..config import ENV_PREFIX, ConfigError, KvtierConfig, config_text, read_yaml, parse_config
 
 _SEG = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
 
@@ -69,8 +69,8 @@ def grid_points(config_path: str | os.PathLike[str] | None, axes: Sequence[GridA
                 env: Mapping[str, str] | None = None) -> list[GridPoint]:
     """Every point of the grid over ``config_path`` (None: the embedded default config), validated.
     ``env``: the environment's ``KVTIER_*`` overrides apply under the grid's (default ``os.environ``)."""
-    source, text = _config_text(config_path)
-    data = _read_yaml(text, source)
+    source, text = config_text(config_path)
+    data = read_yaml(text, source)
     base = {k: v for k, v in (os.environ if env is None else env).items() if k.startswith(ENV_PREFIX)}
     names = {a.env_var: a.path for a in axes}
     points = []

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..backend_api import StorageBackend, StoredBlock
-from ..blockformat import HEADER_SIZE
+from ..format.blockformat import HEADER_SIZE
 
 
 class LedgerBackend(StorageBackend):

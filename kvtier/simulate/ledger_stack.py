@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..config import KvtierConfig, direct_loads
-from ..groups import group_of, load_chunks, whole_groups
-from ..host_slots import SlotTable
+from ..format.groups import group_of, load_chunks, whole_groups
 from ..index import BlockIndex
+from ..memory.host_slots import SlotTable
 from ..metrics import StackMetrics
 from ..tiering.backend_set import BackendSet
 from ..tiering.load_steps import Source
@@ -68,7 +68,7 @@ class SimulatedStack:
 
     def __init__(self, config: KvtierConfig, block_nbytes: int):
         self.config = config
-        self.storage_blocks = k = config.storage_blocks  # engine blocks per stored value (kvtier.groups)
+        self.storage_blocks = k = config.storage_blocks  # engine blocks per stored value (kvtier.format.groups)
         self.namespace = config.namespace()
         self.block_size = self.namespace.block_size
         self.block_nbytes = block_nbytes
@@ -109,7 +109,7 @@ class SimulatedStack:
             return [False] * len(config.backends)  # decided without torch: the common case
         import torch
 
-        from ..layout import KVLayout
+        from ..format.layout import KVLayout
 
         kind = config.device.kind if config.device.kind != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")

@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from ..blockpool import BlockPool
 from ..config import KvtierConfig
 from ..integrations.engine import CachedEngine
 from ..keys import BlockHasher
+from ..memory.blockpool import BlockPool
 from ..workload import ChatWorkload, Request
 from .ledger_stack import SimulatedStack
 
 
 def block_nbytes(config: KvtierConfig) -> int:
     """Bytes of one block's KV payload in this deployment (what host memory and backends hold)."""
-    from ..layout import KVLayout
+    from ..format.layout import KVLayout
 
     return KVLayout.from_namespace(config.namespace(), 1, config.device.layout).block_nbytes
 

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import blockformat
 from kvtier.backend_api import BackendError, InvalidKey, StorageBackend
+from kvtier.format import blockformat
 from kvtier.keys import Namespace
 
 NS_A = Namespace("conformance/model-a", "bfloat16", 2, 2, 64, 16)
@@ -40,7 +40,7 @@ NS_B = Namespace("conformance/model-a", "float8_e4m3fn", 2, 2, 64, 16)  # differ
 SIZE = 4096
 H = blockformat.HEADER_SIZE
 
-# Each header field (offset inside the stored value) and two payload bytes; see kvtier.blockformat.
+# Each header field (offset inside the stored value) and two payload bytes; see kvtier.format.blockformat.
 FIELDS = {"magic": 0, "version": 4, "header_length": 6, "payload_length": 8, "namespace": 16,
           "hash_length": 32, "hash": 33, "reserved": 65, "layout_id": 68, "payload_checksum": 72,
           "header_checksum": 80, "payload_first": H, "payload_last": H + SIZE - 1}
@@ -191,7 +191,7 @@ class BackendConformance:
         assert sorted(told) == [(0, True), (1, True), (3, True), (4, True)]
 
     def test_segments_when_the_backend_reads_them(self, kv: StorageBackend) -> None:
-        """A backend that says ``reads_segments`` fills a payload given as :class:`~kvtier.blockformat.
+        """A backend that says ``reads_segments`` fills a payload given as :class:`~kvtier.format.blockformat.
         Segments` in order and verifies it there: the parts hold the value's bytes back to back; a corrupt
         value is a miss.  A backend that does not say so is never handed segments (nothing to test)."""
         if not type(kv).reads_segments:

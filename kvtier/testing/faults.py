@@ -36,7 +36,7 @@ from ..backend_api import (
     StorageBackend,
     StoredBlock,
 )
-from ..blockformat import Segments
+from ..format.blockformat import Segments
 
 OPS = ("contains", "exists", "put", "get", "delete", "scan", "manifest", "health")
 

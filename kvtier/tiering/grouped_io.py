@@ -1,4 +1,4 @@
-"""Stored values of several engine blocks (``storage.block_tokens``; see :mod:`kvtier.groups`): reading a
+"""Stored values of several engine blocks (``storage.block_tokens``; see :mod:`kvtier.format.groups`): reading a
 value into the host slots of its blocks, and writing whole groups from host memory or the device.
 
 Invariants (beside the stack's):
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..blockformat import Segments
-from ..groups import group_of
+from ..format.blockformat import Segments
+from ..format.groups import group_of
 from .load_steps import Source, Step
 from .parts import SlotSource, StackParts
 from .planner import GroupWrite

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..blockformat import Segments
-from ..groups import load_chunks
+from ..format.blockformat import Segments
+from ..format.groups import load_chunks
 from ..index import Tier
-from ..transfer import TransferGroup
+from ..memory.transfer import TransferGroup
 from .grouped_io import Grouped
 from .load_steps import Source, Step, lost
 from .parts import StackParts
@@ -27,7 +27,7 @@ from .results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
 from .store_path import Downward, HostRoom
 
 if TYPE_CHECKING:
-    from ..transfer import TransferHandle, TransferResult
+    from ..memory.transfer import TransferHandle, TransferResult
 
 log = logging.getLogger("kvtier.stack")
 

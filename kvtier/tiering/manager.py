@@ -39,7 +39,7 @@ from typing import Any
 from .. import threads
 from ..backend_api import StorageBackend
 from ..config import KvtierConfig
-from ..groups import group_ends, group_of
+from ..format.groups import group_ends, group_of
 from ..index import BlockIndex, Tier, TierNames
 from ..keys import Namespace, invalid_key
 from ..metrics import StackMetrics
@@ -250,7 +250,7 @@ class TierManager:
         earlier (its answer, kept ``probe_ttl_s``).  ``wait_s`` > 0 is for callers on a thread of their
         own that may block (SGLang's prefetch thread): wait up to that long for the probe instead of
         answering PENDING at once (PENDING if it is still running then).  ``start``: the chain position
-        of ``hashes[0]`` (it matters when stored values group several blocks: :mod:`kvtier.groups`)."""
+        of ``hashes[0]`` (it matters when stored values group several blocks: :mod:`kvtier.format.groups`)."""
         found, probe = self._lookup(hashes, start)
         if probe is not None and wait_s > 0:
             wait([probe], timeout=wait_s)

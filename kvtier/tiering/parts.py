@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import threads as kvthreads
-from ..host import HostTier
+from ..format.layout import KVLayout
 from ..keys import Namespace
-from ..layout import KVLayout
+from ..memory.device import DeviceTier
+from ..memory.host import HostTier
+from ..memory.transfer import TransferEngine
 from ..metrics import StackMetrics
 from ..policy_api import PrefetchPolicy
-from ..tiers import DeviceTier
-from ..transfer import TransferEngine
 from .backend_set import BackendSet
 from .planner import Planner
 from .results import PendingOps

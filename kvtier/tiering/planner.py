@@ -1,7 +1,7 @@
 """The planner: every placement decision of a tier stack, and the state those decisions read.
 
 Torch-free by import, never waits on I/O.  It owns the block index, the write and eviction policies, the
-host slots' bookkeeping (:class:`~kvtier.host_slots.SlotTable`: which slot a block goes to; the bytes are
+host slots' bookkeeping (:class:`~kvtier.memory.host_slots.SlotTable`: which slot a block goes to; the bytes are
 the executor's), the scheduler half (:class:`~kvtier.manager.TierManager`, sharing the index and the
 lock) and what is in flight.  The executors (:mod:`~kvtier.tiering.store_path`,
 :mod:`~kvtier.tiering.load_path`, :mod:`~kvtier.tiering.grouped_io`) ask it, under :attr:`Planner.lock`,
@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import KvtierConfig
-from ..groups import whole_groups
-from ..host_slots import WRITING, SlotTable
+from ..format.groups import whole_groups
 from ..index import BlockIndex, Tier
+from ..memory.host_slots import WRITING, SlotTable
 from ..metrics import StackMetrics
 from ..plans import WorkerReport
 from ..policy_api import EvictionPolicy, WritePolicy
@@ -85,7 +85,7 @@ class Planner:
                  slots: SlotTable | None, device_blocks: int):
         self.config = config
         self.namespace = config.namespace()
-        self.storage_blocks = config.storage_blocks  # engine blocks per stored value (kvtier.groups)
+        self.storage_blocks = config.storage_blocks  # engine blocks per stored value (kvtier.format.groups)
         self.backends = backends
         self.metrics = metrics
         self.slots = slots

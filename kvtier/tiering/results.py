@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 from ..index import Tier, TierNames
 
 if TYPE_CHECKING:
-    from ..transfer import TransferGroup, TransferHandle
+    from ..memory.transfer import TransferGroup, TransferHandle
 
 log = logging.getLogger("kvtier.stack")
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..groups import whole_groups
+from ..format.groups import whole_groups
 from .grouped_io import Grouped
 from .parts import StackParts
 from .planner import CopyDown
@@ -29,7 +29,7 @@ from .results import FAILED, SKIPPED, STORED, StoreHandle, StoreResult, StoreSta
 from .writes import BackendWriter
 
 if TYPE_CHECKING:
-    from ..transfer import TransferResult
+    from ..memory.transfer import TransferResult
 
 log = logging.getLogger("kvtier.stack")
 

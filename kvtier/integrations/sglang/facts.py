@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ...config import ConfigError, KvtierConfig, load_engine_config
+from ...format.layout import dtype_name
 from ...keys import SGLANG_SHA256
-from ...layout import dtype_name
 from .pages import PageGeometry
 
 log = logging.getLogger("kvtier.sglang")

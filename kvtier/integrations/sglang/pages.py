@@ -1,7 +1,7 @@
 """SGLang host-pool pages <-> kvtier's canonical block payload.
 
 An SGLang page (``page_size`` tokens) is one kvtier block.  Its stored payload is kvtier's canonical one
-(:mod:`kvtier.layout`): per layer, K then V (MLA: the one latent component), each ``page_size x heads x
+(:mod:`kvtier.format.layout`): per layer, K then V (MLA: the one latent component), each ``page_size x heads x
 head_dim`` elements row-major, in the KV dtype's own bytes.  So a page stored from any host layout (and a
 block stored by the vLLM connector, with the same model / dtype / page size) reads back into any other.
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ...layout import dtype_name
+from ...format.layout import dtype_name
 
 CANONICAL = ("n", "l", "c", "t", "h", "d")
 

@@ -52,7 +52,7 @@ class PageStore:
                  backends: Sequence[StorageBackend] | None = None):
         if config.storage_blocks > 1:
             # SGLang hands its storage one page key at a time, without the chain position that places
-            # values of several pages (kvtier.groups): it stores one page per value.
+            # values of several pages (kvtier.format.groups): it stores one page per value.
             raise ValueError(f"kvtier: storage.block_tokens must be null or model.block_size (the page size, "
                              f"{config.model.block_size}) with SGLang, got {config.storage.block_tokens}")
         self.config = config
@@ -202,7 +202,7 @@ class PageStore:
 
 
 def _payload_nbytes(ns: Namespace) -> int:
-    from ...layout import parse_dtype
+    from ...format.layout import parse_dtype
 
     comps = 1 if ns.attention == "mla" else 2
     return ns.num_layers * comps * ns.block_size * ns.num_kv_heads * ns.head_dim * parse_dtype(ns.kv_dtype).itemsize

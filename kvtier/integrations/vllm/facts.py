@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...config import KvtierConfig, load_engine_config
+from ...format.layout import dtype_name, parse_dtype
 from ...keys import none_hash_seed
-from ...layout import dtype_name, parse_dtype
 from ...plans import RankTally
 
 

@@ -81,7 +81,8 @@ def check_cpu_arrangement(kind: str, isa: str, like: torch.Tensor, num_kv_heads:
     they differ: kvtier would otherwise store and load permuted KV (another vLLM, another kernel)."""
     import vllm._custom_ops as ops
 
-    from ...layout import KVLayout, dtype_name, parse_dtype
+    from ...format.layout import KVLayout, dtype_name, parse_dtype
+    from ...memory.rows import to_payload
 
     h, d, b = num_kv_heads, head_dim, block_size
     g = torch.Generator().manual_seed(0)
@@ -96,7 +97,7 @@ def check_cpu_arrangement(kind: str, isa: str, like: torch.Tensor, num_kv_heads:
                                        torch.arange(b, dtype=torch.int64) + b, isa, kv_cache_dtype=kv_cache_dtype)
     except Exception as e:  # noqa: BLE001 - whatever the kernel says, it is reported as the cause
         raise ValueError(f"kvtier: cannot check vLLM CPU's KV arrangement ({isa} kernel): {e}") from e
-    got = KVLayout(kind, 1, 2, b, h, d, like.dtype).to_payload([cache], [1])
+    got = to_payload(KVLayout(kind, 1, 2, b, h, d, like.dtype), [cache], [1])
     want = exact.contiguous().view(torch.uint8).reshape(1, -1)  # K [B, H, D] then V: the payload
     if not torch.equal(got, want):
         raise ValueError(f"kvtier: K and V written by vLLM CPU's {isa} kernel do not come back bit for bit "

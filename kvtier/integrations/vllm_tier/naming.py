@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config import ConfigError, KvtierConfig, load_engine_config
+from ...format.layout import dtype_name, parse_dtype
 from ...keys import HEAD_MAJOR_KINDS, Namespace
-from ...layout import dtype_name, parse_dtype
 
 #: Bytes of the group index at the end of a vLLM ``OffloadKey`` (``make_offload_key``).
 GROUP_IDX_BYTES = 4

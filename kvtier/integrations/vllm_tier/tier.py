@@ -4,7 +4,7 @@ vLLM's ``OffloadingConnector`` keeps a primary CPU tier (a shared memory region,
 cascades every chunk it stores there to each secondary tier; on a primary miss it asks the secondary
 tiers and promotes a hit back into a primary row.  This tier serves those calls from kvtier's backends
 (local_disk, Redis, Redis Cluster, S3, plugins) through :class:`~kvtier.tiering.backend_set.BackendSet`,
-each chunk one framed, checksummed kvtier value (:mod:`kvtier.blockformat`), named as
+each chunk one framed, checksummed kvtier value (:mod:`kvtier.format.blockformat`), named as
 :mod:`.naming` says.
 
 Invariants:

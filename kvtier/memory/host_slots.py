@@ -1,0 +1,176 @@
+"""Host slots without bytes: which slots of a host tier are free, being written, or hold a block.
+
+The bookkeeping half of :class:`~kvtier.memory.host.HostTier`, torch-free by import, so the planner (which
+decides which slot a block goes to) and a simulation (which has slots and no bytes) run the same code as
+the worker's slab.
+
+Slot life cycle::
+
+    FREE --allocate--> WRITING --commit--> READY --free--> FREE
+                          |                                  ^
+                          +---------------free---------------+
+
+Invariants:
+* nothing here waits: ``allocate`` returns what it can at once (``skipped`` counts the rest), lowest slot
+  first (fresh allocations are contiguous runs, which copy in one piece);
+* only READY slots hold a valid block; WRITING slots are being filled and are never readable;
+* a slot is in exactly one state, and ``num_free + writing + ready == num_slots`` (checked by ``stats``).
+
+All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+class SlotState(enum.Enum):
+    """The state of one host slot (the life cycle above)."""
+
+    FREE = "free"
+    WRITING = "writing"
+    READY = "ready"
+
+
+FREE, WRITING, READY = SlotState.FREE, SlotState.WRITING, SlotState.READY
+
+
+@dataclass
+class Allocation:
+    """Result of :meth:`SlotTable.allocate`: the slots obtained (in WRITING state) and how many of the
+    requested were not (``skipped``: count them as skipped stores, or make room and ask again)."""
+
+    slots: list[int]
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class SlotCounts:
+    """Slots by state, and the allocations asked for since start."""
+
+    num_slots: int
+    free: int
+    writing: int
+    ready: int
+    allocated: int  # slots handed out since start
+    skipped: int  # slots asked for but not available
+
+
+class SlotTable:
+    """``num_slots`` slots: a free list (lowest first), per-slot state and key.  No recency, no pins: the
+    owner of the blocks (the planner's index and eviction policy) decides which block leaves."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._lock = threading.Lock()
+        self._state = [FREE] * num_slots
+        self._key: list[Hashable | None] = [None] * num_slots
+        self._free = list(range(num_slots))  # a heap (sorted list is one)
+        self._n_writing = self._n_ready = 0
+        self._allocated = self._skipped = 0
+
+    # ------------------------------------------------------------------ state changes
+
+    def allocate(self, n: int) -> Allocation:
+        """Up to ``n`` FREE slots, now WRITING, lowest first.  Never waits and never evicts: making room
+        is the caller's decision (it knows which blocks are least recently used)."""
+        if n < 0:
+            raise ValueError(f"allocate: n must be >= 0, got {n}")
+        with self._lock:
+            slots = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+            for s in slots:
+                self._state[s] = WRITING
+            self._n_writing += len(slots)
+            self._allocated += len(slots)
+            self._skipped += n - len(slots)
+            return Allocation(slots, n - len(slots))
+
+    def commit(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> None:
+        """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``).
+        Commit only slots whose bytes fully arrived."""
+        if keys is not None and len(keys) != len(slots):
+            raise ValueError(f"commit: {len(slots)} slots but {len(keys)} keys")
+        with self._lock:
+            self._expect(slots, (WRITING,), "commit")
+            for i, s in enumerate(slots):
+                self._state[s] = READY
+                self._key[s] = None if keys is None else keys[i]
+            self._n_writing -= len(slots)
+            self._n_ready += len(slots)
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Back to FREE (a failed or abandoned write, an evicted block, a dropped one).  Raises for a slot
+        already free; all or nothing."""
+        with self._lock:
+            self._expect(slots, (WRITING, READY), "free")
+            for s in slots:
+                st = self._state[s]
+                if st == WRITING:
+                    self._n_writing -= 1
+                else:
+                    self._n_ready -= 1
+                self._state[s] = FREE
+                self._key[s] = None
+                heapq.heappush(self._free, s)
+
+    def holds(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
+        """Per slot, whether it is READY (and, with ``keys``, still holds that key: it may have been
+        evicted and refilled since the caller looked it up).  A check, not a claim: the caller keeps the
+        slot from being freed while it reads it (the stack: an index reference)."""
+        if keys is not None and len(keys) != len(slots):
+            raise ValueError(f"holds: {len(slots)} slots but {len(keys)} keys")
+        with self._lock:
+            return [self._state[self.check_slot(s)] == READY and (keys is None or self._key[s] == keys[i])
+                    for i, s in enumerate(slots)]
+
+    # ------------------------------------------------------------------ queries
+
+    def in_state(self, slots: Sequence[int], state: SlotState) -> list[bool]:
+        """Per slot, whether it is in ``state`` (False for a slot out of range): one look under the lock
+        for a whole batch, where ``state()`` per slot cost a transfer's submission a call per block."""
+        n, st = self.num_slots, self._state
+        with self._lock:
+            return [0 <= s < n and st[s] is state for s in slots]
+
+    def state(self, slot: int) -> SlotState:
+        return self._state[self.check_slot(slot)]
+
+    def key(self, slot: int) -> Hashable | None:
+        return self._key[self.check_slot(slot)]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def counts(self) -> SlotCounts:
+        with self._lock:
+            out = SlotCounts(self.num_slots, len(self._free), self._n_writing, self._n_ready, self._allocated,
+                             self._skipped)
+        if out.free + out.writing + out.ready != out.num_slots:
+            raise AssertionError(f"host slots: {out} do not add up")
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def check_slot(self, s: int) -> int:
+        if not 0 <= s < self.num_slots:
+            raise IndexError(f"slot {s} out of range [0, {self.num_slots})")
+        return s
+
+    def _expect(self, slots: Sequence[int], states: tuple[SlotState, ...], what: str) -> None:
+        seen = set()
+        for s in slots:
+            if self._state[self.check_slot(s)] not in states:
+                raise ValueError(f"{what}: slot {s} is {self._state[s].value}, expected "
+                                 f"{' or '.join(x.value for x in states)}")
+            if s in seen:
+                raise ValueError(f"{what}: slot {s} given twice")
+            seen.add(s)
+
+
