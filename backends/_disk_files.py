@@ -16,8 +16,8 @@ import os
 import re
 import stat
 
-from kvtier import blockformat
 from kvtier.backends._disk_ledger import HOST_TAG, pid_alive
+from kvtier.format import blockformat
 
 log = logging.getLogger("kvtier.backends.local_disk")
 

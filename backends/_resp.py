@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias, TypeVar
 
-from kvtier.blockformat import Segments
+from kvtier.format.blockformat import Segments
 
 CRLF = b"\r\n"
 _SEND_CHUNK_BYTES = 64 << 20  # bytes handed to one sendmsg call

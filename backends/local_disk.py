@@ -1,7 +1,7 @@
 """``local_disk``: one file per stored block under a directory that several processes may share.
 
 Layout: ``<path>/<namespace id>/<hash[:2]>/<hash>`` holds one block (header + payload, see
-``kvtier.blockformat``); ``<path>/<namespace id>/manifest.json`` is the namespace's manifest.  256 shard
+``kvtier.format.blockformat``); ``<path>/<namespace id>/manifest.json`` is the namespace's manifest.  256 shard
 directories per namespace keep directories small without a second level of ``mkdir``/``scandir`` work.
 
 Invariants:

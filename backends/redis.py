@@ -39,7 +39,7 @@ from urllib.parse import quote, unquote, urlsplit
 from pydantic import Field, SecretStr, model_validator
 
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
-from kvtier.blockformat import Segments
+from kvtier.format.blockformat import Segments
 
 from ._redis_events import EvictionEvents, EvictionListener
 from ._resp import (
