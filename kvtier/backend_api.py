@@ -34,7 +34,7 @@ import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
@@ -489,16 +489,20 @@ class StorageBackend(ABC):
         return m if isinstance(m, dict) else None
 
     def evict_to(self, capacity_bytes: int, *, dry_run: bool = False,
-                 on_evict: Callable[[list[StoredBlock]], None] | None = None) -> list[StoredBlock]:
+                 on_evict: Callable[[list[StoredBlock]], None] | None = None,
+                 namespaces: Collection[str] | None = None) -> list[StoredBlock]:
         """Delete blocks in ``_eviction_order`` until those left total at most ``capacity_bytes``; return
         the blocks removed (``dry_run``: that would be removed, deleting nothing).  ``on_evict`` gets
-        each batch once it is deleted (``kvtier gc`` drives its progress bar with it)."""
+        each batch once it is deleted (``kvtier gc`` drives its progress bar with it).  ``namespaces``:
+        only blocks of these namespace ids are removed (every block still counts towards the total)."""
         blocks = self._call(lambda: list(self._eviction_order()))
         excess = sum(b.size for b in blocks) - capacity_bytes
         victims: list[StoredBlock] = []
         for blk in blocks:
             if excess <= 0:
                 break
+            if namespaces is not None and blk.key.partition("/")[0] not in namespaces:
+                continue
             victims.append(blk)
             excess -= blk.size
         if dry_run:
