@@ -1,6 +1,7 @@
 """Two deployments sharing one store (issue 45, section 3): a directory, a Redis with a ``key_prefix``, an S3
 bucket under a ``prefix``.  Each deployment's tools see only its own namespaces unless told
-``--all-namespaces``.  The tools run in process (``kvtier.cli.main``) against real files, a real
+``--all-namespaces``; a quota per namespace keeps one deployment's puts from evicting the other's blocks
+within its own quota.  The tools run in process (``kvtier.cli.main``) against real files, a real
 redis-server and moto's server over HTTP."""
 
 from __future__ import annotations
@@ -60,21 +61,21 @@ def s3(endpoint: str, bucket: str) -> dict[str, Any]:
 def shared(request, tmp_path):
     """(backend config shared by both deployments, a callable flipping a stored byte of a key)."""
     if request.param == "local_disk":
-        def flip(key: str) -> None:
+        def flip_file(key: str) -> None:
             ns, h = key.split("/")
             p = tmp_path / "blocks" / ns / h[:2] / h
             data = bytearray(p.read_bytes())
             data[100] ^= 1
             p.write_bytes(bytes(data))
-        return disk(tmp_path), flip
+        return disk(tmp_path), flip_file
     if request.param == "redis":
         srv = request.getfixturevalue("redis_server")
 
-        def flip(key: str) -> None:
+        def flip_redis(key: str) -> None:
             r = srv.client()
             old = r.getrange(f"team:{key}", 100, 100)
             r.setrange(f"team:{key}", 100, bytes([old[0] ^ 1]))
-        return redis(srv.url), flip
+        return redis(srv.url), flip_redis
     moto, bucket = request.getfixturevalue("moto_server"), request.getfixturevalue("s3_bucket")
 
     def flip(key: str) -> None:
@@ -173,3 +174,132 @@ def test_engine_yaml_scope(tmp_path, capsys):
         assert rc == 2 and "sets no model.id" in err and "--all-namespaces" in err and len(err.splitlines()) == 1
     rc, doc = cli_json(capsys, "inspect", "--config", str(engine), "--all-namespaces")
     assert rc == 0 and doc["backends"][0]["blocks"] == 5
+
+
+# ------------------------------------------------------------------------------------- quotas
+
+
+def test_quota_config_errors(tmp_path):
+    from kvtier.config import ConfigError
+
+    cases = [({**disk(tmp_path), "quota": "2GiB", "options": {"path": str(tmp_path), "capacity": "1GiB"}},
+              "backends[0].quota: 2GiB is more than backend shared's capacity (1GiB): a quota is a share of it"),
+             ({**disk(tmp_path), "quota": "1MiB", "write": False}, "backends[0].quota: backend shared is read-only"),
+             ({**disk(tmp_path), "quota": "lots"}, "backends[0].quota: "),
+             ({**disk(tmp_path), "quota": 0}, "backends[0].quota: expected a size of at least 1 byte")]
+    for i, (backend, message) in enumerate(cases):
+        path = tmp_path / f"bad{i}.yaml"
+        path.write_text(yaml.safe_dump({"model": MODEL_A, "backends": [backend]}))
+        with pytest.raises(ConfigError) as e:
+            load_config(str(path), env={})
+        assert len(e.value.problems) == 1 and e.value.problems[0].startswith(message), e.value.problems
+    ok = write_config(tmp_path, "ok", MODEL_A, disk(tmp_path), quota="64MiB")  # type: ignore[arg-type]
+    assert load_config(ok, env={}).backends[0].quota == 64 << 20
+
+
+def deployment(tmp_path: Path, name: str, model: dict[str, Any], backend: dict[str, Any], quota: int | None):
+    """(the backend as the deployment opens it, its namespace, the keys the stack was told were evicted)."""
+    cfg = load_config(write_config(tmp_path, name, model, backend, quota), env={})
+    b = cfg.build_backend(cfg.backends[0])
+    told: list[str] = []
+    b.on_evicted = told.extend
+    return b, cfg.namespace(), told
+
+
+@pytest.mark.parametrize("b_quota", [4, None])
+def test_local_disk_puts_do_not_evict_another_namespace_within_its_quota(tmp_path, b_quota):
+    """The issue's case: a directory of 8 blocks shared by A (quota 4 blocks, holding 4) and B.  B's 8 puts
+    evicted A's blocks; now B loses its own: by its quota when it has one, by the capacity (A's blocks
+    being within A's quota) when it has none.  Two backend instances, as two processes open the
+    directory: the quota is in the directory's shared index."""
+    conf = {**disk(tmp_path), "options": {"path": str(tmp_path / "blocks"), "capacity": 8 * STORED}}
+    a, ns_a, _ = deployment(tmp_path, "a", MODEL_A, conf, 4 * STORED)
+    b, ns_b, told_b = deployment(tmp_path, "b", MODEL_B, conf, None if b_quota is None else b_quota * STORED)
+    keys_a = put(a, ns_a, 4)
+    keys_b = [k for _ in range(8) for k in put(b, ns_b, 1)]
+    assert a.exists(keys_a) == [True] * 4
+    held_b = [k for k, ok in zip(keys_b, b.exists(keys_b)) if ok]
+    assert held_b == keys_b[-len(held_b):]  # B kept its most recent blocks
+    assert len(held_b) * STORED <= (4 if b_quota is None else b_quota) * STORED
+    assert set(told_b) == set(keys_b) - set(held_b)  # the stack was told of every block B lost
+    a.close()
+    b.close()
+
+
+def test_local_disk_without_quotas_the_issue_reproduces(tmp_path):
+    """The control: no quota anywhere, B's puts evict A's least recently used blocks."""
+    conf = {**disk(tmp_path), "options": {"path": str(tmp_path / "blocks"), "capacity": 8 * STORED}}
+    a, ns_a, _ = deployment(tmp_path, "a", MODEL_A, conf, None)
+    b, ns_b, _ = deployment(tmp_path, "b", MODEL_B, conf, None)
+    keys_a = put(a, ns_a, 4)
+    for _ in range(6):
+        put(b, ns_b, 1)
+    assert a.exists(keys_a) == [False, False, True, True]
+    a.close()
+    b.close()
+
+
+def test_local_disk_namespace_over_its_quota_loses_its_own_oldest(tmp_path):
+    """A at quota 4 blocks: its 5th put takes it over, and it loses its least recently used blocks (one it
+    read again is not among them), never the blocks of B, which has no quota."""
+    conf = {**disk(tmp_path), "options": {"path": str(tmp_path / "blocks"), "capacity": 64 * STORED}}
+    a, ns_a, told = deployment(tmp_path, "a", MODEL_A, conf, 4 * STORED)
+    b, ns_b, _ = deployment(tmp_path, "b", MODEL_B, conf, None)
+    keys_b = put(b, ns_b, 6)
+    keys_a = [k for _ in range(3) for k in put(a, ns_a, 1)]
+    assert a.get_into(keys_a[:1], [bytearray(PAYLOAD)], ns_a.layout_id) == [True]  # no longer the oldest
+    keys_a += [k for _ in range(2) for k in put(a, ns_a, 1)]
+    left = [k for k, ok in zip(keys_a, a.exists(keys_a)) if ok]
+    assert keys_a[0] in left and keys_a[1] not in left and told == [k for k in keys_a if k not in left]
+    assert sum(blk.size for blk in a.scan(ns_a.id)) <= 4 * STORED and b.exists(keys_b) == [True] * 6
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def small_redis():
+    from kvtier.testing.redis_server import redis_available, start_redis
+
+    if redis_available():
+        pytest.skip(str(redis_available()))
+    srv = start_redis(extra_args=["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru"])
+    yield srv
+    srv.cleanup()
+
+
+@pytest.mark.parametrize("b_quota", [2 << 20, None])
+def test_redis_quota_keeps_a_deployment_from_evicting_another(tmp_path, small_redis, b_quota):
+    """A Redis at maxmemory 8 MiB with key_prefix, shared: A writes 4 blocks of 256 KiB, B 40 (10 MiB).
+    Without a quota Redis's own LRU evicts A's blocks; with B's quota (2 MiB) B trims its own and Redis
+    never reaches maxmemory."""
+    conf = redis(small_redis.url)
+    conf["options"]["eviction_events"] = "off"
+    a, ns_a, _ = deployment(tmp_path, "a", MODEL_A, conf, 2 << 20)
+    b, ns_b, told_b = deployment(tmp_path, "b", MODEL_B, conf, b_quota)
+    size = 256 << 10
+    keys_a = ns_a.keys([os.urandom(32) for _ in range(4)])
+    assert a.put(keys_a, [os.urandom(size) for _ in keys_a], ns_a.layout_id) == [True] * 4
+    for _ in range(40):
+        k = ns_b.keys([os.urandom(32)])
+        b.put(k, [os.urandom(size)], ns_b.layout_id)
+    kept_a = a.exists(keys_a)
+    if b_quota is None:
+        assert kept_a != [True] * 4  # the control: the issue's case
+    else:
+        assert kept_a == [True] * 4
+        assert sum(blk.size for blk in b.scan(ns_b.id)) <= b_quota and len(told_b) >= 32
+    a.close()
+    b.close()
+
+
+def test_s3_quota_keeps_a_namespace_within_it(tmp_path, moto_server, s3_bucket):
+    conf = s3(moto_server.endpoint_url, s3_bucket)
+    a, ns_a, _ = deployment(tmp_path, "a", MODEL_A, conf, None)
+    b, ns_b, told_b = deployment(tmp_path, "b", MODEL_B, conf, 3 * STORED)
+    keys_a = put(a, ns_a, 4)
+    keys_b = [k for _ in range(6) for k in put(b, ns_b, 1)]
+    left = [blk.key for blk in b.scan(ns_b.id)]
+    assert len(left) * STORED <= 3 * STORED and set(told_b) == set(keys_b) - set(left)
+    assert a.exists(keys_a) == [True] * 4
+    a.close()
+    b.close()
