@@ -303,3 +303,30 @@ def test_s3_quota_keeps_a_namespace_within_it(tmp_path, moto_server, s3_bucket):
     assert a.exists(keys_a) == [True] * 4
     a.close()
     b.close()
+
+
+def test_local_disk_quota_holds_across_processes(tmp_path):
+    """B in a process of its own, without a quota, fills the directory A shares: A's blocks within A's
+    quota stay (the quota is recorded in the directory's index, which every process opens)."""
+    import subprocess
+    import sys
+
+    conf = {**disk(tmp_path), "options": {"path": str(tmp_path / "blocks"), "capacity": 8 * STORED}}
+    a, ns_a, _ = deployment(tmp_path, "a", MODEL_A, conf, 4 * STORED)
+    keys_a = put(a, ns_a, 4)
+    cfg_b = write_config(tmp_path, "b", MODEL_B, conf)
+    script = f"""
+import os
+from kvtier.config import load_config
+cfg = load_config({cfg_b!r}, env={{}})
+ns = cfg.namespace()
+with cfg.build_backend(cfg.backends[0]) as b:
+    for _ in range(8):
+        assert b.put(ns.keys([os.urandom(32)]), [os.urandom({PAYLOAD})], ns.layout_id) == [True]
+    print(sum(blk.size for blk in b.scan(ns.id)))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == 4 * STORED  # B kept what the capacity left it: its own 4 most recent
+    assert a.exists(keys_a) == [True] * 4
+    a.close()
