@@ -207,7 +207,7 @@ def deployment(tmp_path: Path, name: str, model: dict[str, Any], backend: dict[s
 
 
 @pytest.mark.parametrize("b_quota", [4, None])
-def test_local_disk_puts_do_not_evict_another_namespace_within_its_quota(tmp_path, b_quota):
+def test_local_disk_puts_do_not_evict_another_namespace_within_its_quota(tmp_path, capsys, b_quota):
     """The issue's case: a directory of 8 blocks shared by A (quota 4 blocks, holding 4) and B.  B's 8 puts
     evicted A's blocks; now B loses its own: by its quota when it has one, by the capacity (A's blocks
     being within A's quota) when it has none.  Two backend instances, as two processes open the
@@ -218,6 +218,9 @@ def test_local_disk_puts_do_not_evict_another_namespace_within_its_quota(tmp_pat
     keys_a = put(a, ns_a, 4)
     keys_b = [k for _ in range(8) for k in put(b, ns_b, 1)]
     assert a.exists(keys_a) == [True] * 4
+    main(["inspect", "--config", str(tmp_path / "a.yaml")])
+    assert f"namespace {ns_a.id}  [this config]: 4 blocks, 4.3KiB of quota 4.3KiB (100.0%)" in \
+        capsys.readouterr().out
     held_b = [k for k, ok in zip(keys_b, b.exists(keys_b)) if ok]
     assert held_b == keys_b[-len(held_b):]  # B kept its most recent blocks
     assert len(held_b) * STORED <= (4 if b_quota is None else b_quota) * STORED

@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def inspect_backend(ob: st.OpenedBackend, own_ns: str | None, scope: st.Scope) -> dict[str, Any]:
     entry = ob.header()
     entry["security"] = ob.conf.security
+    entry["quota_bytes"] = ob.conf.quota
     if ob.backend is None:
         return entry
     b = ob.backend
@@ -100,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"  {used} in {len(e['namespaces'])}{scoped} namespace{'s' if len(e['namespaces']) != 1 else ''}")
         for ns in e["namespaces"]:
             mark = "  [this config]" if ns["this_config"] else ""
-            lines.append(f"  namespace {ns['id']}{mark}: {ns['blocks']} blocks, {format_size(ns['bytes'])}")
+            quota = e["quota_bytes"]
+            share = f" of quota {format_size(quota)} ({100.0 * ns['bytes'] / quota:.1f}%)" \
+                if quota and not loaded.scope.all else ""
+            lines.append(f"  namespace {ns['id']}{mark}: {ns['blocks']} blocks, {format_size(ns['bytes'])}{share}")
             lines += _fields(ns["manifest"])
             if ns["manifest_problem"] is None:
                 lines.append(f"      (layout id {ns['layout_id']:#010x}"
