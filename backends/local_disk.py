@@ -51,8 +51,8 @@ Invariants:
   index.
 * A namespace with a quota (``backends[i].quota``, ``kvtier.quota``) is recorded in the index by its
   writers, in every put session; a capacity eviction, by any process, skips the blocks of a namespace
-  within its quota (counting the bytes the put brings it), so a deployment's puts never evict another's
-  blocks within its share.  A namespace over its quota is trimmed, its own least recently used first,
+  within its quota (counting the bytes the put brings it; its bytes as the index had them at most
+  ``NS_BYTES_TTL_S`` ago), so a deployment's puts never evict another's blocks within its share.  A namespace over its quota is trimmed, its own least recently used first,
   after the put (the base class), except blocks held for a load.
 * A held block (``hold``: a load will read it) is evicted by no process sharing the directory until its
   holder releases it or dies: this process counts its holds, other processes see them as hard links
@@ -110,6 +110,8 @@ _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces 
 # passed: recording a batch of 1,000 costs about as much as a lookup of them (a few ms), too much per get.
 _FLUSH_READS = 16384
 _FLUSH_S = 5.0
+# How old a namespace's byte count may be when a capacity eviction checks it against its quota.
+NS_BYTES_TTL_S = 1.0
 
 
 class LocalDiskBackend(StorageBackend):
@@ -168,6 +170,7 @@ class LocalDiskBackend(StorageBackend):
         self._closed = False
         self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
         self._quota_cleared: set[str] = set()  # namespaces whose quota record this writer (without one) cleared
+        self._ns_bytes_seen: dict[str, tuple[float, int]] = {}  # namespace -> (when, bytes): see _ns_bytes
         self._instance = uuid.uuid4().hex[:8]  # this backend among the removal journal's writers
         os.makedirs(self.root, exist_ok=True)
         self._stop_watch = threading.Event()
@@ -436,10 +439,11 @@ class LocalDiskBackend(StorageBackend):
             ns = key[:32]
             if ns in quotas:
                 if ns not in beyond:
-                    beyond[ns] = self._idx.ns_bytes(c, ns) + (incoming or {}).get(ns, 0) - quotas[ns]
+                    beyond[ns] = self._ns_bytes(c, ns) + (incoming or {}).get(ns, 0) - quotas[ns]
                 if beyond[ns] <= 0:
                     continue  # within its quota: another namespace's put does not evict it
                 beyond[ns] -= size
+                self._ns_bytes_seen[ns] = (self._ns_bytes_seen[ns][0], self._ns_bytes_seen[ns][1] - size)
             if held_elsewhere(self._where(key, checked=True)[1]):
                 if not dropped_holders:  # a holder that died would pin its blocks for good
                     drop_dead_holders(self.root, self.options.tmp_max_age_s)
@@ -503,8 +507,21 @@ class LocalDiskBackend(StorageBackend):
                     self._inflight[key] = self._inflight.get(key, 0) + 1
                 granted[i] = True
             self._idx.intend(c, self._writer(), rows)
+            for key, size, _ in rows:  # this writer's own puts keep its counts of namespaces current
+                seen = self._ns_bytes_seen.get(key[:32])
+                if seen is not None:
+                    self._ns_bytes_seen[key[:32]] = (seen[0], seen[1] + size)
         self._evicted(evicted)  # outside the directory's lock: the listener takes the stack's
         return granted
+
+    def _ns_bytes(self, c: sqlite3.Connection, ns: str) -> int:
+        """A namespace's bytes as the index had them at most ``NS_BYTES_TTL_S`` ago (a sum over its rows:
+        ~60 ms per 100,000 blocks, too slow for every eviction of a full directory)."""
+        now = time.monotonic()
+        seen = self._ns_bytes_seen.get(ns)
+        if seen is None or now - seen[0] > NS_BYTES_TTL_S:
+            seen = self._ns_bytes_seen[ns] = (now, self._idx.ns_bytes(c, ns))
+        return seen[1]
 
     def _record_quota(self, c: sqlite3.Connection, keys: Sequence[str]) -> None:
         """Record this writer's quota (``backends[i].quota``) for the namespaces it puts, in every session

@@ -10,11 +10,13 @@ Invariants:
   KV cache group's namespace has the whole quota); the count is the stored values' bytes (header
   included), as ``kvtier inspect`` shows them.
 * The exact count is the backend's own listing of the namespace (``StorageBackend._namespace_blocks``),
-  taken only when this process's estimate says the namespace went over: the estimate starts from a count
-  and adds what this process wrote since.  A count that finds it over removes blocks down to
-  ``quota - quota // SLACK`` (a low-water mark), so one listing serves the next ``quota / SLACK`` bytes
-  written, not one put.  Other processes writing the same namespace are seen at the next count: the
-  namespace may exceed its quota by what they wrote since (each of them counts too).
+  taken at the first put of a namespace, then when this process's estimate (the last count plus what
+  this process wrote since) goes over the quota, but not before ``quota / SLACK`` bytes were written here
+  since the last count: a listing per 1/16 of the quota written, never per put.  A count that finds the
+  namespace over its quota removes blocks down to ``quota - quota // SLACK`` (a low-water mark).  So a
+  namespace may exceed its quota by what this process wrote in the last 1/16 of a quota (a count found
+  it just within), and by what other processes writing it wrote since this one counted (each of them
+  counts too).
 * Counting and trimming never fail a put: a backend error there is logged (without a key) and the next
   put over the estimate tries again.  One thread counts a namespace at a time; the others' puts only add
   to the estimate.
@@ -48,6 +50,7 @@ class QuotaKeeper:
     blocks: Callable[[str], Iterable[tuple[str, int]]]
     remove: Callable[[list[str]], None]
     estimate: dict[str, int] = field(default_factory=dict)  # namespace id -> bytes, per this process
+    since: dict[str, int] = field(default_factory=dict)  # namespace id -> bytes written here since its count
     counting: set[str] = field(default_factory=set)
     trimmed: int = 0  # blocks removed to keep a namespace within its quota, since start-up
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -67,9 +70,14 @@ class QuotaKeeper:
                 per_ns[ns] = per_ns.get(ns, 0) + size
             for ns, n in per_ns.items():
                 est = self.estimate.get(ns)
+                since = self.since.get(ns, 0) + n
+                self.since[ns] = since
                 if est is not None:
                     self.estimate[ns] = est + n
-                if (est is None or est + n > self.limit) and ns not in self.counting:
+                # Not before quota / SLACK bytes more were written here: a count that found the namespace
+                # within its quota (something else removed blocks) must not be repeated at every put.
+                over = est is None or (est + n > self.limit and since >= self.limit // SLACK)
+                if over and ns not in self.counting:
                     self.counting.add(ns)
                     due.append(ns)
         for ns in due:
@@ -96,4 +104,5 @@ class QuotaKeeper:
             self.remove(victims)
         with self.lock:
             self.estimate[ns] = total
+            self.since[ns] = 0
             self.trimmed += len(victims)

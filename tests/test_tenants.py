@@ -333,3 +333,27 @@ with cfg.build_backend(cfg.backends[0]) as b:
     assert int(r.stdout) == 4 * STORED  # B kept what the capacity left it: its own 4 most recent
     assert a.exists(keys_a) == [True] * 4
     a.close()
+
+
+def test_quota_counts_at_most_once_per_sixteenth_written():
+    """The listing is the expensive part (a SCAN of a Redis, a LIST of a prefix): made when the estimate
+    goes over, then not again before quota / 16 bytes more are written here, even while something else
+    keeps removing the namespace's blocks (so a count may find it just within); the namespace exceeds
+    its quota by at most that 1/16."""
+    from kvtier.quota import SLACK, QuotaKeeper
+
+    stored: dict[str, int] = {}
+    counts = []
+
+    def blocks(ns: str) -> list[tuple[str, int]]:
+        counts.append(ns)
+        return [(k, n) for k, n in stored.items() if k.startswith(ns)]
+
+    keeper = QuotaKeeper(1600, blocks, lambda keys: [stored.pop(k) for k in keys])
+    for i in range(400):
+        stored[f"{'a' * 32}/{i:064x}"] = 10
+        keeper.wrote([(f"{'a' * 32}/{i:064x}", 10)])
+        if i % 7 == 0:  # another process removes some
+            stored.pop(next(iter(stored)))
+    assert sum(stored.values()) <= 1600 + 1600 // SLACK and keeper.trimmed > 0  # the documented bound
+    assert 1 < len(counts) <= 1 + 400 * 10 // (1600 // SLACK)
