@@ -349,7 +349,11 @@ def test_quota_counts_at_most_once_per_sixteenth_written():
         counts.append(ns)
         return [(k, n) for k, n in stored.items() if k.startswith(ns)]
 
-    keeper = QuotaKeeper(1600, blocks, lambda keys: [stored.pop(k) for k in keys])
+    def remove(keys: list[str]) -> None:
+        for k in keys:
+            del stored[k]
+
+    keeper = QuotaKeeper(1600, blocks, remove)
     for i in range(400):
         stored[f"{'a' * 32}/{i:064x}"] = 10
         keeper.wrote([(f"{'a' * 32}/{i:064x}", 10)])
