@@ -16,7 +16,7 @@ Tables: ``blocks(key, size, used, mtime)`` (key: namespace digest + block hash, 
 microseconds, the LRU order; ``mtime``: the file's modification time as written, in microseconds, so a
 tool can tell a file whose times were set by hand since, NULL when unknown), ``intents(writer, key, size, tmp)`` (what each writer is about to change on disk: a put's
 reservation with its temp file, or an unlink), ``meta`` (``id``, ``bytes``, ``blocks``, ``clock``,
-``complete``, ``rebuilder``).
+``complete``, ``rebuilder``, and ``quota:<namespace id>`` per namespace a writer gave a quota).
 
 Invariants:
 * every change is made by the backend under the directory's lock (the ledger's flock), so at most one
@@ -348,6 +348,43 @@ class DiskIndex:
         held = c.execute("SELECT coalesce(sum(size), 0) FROM intents").fetchone()[0]
         return nbytes, int(held)
 
+
+    # ------------------------------------------------------------------ quotas per namespace (kvtier.quota)
+    # Recorded in ``meta`` as ``quota:<namespace id>`` by the writers that have one, so every process's
+    # capacity eviction knows them; a writer without one clears its namespace's.
+
+    @staticmethod
+    def quotas(c: sqlite3.Connection) -> dict[str, int]:
+        """Namespace id -> quota bytes, of every namespace some writer recorded one for."""
+        return {k[6:]: int(v) for k, v in c.execute("SELECT k, v FROM meta WHERE k >= 'quota:' AND k < 'quota;'")
+                if v is not None}
+
+    def set_quota(self, c: sqlite3.Connection, namespace_id: str, quota: int | None) -> None:
+        if quota is None:
+            c.execute("DELETE FROM meta WHERE k=?", (f"quota:{namespace_id}",))
+        else:
+            self.set_meta(c, f"quota:{namespace_id}", quota)
+
+    @staticmethod
+    def _ns_range(namespace_id: str) -> tuple[bytes, bytes]:
+        """Bounds of a namespace's keys: its digest, then a block hash of 16 or 32 bytes (below 33 x ff)."""
+        lo = bytes.fromhex(namespace_id)
+        return lo, lo + b"\xff" * 33
+
+    def ns_bytes(self, c: sqlite3.Connection, namespace_id: str) -> int:
+        """Bytes of one namespace's blocks (a range of the key B-tree: its rows only)."""
+        lo, hi = self._ns_range(namespace_id)
+        return int(c.execute("SELECT coalesce(sum(size), 0) FROM blocks WHERE key >= ? AND key < ?",
+                             (lo, hi)).fetchone()[0])
+
+    def ns_lru(self, namespace_id: str) -> list[tuple[str, int]]:
+        """One namespace's blocks (key, size), least recently used first."""
+        lo, hi = self._ns_range(namespace_id)
+        c = self.rconn()
+        with self._rlock:
+            rows = c.execute("SELECT key, size FROM blocks WHERE key >= ? AND key < ? ORDER BY used, key",
+                             (lo, hi)).fetchall()
+        return [(unblob(k), n) for k, n in rows]
 
 _pruned: set[str] = set()
 

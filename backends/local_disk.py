@@ -49,6 +49,11 @@ Invariants:
   listener (the stack, the KV event stream) forgets only what it knew.  A poll costs the journal lines
   written since the last one and one index lookup of their keys: it walks neither the directory nor the
   index.
+* A namespace with a quota (``backends[i].quota``, ``kvtier.quota``) is recorded in the index by its
+  writers, in every put session; a capacity eviction, by any process, skips the blocks of a namespace
+  within its quota (counting the bytes the put brings it; its bytes as the index had them at most
+  ``NS_BYTES_TTL_S`` ago), so a deployment's puts never evict another's blocks within its share.  A namespace over its quota is trimmed, its own least recently used first,
+  after the put (the base class), except blocks held for a load.
 * A held block (``hold``: a load will read it) is evicted by no process sharing the directory until its
   holder releases it or dies: this process counts its holds, other processes see them as hard links
   (``_disk_holds``); a put that finds only held blocks in its way is refused.
@@ -105,6 +110,8 @@ _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces 
 # passed: recording a batch of 1,000 costs about as much as a lookup of them (a few ms), too much per get.
 _FLUSH_READS = 16384
 _FLUSH_S = 5.0
+# How old a namespace's byte count may be when a capacity eviction checks it against its quota.
+NS_BYTES_TTL_S = 1.0
 
 
 class LocalDiskBackend(StorageBackend):
@@ -162,6 +169,8 @@ class LocalDiskBackend(StorageBackend):
         self._pool_lock = threading.Lock()  # its own: the pool is first needed under other locks
         self._closed = False
         self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
+        self._quota_cleared: set[str] = set()  # namespaces whose quota record this writer (without one) cleared
+        self._ns_bytes_seen: dict[str, tuple[float, int]] = {}  # namespace -> (when, bytes): see _ns_bytes
         self._instance = uuid.uuid4().hex[:8]  # this backend among the removal journal's writers
         os.makedirs(self.root, exist_ok=True)
         self._stop_watch = threading.Event()
@@ -397,11 +406,14 @@ class LocalDiskBackend(StorageBackend):
         total: int = nbytes + held
         return total
 
-    def _make_room(self, c: sqlite3.Connection, need: int, victims: list[str], unlinked: list[str]) -> bool:
+    def _make_room(self, c: sqlite3.Connection, need: int, victims: list[str], unlinked: list[str],
+                   incoming: dict[str, int] | None = None) -> bool:
         """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if
-        in-flight writes and holds keep the room.  Called in a session; the keys evicted are added to
-        ``victims``, those whose file this call unlinked (not found gone already) to ``unlinked`` (the
-        session's journal lines).  Victims are announced (one commit) before they are unlinked."""
+        in-flight writes, holds and quotas keep the room.  Called in a session; the keys evicted are added
+        to ``victims``, those whose file this call unlinked (not found gone already) to ``unlinked`` (the
+        session's journal lines).  Victims are announced (one commit) before they are unlinked.  A
+        namespace with a quota recorded (``kvtier.quota``) within it, counting the bytes ``incoming`` to
+        it (this put's), loses no block here: only what it holds beyond its quota is evictable."""
         excess = self._total(c) + need - self.capacity
         if excess <= 0:
             return True
@@ -416,12 +428,22 @@ class LocalDiskBackend(StorageBackend):
         held: set[str] = set()
         dropped_holders = False
         picked: list[str] = []
+        quotas = self._idx.quotas(c)
+        beyond: dict[str, int] = {}  # namespace with a quota -> its bytes beyond it, as picking goes
         for key, size in self._idx.lru(c):
             if excess <= 0:
                 break
             with self._idx_lock:
                 if key in self._inflight:
                     continue
+            ns = key[:32]
+            if ns in quotas:
+                if ns not in beyond:
+                    beyond[ns] = self._ns_bytes(c, ns) + (incoming or {}).get(ns, 0) - quotas[ns]
+                if beyond[ns] <= 0:
+                    continue  # within its quota: another namespace's put does not evict it
+                beyond[ns] -= size
+                self._ns_bytes_seen[ns] = (self._ns_bytes_seen[ns][0], self._ns_bytes_seen[ns][1] - size)
             if held_elsewhere(self._where(key, checked=True)[1]):
                 if not dropped_holders:  # a holder that died would pin its blocks for good
                     drop_dead_holders(self.root, self.options.tmp_max_age_s)
@@ -463,8 +485,10 @@ class LocalDiskBackend(StorageBackend):
         with self._shared(removed=unlinked) as c:
             if not self._complete:
                 self._complete = self._idx.meta(c, "complete") == 1
+            self._record_quota(c, keys)
             rows: list[tuple[str, int, str | None]] = []
             reserved = 0  # this batch's reservations so far (entered as intents at the end)
+            incoming: dict[str, int] = {}  # per namespace: this batch's reservations, this key's included
             total = self._total(c)  # the directory's account, kept here while nothing is evicted
             for i, (key, size) in enumerate(zip(keys, sizes)):
                 if key.endswith(MANIFEST_NAME):
@@ -472,8 +496,9 @@ class LocalDiskBackend(StorageBackend):
                     continue
                 if size > self.capacity or not self._complete:
                     continue
+                incoming[key[:32]] = incoming.get(key[:32], 0) + size
                 if total + reserved + size > self.capacity:
-                    if not self._make_room(c, reserved + size, evicted, unlinked):
+                    if not self._make_room(c, reserved + size, evicted, unlinked, incoming):
                         break  # the room is in flight: the rest of the batch would only look again
                     total = self._total(c)
                 rows.append((key, size, tmps[i]))
@@ -482,8 +507,34 @@ class LocalDiskBackend(StorageBackend):
                     self._inflight[key] = self._inflight.get(key, 0) + 1
                 granted[i] = True
             self._idx.intend(c, self._writer(), rows)
+            for key, size, _ in rows:  # this writer's own puts keep its counts of namespaces current
+                seen = self._ns_bytes_seen.get(key[:32])
+                if seen is not None:
+                    self._ns_bytes_seen[key[:32]] = (seen[0], seen[1] + size)
         self._evicted(evicted)  # outside the directory's lock: the listener takes the stack's
         return granted
+
+    def _ns_bytes(self, c: sqlite3.Connection, ns: str) -> int:
+        """A namespace's bytes as the index had them at most ``NS_BYTES_TTL_S`` ago (a sum over its rows:
+        ~60 ms per 100,000 blocks, too slow for every eviction of a full directory)."""
+        now = time.monotonic()
+        seen = self._ns_bytes_seen.get(ns)
+        if seen is None or now - seen[0] > NS_BYTES_TTL_S:
+            seen = self._ns_bytes_seen[ns] = (now, self._idx.ns_bytes(c, ns))
+        return seen[1]
+
+    def _record_quota(self, c: sqlite3.Connection, keys: Sequence[str]) -> None:
+        """Record this writer's quota (``backends[i].quota``) for the namespaces it puts, in every session
+        (a rebuild empties the index's records), so every process's ``_make_room`` knows it; a writer
+        without one clears its namespaces' records, once each."""
+        spaces = {k[:32] for k in keys if not k.endswith(MANIFEST_NAME)}
+        if self.quota is not None:
+            for ns in spaces:
+                self._idx.set_quota(c, ns, self.quota.limit)
+        else:
+            for ns in spaces - self._quota_cleared:
+                self._idx.set_quota(c, ns, None)
+            self._quota_cleared |= spaces
 
     def _settle(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],
                 granted: Sequence[bool], tmps: Sequence[str | None],
@@ -803,6 +854,19 @@ class LocalDiskBackend(StorageBackend):
                     last.append(key)
         for key in last:
             self._holds.release(key)
+
+    def _namespace_blocks(self, namespace_id: str) -> list[StoredBlock]:
+        """One namespace's blocks, least recently used first, from the index (``kvtier.quota``); this
+        process's in-flight writes and holds left out."""
+        with self._idx_lock:
+            inflight = set(self._inflight)
+        return [StoredBlock(k, n) for k, n in self._idx.ns_lru(namespace_id) if k not in inflight]
+
+    def _trim(self, keys: list[str]) -> None:
+        """A namespace over its quota loses ``keys``, except those another process holds for a load."""
+        free = [k for k in keys if not held_elsewhere(self._where(k, checked=True)[1])]
+        if free:
+            super()._trim(free)
 
     def _eviction_order(self) -> list[StoredBlock]:
         """Every block, least recently used first (``evict_to``: ``kvtier gc``), this process's in-flight

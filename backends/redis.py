@@ -320,6 +320,19 @@ class RedisBackend(StorageBackend):
                 if cursor == b"0":
                     break
 
+    def _namespace_blocks(self, namespace_id: str) -> list[StoredBlock]:
+        """One namespace's blocks, least recently used first (``kvtier.quota``): OBJECT IDLETIME per key,
+        pipelined; a server whose maxmemory-policy is LFU answers it with an error, and then the keys keep
+        their listing order."""
+        blocks = list(self.scan(namespace_id))
+        rkeys = self._rkeys([b.key for b in blocks])
+        idle = self._pipelined(
+            rkeys, lambda i: ([b"*3\r\n$6\r\nOBJECT\r\n$8\r\nIDLETIME\r\n$%d\r\n%s\r\n" % (len(rkeys[i]), rkeys[i])],
+                              32),
+            lambda c, i: c.read_reply(), None)
+        order = [(-(t if isinstance(t, int) else 0), i) for i, t in enumerate(idle)]
+        return [blocks[i] for _, i in sorted(order)]
+
     def _usage(self) -> dict[str, int]:
         """Keys (all of the database, not only kvtier's) and used memory summed over the masters."""
         self._router.ensure()

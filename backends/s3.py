@@ -32,7 +32,7 @@ from pydantic import ConfigDict, Field, SecretStr
 
 from kvtier import threads as kvthreads
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
-from kvtier.keys import key_problem
+from kvtier.keys import invalid_key, key_problem
 
 log = logging.getLogger("kvtier.backends.s3")
 _MISSING = {"404", "NoSuchKey", "NotFound"}
@@ -280,6 +280,17 @@ class S3Backend(StorageBackend):
         for page in pages:
             for obj in page.get("Contents", ()):
                 yield StoredBlock(obj["Key"][cut:], obj["Size"])
+
+    def _namespace_blocks(self, namespace_id: str) -> list[StoredBlock]:
+        """One namespace's blocks, oldest written first (``kvtier.quota``: S3 records no reads, so a
+        namespace over its quota loses the blocks written longest ago)."""
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self._bucket, Prefix=f"{self._prefix}{namespace_id}/")
+        cut = len(self._prefix)
+        listed = [(obj["LastModified"], obj["Key"][cut:], obj["Size"]) for page in pages
+                  for obj in page.get("Contents", ())]
+        listed.sort()
+        return [StoredBlock(k, n) for _, k, n in listed if invalid_key([k]) is None]
 
     def _get_object(self, key: str) -> dict[str, Any] | None:
         """GetObject's response, or None when the object does not exist (any other error raises)."""

@@ -20,6 +20,8 @@ Invariants:
   refuses the whole call with ``InvalidKey`` (a ``BackendError`` and a ``ValueError``) naming the backend
   and the key; nothing is read, written, counted or treated as a miss.  A malformed key is the caller's
   bug, and a miss would hide it.
+* A backend given a quota (``limit``) keeps each namespace it writes within it after every put, by
+  deleting that namespace's own least recently used blocks (``kvtier.quota``); a put never fails for it.
 * All public methods are thread-safe if the hooks are.
 """
 
@@ -34,7 +36,7 @@ import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
@@ -43,6 +45,7 @@ from pydantic import BaseModel, ConfigDict
 from .format import blockformat
 from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
 from .plugins import strict_options
+from .quota import QuotaKeeper
 from .security import Forged, Seal
 
 if TYPE_CHECKING:
@@ -171,6 +174,19 @@ class StorageBackend(ABC):
         self._stats = BackendStats()
         self._lock = threading.Lock()
         self.seal: Seal | None = None
+        self.quota: QuotaKeeper | None = None
+
+    def limit(self, quota_bytes: int | None) -> None:
+        """Keep each namespace this instance writes within ``quota_bytes`` (``backends[i].quota``; None: no
+        quota): see ``kvtier.quota``.  Set once, before the first put (the builders in ``kvtier.config``)."""
+        self.quota = None if quota_bytes is None else QuotaKeeper(
+            quota_bytes, lambda ns: ((b.key, b.size) for b in self._call(lambda: list(self._namespace_blocks(ns)))),
+            self._trim)
+
+    def _trim(self, keys: list[str]) -> None:
+        """Remove blocks of a namespace over its quota: deleted, then told to the stack as an eviction."""
+        self.delete(keys)
+        self._evicted(keys)
 
     def secure(self, seal: Seal | None) -> None:
         """Seal what this backend writes and open what it reads (None: mode ``none``, format version 1).
@@ -284,6 +300,11 @@ class StorageBackend(ABC):
         by their text."""
         return e
 
+    def _namespace_blocks(self, namespace_id: str) -> Iterable[StoredBlock]:
+        """One namespace's blocks, least recently used (or oldest) first: the order a namespace over its
+        quota loses them in (``kvtier.quota``).  Optional; the default lists them in scan order."""
+        return self.scan(namespace_id)
+
     def _eviction_order(self) -> Iterable[StoredBlock]:
         """Every stored block (not manifests), least recently used first: the order ``evict_to`` removes
         them in.  Optional; the default knows nothing of use and lists them in scan order."""
@@ -379,6 +400,9 @@ class StorageBackend(ABC):
             s.put_failures += len(ok) - sum(ok)
             s.put_bytes += nbytes
             s.put_seconds += time.perf_counter() - t0
+        if self.quota is not None and nbytes:
+            hsize = self.header_size
+            self.quota.wrote([(k, hsize + v.nbytes) for k, v, good in zip(keys, views, ok) if good])
         return ok
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int, *,
@@ -489,16 +513,20 @@ class StorageBackend(ABC):
         return m if isinstance(m, dict) else None
 
     def evict_to(self, capacity_bytes: int, *, dry_run: bool = False,
-                 on_evict: Callable[[list[StoredBlock]], None] | None = None) -> list[StoredBlock]:
+                 on_evict: Callable[[list[StoredBlock]], None] | None = None,
+                 namespaces: Collection[str] | None = None) -> list[StoredBlock]:
         """Delete blocks in ``_eviction_order`` until those left total at most ``capacity_bytes``; return
         the blocks removed (``dry_run``: that would be removed, deleting nothing).  ``on_evict`` gets
-        each batch once it is deleted (``kvtier gc`` drives its progress bar with it)."""
+        each batch once it is deleted (``kvtier gc`` drives its progress bar with it).  ``namespaces``:
+        only blocks of these namespace ids are removed (every block still counts towards the total)."""
         blocks = self._call(lambda: list(self._eviction_order()))
         excess = sum(b.size for b in blocks) - capacity_bytes
         victims: list[StoredBlock] = []
         for blk in blocks:
             if excess <= 0:
                 break
+            if namespaces is not None and blk.key.partition("/")[0] not in namespaces:
+                continue
             victims.append(blk)
             excess -= blk.size
         if dry_run:

@@ -190,6 +190,13 @@ class BackendConfig(_Section):
     type: str = Field(description="Plugin name in entry-point group kvtier.backends: local_disk, redis, s3, ...")
     options: PluginOptions = Field(default_factory=dict)
     write: bool = Field(True, description="false = read-only use (e.g. a decode instance that never stores).")
+    quota: ByteSize | None = Field(
+        None, description='Bytes each namespace this deployment writes may hold in this backend, e.g. "20GiB" '
+                          "(null: no quota).  Over it, the namespace's own least recently used blocks go, never "
+                          "another's: for a store several deployments share (a local_disk directory, a Redis "
+                          "key_prefix, an S3 prefix).  local_disk's capacity evictions also skip the blocks "
+                          "of a namespace within its quota; in Redis and S3, give every sharing deployment "
+                          "one, their sum within maxmemory / the bucket's budget.")
     security: Literal["none", "authenticate", "encrypt"] = Field(
         "none", description="none: values carry a checksum, which catches damage but not a writer's intent; "
                             "authenticate: each value carries an AES-GCM tag made with a key derived from "
@@ -405,6 +412,7 @@ class KvtierConfig(_Section):
         seal = self.security.seal(b.security) if keys else None  # keys first: a bad key opens nothing
         backend = b.plugin()(b.options if options is None else options, name=b.name)
         backend.secure(seal)
+        backend.limit(b.quota if b.write else None)
         return backend
 
     def build_backends(self) -> list[Any]:
@@ -650,7 +658,7 @@ def parse_config(data: Any, *, source: str = "<dict>", env: Mapping[str, str] | 
                 policy_options[sect] = _resolve_plugin(model.KIND, name, p.get("options"), f"policies.{sect}",
                                                        "name", problems)
     if cfg is not None:
-        problems += _cross_checks(cfg)
+        problems += _cross_checks(cfg) + _quota_checks(cfg, backend_options)
     if problems:
         raise ConfigError([_blame(line, sources) for line in problems], source)
     assert cfg is not None
@@ -678,6 +686,24 @@ def _cross_checks(cfg: KvtierConfig) -> list[str]:
             out.append(f"backends[{i}].name: duplicate backend name {describe(b.name)} (also backends[{j}]); "
                        "give each instance a unique name")
     out += cfg.security.problems([(i, b.security) for i, b in enumerate(cfg.backends) if b.security != "none"])
+    return out
+
+
+def _quota_checks(cfg: KvtierConfig, options: Mapping[int, Any]) -> list[str]:
+    """``backends[i].quota`` against its backend (``options``: the plugins' validated options by index)."""
+    out = []
+    for i, b in enumerate(cfg.backends):
+        if b.quota is None:
+            continue
+        capacity = getattr(options.get(i), "capacity", None)
+        if b.quota < 1:
+            out.append(f"backends[{i}].quota: expected a size of at least 1 byte (null: no quota), got {b.quota}")
+        elif not b.write:
+            out.append(f"backends[{i}].quota: backend {b.name} is read-only (write: false): it writes nothing "
+                       "to bound; drop the quota or the write: false")
+        elif isinstance(capacity, int) and not isinstance(capacity, bool) and b.quota > capacity:
+            out.append(f"backends[{i}].quota: {format_size(b.quota)} is more than backend {b.name}'s capacity "
+                       f"({format_size(capacity)}): a quota is a share of it")
     return out
 
 

@@ -20,7 +20,9 @@ Prometheus) and p50 / p90 / p99 over a reservoir of the last 1024 samples.
 
 Per storage backend, read when asked (:meth:`StackMetrics.watch_backends`): ``up`` (0 while the backend
 has been unreachable since it last answered a whole call), ``used_bytes`` and ``capacity_bytes`` (what the
-backend's own ``stats()`` reports, where it reports them).
+backend's own ``stats()`` reports, where it reports them), and the counters ``corrupt`` and ``forged``
+(values the backend refused and deleted: damaged, or not sealed by this deployment's key; its
+``stats()``'s, since start-up).
 
 Per request (each :meth:`kvtier.stack.TierStack.lookup`): the matched tokens by tier, as FastDeploy's
 prefix cache manager reports them: device / host / storage (all backends together).
@@ -54,6 +56,12 @@ BACKEND_GAUGES = {
     "up": "1 if the backend answered its last call in full, 0 while it has been unreachable since",
     "used_bytes": "Bytes the backend holds, as its stats() report them (Redis: used_memory of its masters)",
     "capacity_bytes": "Bytes the backend may hold, where bounded (local_disk capacity, Redis maxmemory)",
+}
+# Per-backend counters (``kvtier_backend_<name>_total{tier=...}``), from its stats(), and their help.
+BACKEND_COUNTERS = {
+    "corrupt": "Values the backend refused and deleted as damaged (checksum, header, length)",
+    "forged": "Values a sealed backend (security authenticate / encrypt) refused and deleted: intact, but not "
+              "sealed under this deployment's key, mode and namespace",
 }
 # /metrics has no authentication: by default it answers only this host (config: metrics.bind_address).
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
@@ -270,16 +278,22 @@ class StackMetrics:
 
 
 def _backend_gauges(watched: WatchedBackends) -> dict[str, dict[str, float]]:
-    """``{gauge: {backend name: value}}`` of :data:`BACKEND_GAUGES`; a value a backend lacks is left out."""
-    out: dict[str, dict[str, float]] = {g: {} for g in BACKEND_GAUGES}
+    """``{name: {backend name: value}}`` of :data:`BACKEND_GAUGES` and :data:`BACKEND_COUNTERS`; a value a
+    backend lacks (or cannot tell now: it is down) is left out."""
+    out: dict[str, dict[str, float]] = {g: {} for g in (*BACKEND_GAUGES, *BACKEND_COUNTERS)}
     for name, b, up in zip(watched.names, watched.backends, watched.up()):
         out["up"][name] = 1.0 if up else 0.0
         if not up:
             continue  # its stats() may wait on the unreachable server: a scrape must stay quick
         try:
-            extra = b.stats().extra
+            stats = b.stats()
+            extra = stats.extra
         except Exception:  # noqa: BLE001 - a gauge must never break a scrape
             continue
+        for counter in BACKEND_COUNTERS:
+            v = getattr(stats, counter, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                out[counter][name] = float(v)
         for gauge, key in (("used_bytes", "bytes"), ("capacity_bytes", "capacity_bytes")):
             v = extra.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -334,7 +348,9 @@ class _Collector:
         yield CounterMetricFamily("kvtier_request_tokens", "Tokens asked about by requests",
                                   value=reqs["num_tokens"])
         for gauge, values in (snap.get("backends") or {}).items():
-            per_backend = GaugeMetricFamily(f"kvtier_backend_{gauge}", BACKEND_GAUGES[gauge], labels=["tier"])
+            per_backend = CounterMetricFamily(f"kvtier_backend_{gauge}", BACKEND_COUNTERS[gauge], labels=["tier"]) \
+                if gauge in BACKEND_COUNTERS else \
+                GaugeMetricFamily(f"kvtier_backend_{gauge}", BACKEND_GAUGES[gauge], labels=["tier"])
             for name, v in values.items():
                 per_backend.add_metric([name], v)
             yield per_backend
@@ -343,5 +359,5 @@ class _Collector:
                 yield GaugeMetricFamily(f"kvtier_{name}", name.replace("_", " "), value=v)
 
 
-__all__ = ["BACKEND_GAUGES", "BUCKETS", "COUNTERS", "DEFAULT_BIND_ADDRESS", "OPS", "LatencyStats",
+__all__ = ["BACKEND_COUNTERS", "BACKEND_GAUGES", "BUCKETS", "COUNTERS", "DEFAULT_BIND_ADDRESS", "OPS", "LatencyStats",
            "RequestSummary", "StackMetrics", "TierMetrics", "WatchedBackends"]

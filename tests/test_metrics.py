@@ -178,7 +178,7 @@ def test_backend_up_and_usage_gauges_follow_an_outage(tmp_path):
         assert st.flush(TIMEOUT)
         g = st.metrics.snapshot()["backends"]
         # Down: no usage asked of it (a scrape must not wait on an unreachable server).
-        assert g == {"up": {"disk": 0.0}, "used_bytes": {}, "capacity_bytes": {}}
+        assert g == {"up": {"disk": 0.0}, "used_bytes": {}, "capacity_bytes": {}, "corrupt": {}, "forged": {}}
         assert 'kvtier_backend_up{tier="disk"} 0.0' in st.metrics.generate_latest().decode()
         fb.clear()
         assert st.lookup(chain(st, 1, start=900)).num_blocks == 0  # asks the disk: a whole answer, it is back
@@ -186,6 +186,47 @@ def test_backend_up_and_usage_gauges_follow_an_outage(tmp_path):
         assert 'kvtier_backend_up{tier="disk"} 1.0' in st.metrics.generate_latest().decode()
     finally:
         st.close()
+
+
+def test_forged_and_corrupt_values_are_backend_counters(tmp_path):
+    """A sealed local_disk refuses a value written without the key (forged) and a damaged one (corrupt):
+    both are counted, in the snapshot and on /metrics beside the backend gauges; the key is nowhere."""
+    import os
+
+    from kvtier.backends.local_disk import LocalDiskBackend
+    from kvtier.keys import Namespace
+    from kvtier.security import KeyRing, Seal
+
+    key = os.urandom(32)
+    ns = Namespace("test/forged", "float32", 1, 1, 8, 4)
+    sealed = LocalDiskBackend({"path": str(tmp_path / "d")}, name="disk")
+    sealed.secure(Seal("authenticate", KeyRing({1: key}, 1)))
+    plain = LocalDiskBackend({"path": str(tmp_path / "d")}, name="writer-without-key")
+    forged, damaged = ns.keys([os.urandom(32), os.urandom(32)])
+    assert plain.put([forged], [os.urandom(256)], ns.layout_id) == [True]
+    assert sealed.put([damaged], [os.urandom(256)], ns.layout_id) == [True]
+    path = tmp_path / "d" / ns.id / damaged.split("/")[1][:2] / damaged.split("/")[1]
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0xFF  # the format version: no longer a value of this mode's framing
+    path.write_bytes(bytes(data))
+    assert sealed.get_into([forged, damaged], [bytearray(256), bytearray(256)], ns.layout_id) == [False, False]
+
+    class Watched:
+        names, backends = ["disk"], [sealed]
+
+        def up(self) -> list[bool]:
+            return [True]
+
+    m = StackMetrics(["device", "host", "disk"], 4)
+    m.watch_backends(Watched())
+    g = m.snapshot()["backends"]
+    assert g["forged"] == {"disk": 1.0} and g["corrupt"] == {"disk": 1.0}
+    text = m.generate_latest().decode()
+    assert 'kvtier_backend_forged_total{tier="disk"} 1.0' in text
+    assert 'kvtier_backend_corrupt_total{tier="disk"} 1.0' in text
+    assert key.hex() not in text
+    sealed.close()
+    plain.close()
 
 
 def test_unknown_tier_is_ignored_and_names_must_be_unique():

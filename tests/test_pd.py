@@ -13,6 +13,7 @@ we allow |diff| <= 1e-4 (observed: below 1e-6 on logits of magnitude ~1-10) and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from kvtier import blockformat
 from kvtier.testing.redis_server import redis_available, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +45,11 @@ def make_requests(tmp_path: Path) -> Path:
     return path
 
 
-def write_config(tmp_path: Path, role: str, backend: dict[str, Any]) -> Path:
+def write_config(tmp_path: Path, role: str, backend: dict[str, Any],
+                 security: dict[str, Any] | None = None) -> Path:
     cfg = yaml.safe_load((ROOT / "configs" / f"pd-{role}.yaml").read_text())
+    if security is not None:
+        cfg["security"] = security
     be = dict(backend)
     if role == "decode":
         be["write"] = False
@@ -74,11 +79,12 @@ def baseline(tmp_path_factory) -> tuple[list[dict[str, Any]], list[torch.Tensor]
 
 
 def run_pair(tmp_path: Path, backend: dict[str, Any],
-             baseline: tuple[list[dict[str, Any]], list[torch.Tensor]]) -> None:
+             baseline: tuple[list[dict[str, Any]], list[torch.Tensor]],
+             security: dict[str, Any] | None = None) -> None:
     reqs_path = make_requests(tmp_path)
     reqs = [json.loads(x) for x in reqs_path.read_text().splitlines()]
-    pre = write_config(tmp_path, "prefill", backend)
-    dec = write_config(tmp_path, "decode", backend)
+    pre = write_config(tmp_path, "prefill", backend, security)
+    dec = write_config(tmp_path, "decode", backend, security)
     kvtier("pd", "prefill", "--config", str(pre), "--requests", str(reqs_path))
     kvtier("pd", "decode", "--config", str(dec), "--requests", str(reqs_path),
            "--out", str(tmp_path / "decode.json"), "--logits", str(tmp_path / "decode.pt"))
@@ -105,11 +111,19 @@ def test_pd_over_shared_disk(tmp_path, baseline):
 
 
 @pytest.mark.skipif(redis_available() is not None, reason=str(redis_available()))
-def test_pd_over_redis(tmp_path, baseline):
+def test_pd_over_redis(tmp_path, baseline, monkeypatch):
+    """The pair over Redis in security mode encrypt (the disk and S3 pairs cover mode none): the same
+    tokens as the no-cache baseline, the key given to both processes in an environment variable."""
+    monkeypatch.setenv("PD_DEPLOYMENT_KEY", os.urandom(32).hex())
     srv = start_redis()
     try:
-        run_pair(tmp_path, {"name": "shared", "type": "redis", "options": {"url": srv.url}}, baseline)
-        assert int(srv.cli("DBSIZE").strip()) > 0
+        run_pair(tmp_path, {"name": "shared", "type": "redis", "options": {"url": srv.url},
+                            "security": "encrypt"}, baseline,
+                 security={"keys": [{"id": 1, "env": "PD_DEPLOYMENT_KEY"}]})
+        keys = srv.cli("KEYS", "kvtier:*").split()
+        value = srv.client().get(next(k for k in keys if not k.endswith("manifest.json")))
+        assert blockformat.stored_version(value) == blockformat.FORMAT_VERSION_SEALED  # sealed, and
+        assert value[65] == blockformat.MODE_ENCRYPT  # its mode byte (offset 65): encrypt
     finally:
         srv.stop()
 

@@ -197,7 +197,9 @@ def test_kvtier_events_needs_one_namespace(tmp_path: Path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"backends": [{"name": "disk", "type": "local_disk",
                                                  "options": {"path": str(root)}}]}))
-    assert main(["events", "--config", str(cfg), "--engine", "vllm"]) == 2
+    assert main(["events", "--config", str(cfg), "--engine", "vllm"]) == 2  # whose namespaces: untold
+    assert "sets no model.id" in capsys.readouterr().err
+    assert main(["events", "--config", str(cfg), "--engine", "vllm", "--all-namespaces"]) == 2
     err = capsys.readouterr().err
     assert "--namespace is needed: the config names no model of its own and its backends hold 2 namespaces" in err
 

@@ -96,7 +96,7 @@ def populated(tmp_path):
 
 def test_inspect_local_disk(tmp_path, capsys, populated):
     cfg = config(tmp_path, disk(tmp_path, capacity=4 * STORED))  # over capacity: inspect must not evict
-    rc, doc = cli_json(capsys, "inspect", "--config", cfg)
+    rc, doc = cli_json(capsys, "inspect", "--config", cfg, "--all-namespaces")
     assert rc == 0 and doc["namespace"] == NS.id
     (b,) = doc["backends"]
     assert b["name"] == "disk" and b["type"] == "local_disk" and b["error"] is None
@@ -115,7 +115,7 @@ def test_inspect_local_disk(tmp_path, capsys, populated):
     # + 2 manifests + the usage ledger
     assert sum(1 for _ in (tmp_path / "blocks").rglob("*") if _.is_file()) == 12 + 2 + 1
 
-    rc, out, _ = cli(capsys, "inspect", "--config", cfg)
+    rc, out, _ = cli(capsys, "inspect", "--config", cfg, "--all-namespaces")
     assert rc == 0
     assert f"namespace {NS.id}  [this config]: 7 blocks, 7.6KiB" in out
     assert "12 blocks, 9.2KiB (9392 bytes) of capacity 4.3KiB" in out
@@ -129,7 +129,11 @@ def test_inspect_empty_and_manifest_only(tmp_path, capsys):
     b = LocalDiskBackend({"path": str(tmp_path / "blocks")})
     b.put_manifest(OTHER)
     b.close()
-    rc, doc = cli_json(capsys, "inspect", "--config", config(tmp_path, disk(tmp_path)))
+    cfg = config(tmp_path, disk(tmp_path))
+    rc, doc = cli_json(capsys, "inspect", "--config", cfg)  # OTHER is another deployment's: counted only
+    (be,) = doc["backends"]
+    assert rc == 0 and be["blocks"] == 0 and be["namespaces"] == [] and be["other_namespaces"] == 1
+    rc, doc = cli_json(capsys, "inspect", "--config", cfg, "--all-namespaces")
     (be,) = doc["backends"]
     assert rc == 0 and be["blocks"] == 0 and be["bytes"] == 0
     assert [(ns["id"], ns["blocks"], ns["manifest"]) for ns in be["namespaces"]] == \
@@ -161,7 +165,7 @@ def test_verify_local_disk_finds_exactly_the_corrupt_blocks(tmp_path, capsys, po
              if p.is_file() and p.name not in (LEDGER_NAME, JOURNAL_NAME)}  # with deletes
     cfg = config(tmp_path, disk(tmp_path, capacity=4 * STORED))
 
-    rc, out, err = cli(capsys, "verify", "--config", cfg)
+    rc, out, err = cli(capsys, "verify", "--config", cfg, "--all-namespaces")
     assert rc == 1, out + err
     reported = {line.split()[1].rstrip(":") for line in out.splitlines() if line.strip().startswith("CORRUPT")}
     assert reported == set(bad)
@@ -169,7 +173,7 @@ def test_verify_local_disk_finds_exactly_the_corrupt_blocks(tmp_path, capsys, po
     assert "12 blocks checked, 5 corrupt" in out and "run with --fix" in out
     assert {p: p.read_bytes() for p in files} == files  # no --fix: nothing changed, nothing evicted
 
-    rc, doc = cli_json(capsys, "verify", "--config", cfg)
+    rc, doc = cli_json(capsys, "verify", "--config", cfg, "--all-namespaces")
     (b,) = doc["backends"]
     assert rc == 1 and doc["corrupt"] == 5 and b["deleted"] == []
     assert {c["key"] for c in b["corrupt"]} == set(bad)
@@ -178,13 +182,13 @@ def test_verify_local_disk_finds_exactly_the_corrupt_blocks(tmp_path, capsys, po
     assert b["layout_not_cross_checked"] == {NOMANIFEST.id: "no manifest"}
     assert b["ok"] == 7 and b["checked"] == 12
 
-    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--fix")
+    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--all-namespaces", "--fix")
     assert rc == 0 and "5 corrupt, 5 deleted" in out
     left = {p for p in files if p.exists()}
     assert left == set(files) - {block_path(tmp_path, k) for k in bad}
     assert all(p.read_bytes() == files[p] for p in left)
 
-    rc, doc = cli_json(capsys, "verify", "--config", cfg)
+    rc, doc = cli_json(capsys, "verify", "--config", cfg, "--all-namespaces")
     assert rc == 0 and doc["corrupt"] == 0 and doc["backends"][0]["ok"] == 7
     b = LocalDiskBackend({"path": str(tmp_path / "blocks")})
     good = [own[3], own[5], own[6]]
@@ -201,11 +205,11 @@ def test_verify_finishes_on_a_fifo_under_a_block_name(tmp_path, capsys, populate
     fifo.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(fifo)
     cfg = config(tmp_path, disk(tmp_path))
-    rc, doc = cli_json(capsys, "verify", "--config", cfg)
+    rc, doc = cli_json(capsys, "verify", "--config", cfg, "--all-namespaces")
     (b,) = doc["backends"]
     assert rc == 1 and [c["key"] for c in b["corrupt"]] == [NS.key(bytes(32))], b
     assert b["ok"] == len(own) + 5 and fifo.exists()  # no --fix: left alone
-    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--fix")
+    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--all-namespaces", "--fix")
     assert rc == 0 and "1 corrupt, 1 deleted" in out, out
     assert not os.path.lexists(fifo)
 
@@ -252,24 +256,24 @@ def test_verify_redis(tmp_path, capsys, redis_backend_cfg):
         r.setrange(f"kvtier:{k}", off, bytes([old[0] ^ 0xFF]))
     cfg = config(tmp_path, conf)
 
-    rc, doc = cli_json(capsys, "verify", "--config", cfg)
+    rc, doc = cli_json(capsys, "verify", "--config", cfg, "--all-namespaces")
     be = doc["backends"][0]
     assert rc == 1 and {c["key"] for c in be["corrupt"]} == set(bad) and be["ok"] == 12
     assert be["layout_not_cross_checked"] == {NOMANIFEST.id: "no manifest"}
     assert all(r.exists(f"kvtier:{k}") for k in keys)
 
-    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--fix")
+    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--all-namespaces", "--fix")
     assert rc == 0 and "15 blocks checked, 3 corrupt, 3 deleted" in out
     assert [bool(r.exists(f"kvtier:{k}")) for k in keys] == [k not in bad for k in keys]
     assert r.exists(f"kvtier:{NS.id}/manifest.json")
-    assert cli_json(capsys, "verify", "--config", cfg)[0] == 0
+    assert cli_json(capsys, "verify", "--config", cfg, "--all-namespaces")[0] == 0
 
-    rc, doc = cli_json(capsys, "inspect", "--config", cfg)
+    rc, doc = cli_json(capsys, "inspect", "--config", cfg, "--all-namespaces")
     by_id = {ns["id"]: ns for ns in doc["backends"][0]["namespaces"]}
     assert rc == 0 and by_id[NS.id]["blocks"] == 10 and by_id[NS.id]["bytes"] == 10 * STORED
     assert by_id[NS.id]["manifest"] == NS.manifest() and by_id[NOMANIFEST.id]["blocks"] == 2
 
-    rc, doc = cli_json(capsys, "gc", "--config", cfg)  # no capacity option: skipped
+    rc, doc = cli_json(capsys, "gc", "--config", cfg, "--all-namespaces")  # no capacity option: skipped
     assert rc == 0 and "no capacity option" in doc["backends"][0]["skipped"]
 
 
@@ -315,12 +319,12 @@ def test_gc_local_disk_evicts_least_recently_used_first(tmp_path, capsys):
         os.utime(block_path(tmp_path, k), (t, t))
     cfg = config(tmp_path, disk(tmp_path, capacity=10 * STORED + 50))
 
-    rc, doc = cli_json(capsys, "gc", "--config", cfg, "--dry-run")
+    rc, doc = cli_json(capsys, "gc", "--config", cfg, "--all-namespaces", "--dry-run")
     be = doc["backends"][0]
     assert rc == 0 and be["evicted"] == order[:6] and be["bytes_after"] == 10 * STORED
     assert all(block_path(tmp_path, k).exists() for k in keys)
 
-    rc, out, _ = cli(capsys, "gc", "--config", cfg, "-v")
+    rc, out, _ = cli(capsys, "gc", "--config", cfg, "--all-namespaces", "-v")
     assert rc == 0
     assert "16 blocks, 17.4KiB of capacity 10.9KiB; 6.5KiB over: evicting least recently used first" in out
     assert "evicted 6 blocks, 6.5KiB:" in out and "now 10 blocks, 10.9KiB of 10.9KiB" in out
@@ -329,7 +333,7 @@ def test_gc_local_disk_evicts_least_recently_used_first(tmp_path, capsys):
     assert [block_path(tmp_path, k).exists() for k in order] == [False] * 6 + [True] * 10
     assert (tmp_path / "blocks" / NS.id / "manifest.json").exists()  # manifests are never evicted
 
-    rc, doc = cli_json(capsys, "gc", "--config", cfg)  # within capacity now: nothing to do
+    rc, doc = cli_json(capsys, "gc", "--config", cfg, "--all-namespaces")  # within capacity now: nothing to do
     be = doc["backends"][0]
     assert rc == 0 and be["evicted"] == [] and be["bytes_before"] == be["bytes_after"] == 10 * STORED
 
@@ -440,26 +444,26 @@ def test_engine_yaml_inspect_verify_gc_work_across_namespaces(tmp_path, capsys, 
     own, other = populated["own"], populated["other"]
     cfg = engine_config(tmp_path, disk(tmp_path, capacity=8 * STORED), model=model)
 
-    rc, out, err = cli(capsys, "inspect", "--config", cfg)
+    rc, out, err = cli(capsys, "inspect", "--config", cfg, "--all-namespaces")
     assert rc == 0, err
     assert out.splitlines()[0] == f"config {cfg}: " + ACROSS.format("vllm / sglang") + \
         "showing every namespace found in its backends"
     assert "[this config]" not in out and f"namespace {NS.id}: 7 blocks" in out
     assert f"namespace {OTHER.id}: 3 blocks" in out and f"namespace {NOMANIFEST.id}: 2 blocks" in out
-    rc, doc = cli_json(capsys, "inspect", "--config", cfg, "--engine", "vllm")
+    rc, doc = cli_json(capsys, "inspect", "--config", cfg, "--all-namespaces", "--engine", "vllm")
     assert rc == 0 and doc["namespace"] is None and doc["engine_fills_model"] is True
     assert not any(ns["this_config"] for ns in doc["backends"][0]["namespaces"])
 
     flip(block_path(tmp_path, own[0]), 88 + 7)  # one corrupt block in each namespace with a manifest
     flip(block_path(tmp_path, other[1]), 88 + 7)
-    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--engine", "sglang")
+    rc, out, _ = cli(capsys, "verify", "--config", cfg, "--all-namespaces", "--engine", "sglang")
     assert rc == 1
     assert out.splitlines()[0] == f"config {cfg}: " + ACROSS.format("sglang") + "checking each block " \
         "against its own namespace's manifest and header, across every namespace found in its backends"
     assert f"CORRUPT {own[0]}: payload checksum mismatch" in out
     assert f"CORRUPT {other[1]}: payload checksum mismatch" in out and "12 blocks checked, 2 corrupt" in out
 
-    rc, out, _ = cli(capsys, "gc", "--config", cfg)  # 7 + 3 + 2 blocks of three sizes, of three namespaces
+    rc, out, _ = cli(capsys, "gc", "--config", cfg, "--all-namespaces")  # 7 + 3 + 2 blocks of three sizes, of three namespaces
     assert rc == 0 and "trimming each backend to its capacity, least recently used first, across" in out
     assert "12 blocks, 9.2KiB of capacity 8.7KiB; 496B over: evicting least recently used first" in out
     assert sum(p.stat().st_size for p in (tmp_path / "blocks").glob("*/??/*")) <= 8 * STORED

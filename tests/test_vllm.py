@@ -773,12 +773,25 @@ def test_randomised_soak_leaks_nothing_and_serves_exact_tokens(model_dir, soak_r
     assert st["stats"]["failed_blocks"] <= max(1, st["stats"]["loaded_blocks"] // 10), st
 
 
-def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path):
-    cfg = kv_config({"name": "redis", "type": "redis", "options": {"url": redis_server.url}})
+def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path, monkeypatch):
+    """The P/D pair over Redis in security mode encrypt (issue 45: the disk and S3 pairs cover mode none):
+    the same tokens and logprobs as vLLM's own cache, every value in Redis sealed and encrypted, the key
+    given to both processes in an environment variable."""
+    from kvtier import blockformat
+
+    monkeypatch.setenv("PD_DEPLOYMENT_KEY", os.urandom(32).hex())
+    cfg = kv_config({"name": "redis", "type": "redis", "options": {"url": redis_server.url},
+                     "security": "encrypt"})
+    cfg["security"] = {"keys": [{"id": 1, "env": "PD_DEPLOYMENT_KEY"}]}
     run_vllm(model_dir, tmp_path, "kv_producer", [A, C], cfg)
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], cfg)
     assert_same_outputs(got["results"], warm)
     assert [r["cached"] for r in got["results"]] == [160, 288]
+    r = redis_server.client()
+    values = [r.get(k) for k in r.keys("kvtier:*") if not k.endswith(b"manifest.json")]
+    assert values and all(  # format version 2, mode byte (offset 65) encrypt
+        blockformat.stored_version(v) == blockformat.FORMAT_VERSION_SEALED and v[65] == blockformat.MODE_ENCRYPT
+        for v in values)
 
 
 def test_redis_killed_mid_run_costs_hits_not_tokens(model_dir, redis_server, cold, tmp_path):

@@ -8,8 +8,14 @@ Invariants:
 * A backend that cannot be opened or read is reported by name and the tool goes on with the others; a
   ``path`` option naming nothing is such an error (opening would create the directory).
 * The config is loaded as the process that uses it loads it (``--engine``): a YAML whose model section vLLM
-  or SGLang fills (absent or incomplete) is validated with placeholders for what the engine fills, and has
-  no namespace of its own, so a tool works on every namespace its backends hold alike.
+  or SGLang fills (absent or incomplete) is validated with placeholders for what the engine fills.
+* A tool works on the config's own namespaces only (``Scope``), unless told ``--all-namespaces``: in a
+  store two deployments share, one's tools neither list the other's model nor read, verify or evict its
+  blocks.  Its own: the config's namespace id, and every namespace whose manifest names the same model
+  and layout (its other TP / PP ranks and KV cache groups, a run under another hash seed).  An engine YAML
+  has no namespace id until the engine runs: its own are those whose manifest matches the model fields
+  the file sets, and one that sets no ``model.id`` is refused (exit 2) without ``--all-namespaces``.  A
+  namespace without a manifest is nobody's but the config's whose id it is.
 * Nothing printed holds a password: URLs are printed from the validated options (the redis backend has
   already moved the password out of its URL) and every message passes through ``mask_secrets``.
 """
@@ -92,9 +98,57 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_argument(p)
     p.add_argument("--backend", action="append", metavar="NAME",
                    help="only this backend (by its name in the config); repeatable")
+    add_scope_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is shown on stderr only when stderr is a terminal)")
+
+
+def add_scope_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--all-namespaces", action="store_true",
+                   help="work on every namespace the backends hold, other deployments' included (default: "
+                        "only the config's own: its namespace, its other ranks and KV cache groups)")
+
+
+#: The manifest fields that say which deployment a namespace is: its model and layout, the same on every
+#: TP / PP rank and KV cache group of one deployment (``tp_rank``, ``pp_rank``, ``kv_group`` are left out,
+#: and so are the hash fields: a tool may not see the PYTHONHASHSEED the deployment resolved its seed with).
+OWNER_FIELDS = {"id": "model", "kv_dtype": "kv_dtype", "num_layers": "num_layers", "num_kv_heads": "num_kv_heads",
+                "head_dim": "head_dim", "block_size": "block_size", "attention": "attention",
+                "tp_size": "tp_size", "pp_size": "pp_size"}
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which namespaces a tool works on: every one (``all``), or the config's own: ``own_id`` (None for an
+    engine YAML) and those whose manifest has each of ``fields`` (manifest name -> value)."""
+
+    all: bool
+    own_id: str | None
+    fields: tuple[tuple[str, Any], ...]
+
+    def owns(self, info: NamespaceInfo) -> bool:
+        if self.all or info.id == self.own_id:
+            return True
+        m = info.manifest if info.namespace is not None else None
+        return m is not None and all(m.get(k, _ABSENT) == v for k, v in self.fields)
+
+    def ids(self, backend: StorageBackend, found: Iterable[str] = ()) -> tuple[list[str], int]:
+        """(the namespace ids of ``backend`` this scope works on, how many others there are), from the
+        backend's namespaces and ``found`` (ids a caller already listed); reads manifests, never blocks."""
+        ids = set(found) | set(backend.namespaces())
+        if self.all:
+            return sorted(ids), 0
+        mine = [ns for ns in sorted(ids) if self.owns(namespace_info(backend, ns))]
+        return mine, len(ids) - len(mine)
+
+    def others_line(self, n: int) -> str:
+        """What a tool says of the namespaces it left out (their count only: not whose they are)."""
+        return (f"{n} other namespace{'s' if n != 1 else ''} (other deployments') left out: "
+                "--all-namespaces works on them too")
+
+
+_ABSENT = object()
 
 
 @dataclass
@@ -111,15 +165,36 @@ class Loaded:
         """The config's own namespace id; None for an engine YAML, which has none until the engine runs."""
         return None if self.filled is not None else self.cfg.namespace().id
 
+    scope: Scope = Scope(True, None, ())
+
     def across_namespaces(self, config: str, doing: str) -> str:
-        """The one line a tool prints for an engine YAML: it works on every namespace its backends hold."""
-        return (f"config {config}: model filled by the engine ({engine_label(self.engine)}) at start-up, so "
-                f"the file names no namespace of its own: {doing} every namespace found in its backends")
+        """The one line a tool prints for an engine YAML: which namespaces it works on."""
+        head = (f"config {config}: model filled by the engine ({engine_label(self.engine)}) at start-up, so "
+                f"the file names no namespace of its own: {doing} ")
+        if self.scope.all:
+            return head + "every namespace found in its backends"
+        said = ", ".join(f"{k} = {v}" for k, v in self.scope.fields)
+        return head + f"the namespaces whose manifest says {said}"
 
 
-def load(args: argparse.Namespace) -> Loaded:
+def scope_of(cfg: KvtierConfig, filled: list[str] | None, config: str, all_namespaces: bool) -> Scope:
+    """The namespaces a tool given ``cfg`` works on (see the module's invariants); a UserError for an
+    engine YAML that names no model, unless ``all_namespaces``."""
+    if all_namespaces:
+        return Scope(True, None, ())
+    m = cfg.model
+    if filled is None:
+        return Scope(False, cfg.namespace().id, tuple((v, getattr(m, k)) for k, v in OWNER_FIELDS.items()))
+    if "id" in filled:
+        raise UserError(f"{config}: the file sets no model.id (the engine fills it at start-up), so which "
+                        "namespaces are this deployment's cannot be told from other deployments': set model.id "
+                        "to the model the engine serves, or pass --all-namespaces to work on every namespace")
+    return Scope(False, None, tuple((v, getattr(m, k)) for k, v in OWNER_FIELDS.items() if k not in filled))
+
+
+def load(args: argparse.Namespace, named: bool = False) -> Loaded:
     """The validated config, as ``args.engine`` loads it, or a UserError listing every problem (exit 2, no
-    traceback)."""
+    traceback).  ``named``: the tool was told which namespace to work on (its scope is then every one)."""
     try:
         cfg, filled = load_config_as_deployed(args.config, args.engine)
     except ConfigError as e:
@@ -138,7 +213,8 @@ def load(args: argparse.Namespace) -> Loaded:
     if unknown:
         raise UserError(f"no backend named {', '.join(map(repr, unknown))} in {args.config}; "
                         f"it has {', '.join(map(repr, known))}")
-    return Loaded(cfg, args.engine, filled)
+    scope = scope_of(cfg, filled, args.config, named or bool(getattr(args, "all_namespaces", False)))
+    return Loaded(cfg, args.engine, filled, scope)
 
 
 @dataclass

@@ -30,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     st.add_engine_argument(p)
     p.add_argument("--backend", action="append", metavar="NAME", help="only this backend (by name); repeatable")
     p.add_argument("--namespace", metavar="ID", help="the namespace (model) to publish; default: the config's "
-                   "own, or the only one its backends hold")
+                   "own, or the only one of this deployment's its backends hold")
+    st.add_scope_argument(p)
     p.add_argument("--block-size", type=int, metavar="TOKENS",
                    help="tokens per block in the events; default: from the namespace's manifest")
     p.add_argument("--endpoint", default="tcp://*:5557",
@@ -50,11 +51,12 @@ def _namespace(loaded: st.Loaded, opened: list[st.OpenedBackend], wanted: str | 
         return wanted
     if loaded.namespace_id is not None:
         return loaded.namespace_id
-    found = sorted({ns for ob in opened if ob.backend is not None for ns in ob.backend.namespaces()})
+    found = sorted({ns for ob in opened if ob.backend is not None for ns in loaded.scope.ids(ob.backend)[0]})
     if len(found) != 1:
+        whose = "" if loaded.scope.all else " of this deployment's"
         raise UserError(f"--namespace is needed: the config names no model of its own and its backends hold "
-                        f"{len(found)} namespaces{': ' + ', '.join(found) if found else ''} (vLLM's events name "
-                        "no model, so one publisher serves one namespace)")
+                        f"{len(found)}{whose} namespaces{': ' + ', '.join(found) if found else ''} (vLLM's events "
+                        "name no model, so one publisher serves one namespace)")
     return found[0]
 
 
@@ -81,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.reconcile_s <= 0:
         raise UserError(f"--reconcile-s must be > 0, got {args.reconcile_s}")
-    loaded = st.load(args)
+    # A namespace named with --namespace is the operator's choice, of this deployment's or not: the scope
+    # only picks one when none is named.
+    loaded = st.load(args, named=args.namespace is not None)
     with st.open_backends(loaded.cfg, args.backend, keys=False) as opened:
         for ob in opened:
             if ob.backend is None:

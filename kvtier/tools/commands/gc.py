@@ -4,6 +4,9 @@ A backend bounded by kvtier has a ``capacity`` option (``local_disk``); gc remov
 blocks first (the order the backend itself evicts in: for ``local_disk``, each file's last use as recorded
 in its times) until the blocks left total at most the capacity, and reports what it removed per namespace
 (``-v``: every key).  Useful after lowering the capacity, or on a directory no running instance trims.
+Only this deployment's namespaces' blocks are evicted (see ``kvtier inspect``) unless ``--all-namespaces``:
+in a directory shared with other deployments, its own least recently used blocks go first, and it may
+stay over when theirs fill it.
 Backends without a capacity option (``redis``: bounded by the server's ``maxmemory``; ``s3``: unbounded or
 bucket lifecycle rules) are skipped.  Exit status 0, or 1 when a backend could not be trimmed, 2 for a bad
 config or flag."""
@@ -46,7 +49,7 @@ def _usage(ob: st.OpenedBackend) -> tuple[int, int]:
     return n, nbytes
 
 
-def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]:
+def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace, scope: st.Scope) -> dict[str, Any]:
     entry = ob.header()
     if ob.backend is None:
         return entry
@@ -68,7 +71,8 @@ def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]
         if before > cap:
             with st.progress(args, total=before - cap, unit="B", unit_scale=True, unit_divisor=1024,
                              desc=f"gc {ob.name}") as bar:
-                removed = ob.backend.evict_to(cap, dry_run=args.dry_run,
+                mine = None if scope.all else set(scope.ids(ob.backend)[0])
+                removed = ob.backend.evict_to(cap, dry_run=args.dry_run, namespaces=mine,
                                               on_evict=lambda batch: bar.update(sum(b.size for b in batch)))
         blocks_after, after = (blocks_before - len(removed), before - sum(b.size for b in removed)) \
             if args.dry_run else _usage(ob)
@@ -80,6 +84,9 @@ def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]
     entry.update(evicted_blocks=len(removed), evicted_bytes=sum(b.size for b in removed),
                  evicted_by_namespace=_per_namespace(removed), evicted=[b.key for b in removed],
                  blocks_after=blocks_after, bytes_after=after, dry_run=args.dry_run)
+    if not args.json and not removed and before > cap:
+        print("  nothing evicted: still over (blocks written meanwhile by another process, or other "
+              "deployments' blocks, which only --all-namespaces evicts)")
     if not args.json and removed:
         verb = "would evict" if args.dry_run else "evicted"
         print(f"  {verb} {len(removed)} blocks, {format_size(entry['evicted_bytes'])}:")
@@ -90,7 +97,8 @@ def gc_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]
                 print(f"    {b.key} ({b.size} bytes)")
         print(f"  {'would leave' if args.dry_run else 'now'} {blocks_after} blocks, {format_size(after)} "
               f"of {format_size(cap)}" + ("" if after <= cap else
-                                          " (still over: blocks written meanwhile by another process?)"))
+                                          " (still over: blocks written meanwhile by another process, or other "
+                                          "deployments' blocks, which only --all-namespaces evicts)"))
     return entry
 
 
@@ -105,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         for ob in opened:
             if ob.error and not args.json:
                 print(f"backend {ob.name} ({ob.conf.type}): ERROR: {ob.error}")
-            entries.append(gc_backend(ob, args))
+            entries.append(gc_backend(ob, args, loaded.scope))
     if args.json:
         st.emit_json({"config": args.config, "dry_run": args.dry_run, "backends": entries})
     return 1 if any(e["error"] for e in entries) else 0

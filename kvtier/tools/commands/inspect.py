@@ -1,9 +1,10 @@
 """``kvtier inspect --config FILE``: what the config's backends hold.
 
-For each backend: where it is, its configured capacity, and per namespace the fields its manifest records
-(model, dtype, shape, TP/PP rank, hash algorithm and seed) with the number of blocks and their bytes.
-A YAML whose model section an engine fills (``--engine``) has no namespace of its own: every namespace
-found is shown alike.  Read-only: nothing is evicted, verified or deleted.  It needs no key: a backend in
+For each backend: where it is, its configured capacity, and per namespace of this deployment the fields its
+manifest records (model, dtype, shape, TP/PP rank, hash algorithm and seed) with the number of blocks and
+their bytes.  Other deployments' namespaces in a shared store are only counted, never named, unless
+``--all-namespaces``.  A YAML whose model section an engine fills (``--engine``) has no namespace id of
+its own: the namespaces whose manifest matches the model fields it sets are shown.  Read-only: nothing is evicted, verified or deleted.  It needs no key: a backend in
 security mode authenticate or encrypt is listed and counted as any other (``kvtier verify`` checks tags).  Exit status 0, or 1 when a
 backend could not be read (the others are still shown), 2 for a bad config or flag."""
 
@@ -26,19 +27,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def inspect_backend(ob: st.OpenedBackend, own_ns: str | None) -> dict[str, Any]:
+def inspect_backend(ob: st.OpenedBackend, own_ns: str | None, scope: st.Scope) -> dict[str, Any]:
     entry = ob.header()
     entry["security"] = ob.conf.security
+    entry["quota_bytes"] = ob.conf.quota
     if ob.backend is None:
         return entry
     b = ob.backend
     try:
+        # Counted over the whole store (its capacity is shared); only the namespaces in scope are named.
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for blk in b.scan():
             c = counts[blk.key.partition("/")[0]]
             c[0] += 1
             c[1] += blk.size
-        ids = set(counts) | set(b.namespaces())
+        ids, others = scope.ids(b, counts)
         namespaces = []
         for ns_id in sorted(ids, key=lambda i: (i != own_ns, i)):
             info = st.namespace_info(b, ns_id)
@@ -52,6 +55,9 @@ def inspect_backend(ob: st.OpenedBackend, own_ns: str | None) -> dict[str, Any]:
     entry["blocks"] = sum(ns["blocks"] for ns in namespaces)
     entry["bytes"] = sum(ns["bytes"] for ns in namespaces)
     entry["namespaces"] = namespaces
+    entry["other_namespaces"] = others
+    entry["store_blocks"] = sum(c[0] for c in counts.values())
+    entry["store_bytes"] = sum(c[1] for c in counts.values())
     return entry
 
 
@@ -67,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
     loaded = st.load(args)
     cfg, own = loaded.cfg, loaded.namespace_id
     with st.open_backends(cfg, args.backend, keys=False) as opened:
-        entries = [inspect_backend(ob, own) for ob in opened]
+        entries = [inspect_backend(ob, own, loaded.scope) for ob in opened]
     rc = 1 if any(e["error"] for e in entries) else 0
     if args.json:
-        st.emit_json({"config": args.config, "namespace": own,
+        st.emit_json({"config": args.config, "namespace": own, "all_namespaces": loaded.scope.all,
                       "engine_fills_model": loaded.filled is not None, "backends": entries})
         return rc
     m = cfg.model
@@ -86,13 +92,19 @@ def run(args: argparse.Namespace) -> int:
             continue
         cap = e["capacity_bytes"]
         used = f"{e['blocks']} blocks, {format_size(e['bytes'])} ({e['bytes']} bytes)"
+        if e["other_namespaces"]:
+            used += f" (the store: {e['store_blocks']} blocks, {format_size(e['store_bytes'])})"
         if cap is not None:
-            pct = 100.0 * e["bytes"] / cap if cap else float("inf")
+            pct = 100.0 * e["store_bytes"] / cap if cap else float("inf")
             used += f" of capacity {format_size(cap)} ({pct:.1f}%)"
-        lines.append(f"  {used} in {len(e['namespaces'])} namespace{'s' if len(e['namespaces']) != 1 else ''}")
+        scoped = "" if loaded.scope.all else " of this deployment's"
+        lines.append(f"  {used} in {len(e['namespaces'])}{scoped} namespace{'s' if len(e['namespaces']) != 1 else ''}")
         for ns in e["namespaces"]:
             mark = "  [this config]" if ns["this_config"] else ""
-            lines.append(f"  namespace {ns['id']}{mark}: {ns['blocks']} blocks, {format_size(ns['bytes'])}")
+            quota = e["quota_bytes"]
+            share = f" of quota {format_size(quota)} ({100.0 * ns['bytes'] / quota:.1f}%)" \
+                if quota and not loaded.scope.all else ""
+            lines.append(f"  namespace {ns['id']}{mark}: {ns['blocks']} blocks, {format_size(ns['bytes'])}{share}")
             lines += _fields(ns["manifest"])
             if ns["manifest_problem"] is None:
                 lines.append(f"      (layout id {ns['layout_id']:#010x}"
@@ -100,5 +112,7 @@ def run(args: argparse.Namespace) -> int:
                                 if ns["block_payload_bytes"] else ")"))
             else:
                 lines.append(f"      ({ns['manifest_problem']}: what this namespace holds cannot be told)")
+        if e["other_namespaces"]:
+            lines.append(f"  ({loaded.scope.others_line(e['other_namespaces'])})")
     print(st.mask_secrets("\n".join(lines)))
     return rc

@@ -1,4 +1,7 @@
-"""``kvtier verify --config FILE [--fix]``: read every stored block of the config's backends and check it.
+"""``kvtier verify --config FILE [--fix]``: read every stored block of the config's namespaces and check it.
+
+Only this deployment's namespaces are listed and read (see ``kvtier inspect``); ``--all-namespaces``
+checks every block of the store, other deployments' included.
 
 Each block is checked as a read by the tier stack would: the stored length, every header field (magic,
 version, lengths, namespace digest, block key, layout id, header checksum) and the payload checksum, and
@@ -114,22 +117,32 @@ def _batches(blocks: list[StoredBlock]) -> Iterator[list[StoredBlock]]:
         yield batch
 
 
-def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, Any]:
+def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace, scope: st.Scope) -> dict[str, Any]:
     entry = ob.header()
     if ob.backend is None:
         return entry
     b = ob.backend
     try:
-        listed = list(b.scan())
         by_ns: dict[str, list[StoredBlock]] = defaultdict(list)
-        for blk in listed:
-            by_ns[blk.key.partition("/")[0]].append(blk)
+        if scope.all:
+            for blk in b.scan():
+                by_ns[blk.key.partition("/")[0]].append(blk)
+            others = 0
+        else:  # only the namespaces in scope are listed and read
+            ids, others = scope.ids(b)
+            for ns in ids:
+                by_ns[ns].extend(b.scan(ns))
+                if not by_ns[ns]:
+                    del by_ns[ns]
+        listed = [blk for blocks in by_ns.values() for blk in blocks]
         infos = {ns: st.namespace_info(b, ns) for ns in sorted(by_ns)}
         unchecked = {ns: info.problem for ns, info in infos.items() if info.layout_id is None}
         if not args.json:
             total = sum(blk.size for blk in listed)
             print(f"backend {ob.name}: checking {len(listed)} blocks ({format_size(total)}) "
                   f"in {len(by_ns)} namespace{'s' if len(by_ns) != 1 else ''}")
+            if others:
+                print(f"  ({scope.others_line(others)})")
             for ns, problem in unchecked.items():
                 print(f"  namespace {ns}: {problem}; its {len(by_ns[ns])} blocks are checked against "
                       "everything but the layout, which could not be cross-checked (layout id taken from "
@@ -163,7 +176,7 @@ def verify_backend(ob: st.OpenedBackend, args: argparse.Namespace) -> dict[str, 
         "corrupt": [{"key": k, "reason": why} for k, why in checker.corrupt if not isinstance(why, Forged)],
         "forged": [{"key": k, "reason": why} for k, why in checker.corrupt if isinstance(why, Forged)],
         "deleted": deleted, "vanished": checker.vanished, "changed": checker.changed,
-        "layout_not_cross_checked": unchecked,
+        "layout_not_cross_checked": unchecked, "other_namespaces": others,
     })
     if not args.json:
         line = (f"backend {ob.name}: {entry['checked']} blocks checked, {len(entry['corrupt'])} corrupt"
@@ -190,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 print()
             if ob.error and not args.json:
                 print(f"backend {ob.name} ({ob.conf.type}): ERROR: {ob.error}")
-            entries.append(verify_backend(ob, args))
+            entries.append(verify_backend(ob, args, loaded.scope))
     forged = sum(len(e.get("forged", ())) for e in entries)
     corrupt = sum(len(e.get("corrupt", ())) for e in entries) + forged
     left = corrupt - sum(len(e.get("deleted", ())) for e in entries)
