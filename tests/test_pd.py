@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from kvtier import blockformat
+from kvtier.format import blockformat
 from kvtier.testing.redis_server import redis_available, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]

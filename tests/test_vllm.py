@@ -777,8 +777,6 @@ def test_redis_prefill_then_decode(model_dir, redis_server, warm, tmp_path, monk
     """The P/D pair over Redis in security mode encrypt (issue 45: the disk and S3 pairs cover mode none):
     the same tokens and logprobs as vLLM's own cache, every value in Redis sealed and encrypted, the key
     given to both processes in an environment variable."""
-    from kvtier import blockformat
-
     monkeypatch.setenv("PD_DEPLOYMENT_KEY", os.urandom(32).hex())
     cfg = kv_config({"name": "redis", "type": "redis", "options": {"url": redis_server.url},
                      "security": "encrypt"})
