@@ -985,3 +985,24 @@ def test_a_removal_is_not_told_once_its_block_is_stored_again(tmp_path):
     feed.close()
     a.close()
     b.close()
+
+
+def test_lookup_answers_from_memory_only_while_no_connection_changed_the_index(tmp_path):
+    """Two backends on one directory (two connections to its index, as two processes have): A's repeated
+    lookup is answered without a query while the index is unchanged, and every put or delete by B, or by
+    A itself, is seen by A's next lookup."""
+    a, b = mk(tmp_path), mk(tmp_path)
+    k1, k2 = newkeys(2)
+    queries: list[str] = []
+    a._idx.rconn().set_trace_callback(lambda sql: queries.append(sql) if "FROM blocks" in sql else None)
+    assert a.lookup([k1, k2]) == [False, False] and len(queries) == 1
+    assert a.lookup([k2, k1, k1]) == [False, False, False] and len(queries) == 1  # from memory
+    assert b.put([k1], [b"x" * 64], LID) == [True]
+    assert a.lookup([k1, k2]) == [True, False] and len(queries) == 2
+    assert a.lookup([k1]) == [True] and len(queries) == 2
+    assert b.delete([k1]) == 1
+    assert a.lookup([k1, k2]) == [False, False]
+    assert a.put([k2], [b"y" * 64], LID) == [True]  # its own writer is another connection too
+    assert a.lookup([k1, k2]) == [False, True] and len(queries) == 4
+    a.close()
+    b.close()
