@@ -3,7 +3,9 @@ the directory at start-up.  No state: the backend (``local_disk.py``) owns the i
 the capacity, and calls these with its root and options.
 
 A block's file is ``<root>/<namespace>/<hash[:2]>/<hash>``; a temp file is
-``.<hash>.<host tag>.<pid>.<n>.tmp`` beside it (a dot first: never read as a block).  The listing of the
+``.<hash>.<host tag>.<pid>.<n>.tmp`` beside it (a dot first: never read as a block).  A value's file is
+its header (88 bytes, or 4096 for an aligned value) and payload; ``read_file`` tells which from the size
+and reads an aligned cold one with ``O_DIRECT`` (``DirectReads``: off once the filesystem refuses it).  The listing of the
 whole directory (``shards`` / ``scan_shard``) serves only an index rebuild.
 """
 

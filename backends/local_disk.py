@@ -9,6 +9,11 @@ Invariants:
   ``.<hash>.<host tag>.<pid>.<n>.tmp`` in the same directory and ``os.replace``s it.  Temp names start with
   a dot, block names are hex, so a temp file is never read as a block; start-up removes those whose writer
   is dead (same host) or that are older than ``tmp_max_age_s``.
+* A payload of whole pages, 64 KiB or more, is stored aligned in mode ``none`` (``aligned_values``):
+  block format 1 with a 4096-byte header (``kvtier.blockformat``), the payload on a page of the file.  A
+  read tells the layout from the file's size, so values of the 88-byte layout keep loading; a cold
+  aligned value goes with ``O_DIRECT`` straight into the caller's page-aligned buffers and is checked
+  there, header page included, before it is reported (``_disk_files.read_file``).
 * No key can name a path outside the root: every key must be canonical (``kvtier.keys.invalid_key``:
   ``<32 hex>/<32|64 hex>`` or ``<32 hex>/manifest.json``, lower case) before a path is formed from it (the
   base class refuses such keys before any hook; the hooks check again, as tools call them directly), and
