@@ -17,7 +17,8 @@ Rows (per block size, 2 MiB and 256 KiB by default):
   loop (4 threads: open / write / close, ``readinto``).
 * ``disk-cold`` (durable, cold reads): ``local_disk`` with ``fsync`` vs ``LocalDiskBackend`` with
   ``use_odirect`` (its only durable mode: it never fsyncs), raw loop with fsync; before every get the
-  contender's files are dropped from the page cache (``posix_fadvise(DONTNEED)``).
+  contender's files are dropped from the page cache (``posix_fadvise(DONTNEED)``) and everything written
+  is synced (``os.sync``), so no get competes with a put's writeback.
 * ``s3`` (when LMCache's S3 connector runs against moto here; otherwise a SKIP line says why).
 
 Every contender of a row runs in every round, in a rotating order (put, then get, then the next one), so
@@ -253,6 +254,10 @@ def _case(store: str, block: int, total: int, repeats: int) -> list[dict[str, An
                 c.reset()
                 times["put"][name].append(_timed(c.put))
                 c.cool()
+                if store == "disk-cold":
+                    # Every contender's writes on the device before any get (LMCache's O_DIRECT puts are
+                    # never synced): a get then competes with no put's writeback, its own or another's.
+                    os.sync()
                 times["get"][name].append(_timed(c.get))
                 if r == 0:
                     c.check()
