@@ -312,8 +312,9 @@ def check_block(header: Buffer, payload: Buffer | Segments, namespace_digest: by
     if hlen in HEADER_SIZES:
         head = _HEADER.pack(MAGIC, FORMAT_VERSION, hlen, nbytes, namespace_digest, len(block_hash),
                             block_hash, layout_id, checksum)
-        if hmv[:HEADER_SIZE] == head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head)) and (
-                hlen == HEADER_SIZE or hmv[HEADER_SIZE:] == _PADDING):
+        # As bytes: a memoryview compares byte by byte through its format (20 us for the padding).
+        if hmv[:HEADER_SIZE].tobytes() == head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head)) and (
+                hlen == HEADER_SIZE or hmv[HEADER_SIZE:].tobytes() == _PADDING):
             return None
     why = check_header(header, namespace_digest, block_hash, layout_id, nbytes)
     if why is None and stored_checksum(header) != checksum:
