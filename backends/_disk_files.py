@@ -3,14 +3,18 @@ the directory at start-up.  No state: the backend (``local_disk.py``) owns the i
 the capacity, and calls these with its root and options.
 
 A block's file is ``<root>/<namespace>/<hash[:2]>/<hash>``; a temp file is
-``.<hash>.<host tag>.<pid>.<n>.tmp`` beside it (a dot first: never read as a block).  The listing of the
+``.<hash>.<host tag>.<pid>.<n>.tmp`` beside it (a dot first: never read as a block).  A value's file is
+its header (88 bytes, or 4096 for an aligned value) and payload; ``read_file`` tells which from the size
+and reads an aligned cold one with ``O_DIRECT`` (``DirectReads``: off once the filesystem refuses it).  The listing of the
 whole directory (``shards`` / ``scan_shard``) serves only an index rebuild.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -65,45 +69,136 @@ def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview, fsync: bool)
     return tmp
 
 
-def read_file(path: str, header: memoryview,
-               payload: memoryview | blockformat.Segments) -> tuple[int | str | None, int | None]:
+class DirectReads:
+    """Whether this directory's reads may use ``O_DIRECT`` (a backend holds one): on until the filesystem
+    refuses it (``EINVAL``: tmpfs on older kernels, some network and FUSE filesystems), then buffered for
+    the rest of the backend's life.  Reads are never lost to it: a refused direct read is done again
+    buffered."""
+
+    __slots__ = ("enabled",)
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and _O_DIRECT != 0 and _RWF_NOWAIT != 0
+
+    def refused(self, path: str, e: OSError) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.info("local_disk: %s: O_DIRECT refused (%s); reading through the page cache", path, e)
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+PAGE = blockformat.ALIGNED_HEADER_SIZE  # the alignment O_DIRECT is given: buffer address, length, offset
+
+
+def page_aligned(payload: memoryview | blockformat.Segments) -> bool:
+    """Whether every buffer of ``payload`` starts on a page and is whole pages (what O_DIRECT needs)."""
+    parts = payload.parts if isinstance(payload, blockformat.Segments) else [payload]
+    for p in parts:
+        if p.nbytes == 0 or p.nbytes % PAGE or p.readonly:
+            return False
+        try:
+            if ctypes.addressof(ctypes.c_char.from_buffer(p)) % PAGE:
+                return False
+        except (TypeError, ValueError):  # not a plain writable buffer
+            return False
+    return True
+
+
+def _cached(fd: int, size: int) -> bool:
+    """Whether the value's last byte is in the page cache (``RWF_NOWAIT``: answered without I/O), taken
+    for the whole value: a value just written or read is cached whole, a cold one not at all."""
+    try:
+        return os.preadv(fd, [_TAIL], size - 1, _RWF_NOWAIT) == 1
+    except BlockingIOError:
+        return False
+    except OSError:  # RWF_NOWAIT unsupported here: read through the page cache as before
+        return True
+
+
+_TAIL = memoryview(bytearray(1))
+
+
+def read_file(path: str, header: memoryview, payload: memoryview | blockformat.Segments,
+              aligned: DirectReads | None = None) -> tuple[int | str | None, int | None, int]:
     """Read a value into (header, payload), hashing the payload as it lands (``blockformat.read_hashed``:
     segments in ``preadv`` calls of ``HASH_GROUP_BYTES``, a buffer in one).  Returns the value's full
     size (None if absent, or why the entry under the name is no value at all: a FIFO, socket, device or
-    directory, never read) and the payload's xxh3-64 when every read came back whole (else None: the
-    caller takes it).  ``payload`` may be segments (``reads_segments``): the reads fill the parts in
-    order."""
+    directory, never read), the payload's xxh3-64 when every read came back whole (else None: the
+    caller takes it), and the length of the header read (the first that many bytes of ``header``).
+    ``payload`` may be segments (``reads_segments``): the reads fill the parts in order.
+
+    Raw (``aligned`` None): the first ``header.nbytes`` bytes into ``header``, the rest into ``payload``.
+    With ``aligned`` (``header`` is then a page-aligned 4096-byte buffer): a value of the aligned layout
+    (``blockformat.ALIGNED_HEADER_SIZE``, told by its size: 4096 + the payload's) is read whole page into
+    ``header``, payload into ``payload``; when it is not in the page cache and the buffers are page
+    aligned, with ``O_DIRECT`` (the device straight into them), else buffered.  A value of the 88-byte
+    layout (every value written before) is read into ``header[:88]`` and ``payload`` as always."""
     try:
         fd = os.open(path, RFLAGS)
     except FileNotFoundError:
-        return None, None
+        return None, None, header.nbytes
     except OSError as e:
         if e.errno == errno.ELOOP:  # a symlink planted under a block's name is never followed
-            return None, None
+            return None, None, header.nbytes
         if e.errno == errno.ENXIO:  # open() of a socket, or of a device with no driver behind it
-            return "not a regular file but a socket or device", None
+            return "not a regular file but a socket or device", None, header.nbytes
         raise
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}", None
-        want = header.nbytes + payload.nbytes
-        # The probe byte past the expected end tells "longer than expected" without an fstat.  Segments
-        # are read a group at a time, hashed while in cache; one buffer in one read (why: HASH_GROUP_BYTES).
-        group = blockformat.HASH_GROUP_BYTES if isinstance(payload, blockformat.Segments) else want
-        n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), header, payload,
-                                              (_PROBE,), group)
-        if n == want:
-            return n, checksum
-        size = os.fstat(fd).st_size
-        while 0 < n < min(want, size):  # a short read (network filesystems): go on from there
-            rest = (payload.tail(max(0, n - header.nbytes)) if isinstance(payload, blockformat.Segments)
-                    else [payload[max(0, n - header.nbytes):]])
-            got = os.preadv(fd, [header[min(n, header.nbytes):], *rest], n)
-            n = n + got if got else 0
-        return size, None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(st.st_mode), 'special file')}", None, \
+                header.nbytes
+        head = header
+        if aligned is not None:
+            if st.st_size == PAGE + payload.nbytes:
+                return _read_aligned(fd, path, st.st_size, header, payload, aligned)
+            head = header[:blockformat.HEADER_SIZE]
+        return (*_read_buffered(fd, st.st_size, head, payload, probe=True), head.nbytes)
     finally:
         os.close(fd)
+
+
+def _read_buffered(fd: int, size: int, header: memoryview, payload: memoryview | blockformat.Segments,
+                   probe: bool) -> tuple[int, int | None]:
+    want = header.nbytes + payload.nbytes
+    # The probe byte past the expected end tells "longer than expected" (a value that grew since the
+    # fstat).  Segments are read a group at a time, hashed while in cache; one buffer in one read (why:
+    # HASH_GROUP_BYTES).
+    group = blockformat.HASH_GROUP_BYTES if isinstance(payload, blockformat.Segments) else want
+    n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), header, payload,
+                                          (_PROBE,) if probe else (), group)
+    if n == want:
+        return n, checksum
+    size = os.fstat(fd).st_size
+    while 0 < n < min(want, size):  # a short read (network filesystems): go on from there
+        rest = (payload.tail(max(0, n - header.nbytes)) if isinstance(payload, blockformat.Segments)
+                else [payload[max(0, n - header.nbytes):]])
+        got = os.preadv(fd, [header[min(n, header.nbytes):], *rest], n)
+        n = n + got if got else 0
+    return size, None
+
+
+def _read_aligned(fd: int, path: str, size: int, page: memoryview, payload: memoryview | blockformat.Segments,
+                  direct: DirectReads) -> tuple[int | str | None, int | None, int]:
+    """An aligned value (4096-byte header): with O_DIRECT when it is cold and the buffers allow, else
+    buffered; the whole page and the payload in the same reads, hashed as they land."""
+    if direct.enabled and not _cached(fd, size) and page_aligned(payload) and page_aligned(page):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK | _O_DIRECT)  # this descriptor only
+            # One read for a buffer (the device's best request size; its bytes are not in a core's
+            # cache either way), HASH_GROUP_BYTES for segments (at most IOV_MAX buffers a call).
+            group = blockformat.HASH_GROUP_BYTES if isinstance(payload, blockformat.Segments) else size
+            n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), page, payload,
+                                                  (), group)
+            if n == size:
+                return n, checksum, PAGE
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            direct.refused(path, e)
+        fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK)  # what O_DIRECT did not read whole: buffered
+    return (*_read_buffered(fd, size, page, payload, probe=False), PAGE)
 
 
 # ------------------------------------------------------------------ the directory at start-up

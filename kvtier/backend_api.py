@@ -134,12 +134,20 @@ def frame(key: str, payload: memoryview, layout_id: int) -> bytes:
 
 def verify(key: str, size: int, header: bytes | bytearray | memoryview, payload: memoryview | blockformat.Segments,
            layout_id: int) -> str | None:
-    """Why a stored value of ``size`` bytes, read as (header, payload), is not ``key``'s block; None if it is."""
-    expected = blockformat.HEADER_SIZE + payload.nbytes
+    """Why a stored value of ``size`` bytes, read as (header, payload), is not ``key``'s block; None if it is.
+    ``header``: the whole stored header as read (88 bytes, or 4096 for an aligned value)."""
+    expected = _header_nbytes(header) + payload.nbytes
     if size != expected:
         return f"stored value is {size} bytes, expected {expected}"
     ns, h = split_key(key)
     return blockformat.check_block(header, payload, ns, h, layout_id)
+
+
+def _header_nbytes(header: bytes | bytearray | memoryview) -> int:
+    """The stored length a version 1 header buffer stands for: its own length when it is one a header may
+    have (88, or 4096 for an aligned value), else 88 (``check_block`` then says what is wrong with it)."""
+    n = memoryview(header).nbytes
+    return n if n in blockformat.HEADER_SIZES else blockformat.HEADER_SIZE
 
 
 @dataclass
@@ -215,7 +223,7 @@ class StorageBackend(ABC):
             return self.seal.open(key, size, header, payload, layout_id)
         if checksum is None:
             return verify(key, size, header, payload, layout_id)
-        expected = blockformat.HEADER_SIZE + payload.nbytes
+        expected = _header_nbytes(header) + payload.nbytes
         if size != expected:
             return f"stored value is {size} bytes, expected {expected}"
         ns, h = split_key(key)

@@ -822,29 +822,35 @@ def test_short_reads_are_continued_and_the_value_checked_whole(tmp_path, monkeyp
     assert get(b, k2, size) is None
 
 
-def test_segments_are_read_a_hashed_group_at_a_time_and_a_buffer_in_one_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("aligned", [True, False])
+def test_segments_are_read_a_hashed_group_at_a_time_and_a_buffer_in_one_read(tmp_path, monkeypatch, aligned):
     """Why each: segments (a block read straight into KV tensors) are hashed while in cache, a group of
-    blockformat.HASH_GROUP_BYTES a read; one buffer (a host slot) is one read, measured faster here."""
+    blockformat.HASH_GROUP_BYTES a read; one buffer (a host slot) is one read, measured faster here.  An
+    aligned value (4096-byte header) is read whole header page and payload, its size known from fstat
+    (no probe byte); an 88-byte one header, payload and a probe byte past the end.  (A page-cache read:
+    the block was just written.)"""
     import kvtier.backends.local_disk as ld
 
-    b = mk(tmp_path)
+    b = mk(tmp_path, aligned_values=aligned)
     size = 3 * blockformat.HASH_GROUP_BYTES
     (k,) = newkeys(1)
     data = os.urandom(size)
     assert b.put([k], [data], LID) == [True]
     real, calls = os.preadv, []
+    head, probe = (blockformat.ALIGNED_HEADER_SIZE, 0) if aligned else (H, 1)
 
-    def counted(fd, bufs, offset):
-        calls.append(sum(memoryview(x).nbytes for x in bufs))
-        return real(fd, bufs, offset)
+    def counted(fd, bufs, offset, *flags):
+        if not flags:  # (a RWF_NOWAIT look at whether the value is in the page cache is no read of it)
+            calls.append(sum(memoryview(x).nbytes for x in bufs))
+        return real(fd, bufs, offset, *flags)
 
     monkeypatch.setattr(ld.os, "preadv", counted)
-    assert get(b, k, size) == data and calls == [H + size + 1]
+    assert get(b, k, size) == data and calls == [head + size + probe]
     calls.clear()
     bufs = [bytearray(size // 2), bytearray(size - size // 2)]
     assert b.get_into([k], [blockformat.Segments([memoryview(x) for x in bufs])], LID) == [True]
-    assert b"".join(bufs) == data and sum(calls) == H + size + 1
-    assert len(calls) >= 3 and max(calls) <= H + blockformat.HASH_GROUP_BYTES + 1
+    assert b"".join(bufs) == data and sum(calls) == head + size + probe
+    assert len(calls) >= 3 and max(calls) <= head + blockformat.HASH_GROUP_BYTES + probe
 
 
 # ------------------------------------------------------------------ removals told to every process sharing the root
@@ -978,5 +984,26 @@ def test_a_removal_is_not_told_once_its_block_is_stored_again(tmp_path):
     assert news == ks
     assert a.removed_elsewhere([*news, "h:1:aaaa"]) == [ks[0]] and told == [ks[0]]
     feed.close()
+    a.close()
+    b.close()
+
+
+def test_lookup_answers_from_memory_only_while_no_connection_changed_the_index(tmp_path):
+    """Two backends on one directory (two connections to its index, as two processes have): A's repeated
+    lookup is answered without a query while the index is unchanged, and every put or delete by B, or by
+    A itself, is seen by A's next lookup."""
+    a, b = mk(tmp_path), mk(tmp_path)
+    k1, k2 = newkeys(2)
+    queries: list[str] = []
+    a._idx.rconn().set_trace_callback(lambda sql: queries.append(sql) if "FROM blocks" in sql else None)
+    assert a.lookup([k1, k2]) == [False, False] and len(queries) == 1
+    assert a.lookup([k2, k1, k1]) == [False, False, False] and len(queries) == 1  # from memory
+    assert b.put([k1], [b"x" * 64], LID) == [True]
+    assert a.lookup([k1, k2]) == [True, False] and len(queries) == 2
+    assert a.lookup([k1]) == [True] and len(queries) == 2
+    assert b.delete([k1]) == 1
+    assert a.lookup([k1, k2]) == [False, False]
+    assert a.put([k2], [b"y" * 64], LID) == [True]  # its own writer is another connection too
+    assert a.lookup([k1, k2]) == [False, True] and len(queries) == 4
     a.close()
     b.close()

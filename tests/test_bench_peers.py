@@ -58,6 +58,7 @@ def test_summarize_medians_drop_the_warmup_and_pick_the_fastest_ceiling():
     (row,) = peers.summarize("redis", "get", 1 << 20, 1.0, times, "kv", ["peer"], ["wire a", "wire b"])
     assert row["kvtier_gib_s"] == pytest.approx(0.5) and row["peer_gib_s"] == pytest.approx(0.25)
     assert row["ratio"] == pytest.approx(2.0)
+    assert row["ratio_rounds"] == pytest.approx([4.0, 2.0, 4 / 3]) and row["ratio_spread"] == "1.33-4.00"
     assert row["ceiling"] == "wire b" and row["ceiling_gib_s"] == pytest.approx(2.0)
     assert row["kvtier_vs_ceiling"] == pytest.approx(0.25)
     (bare,) = peers.summarize("s3", "put", 1 << 20, 1.0, times, "kv", ["peer"], [])

@@ -200,3 +200,30 @@ def test_wrong_header_size(n):
 
 def test_empty_payload():
     assert check(header(b""), b"") is None
+
+
+def test_golden_aligned_header_and_the_88_byte_one_beside_it():
+    """Stored bytes outlive code: an aligned value's header (version 1, header length 4096, zeros to the
+    page end) and the 88-byte one for the same block, pinned.  They differ in the length field and so in
+    the header checksum, nowhere else."""
+    payload = bytes(range(256)) * 256
+    aligned = bf.encode_header(NS.digest, HASH, NS.layout_id, payload, aligned=True)
+    plain = bf.encode_header(NS.digest, HASH, NS.layout_id, payload)
+    assert len(aligned) == bf.ALIGNED_HEADER_SIZE == 4096 and aligned[88:] == bytes(4008)
+    assert aligned[:88].hex() == (
+        "4b5654420100001000000100000000006f88244fc73b1b4e890ee45f0b5861e610000102030405060708090a0b0c0d0e0f"
+        "000000000000000000000000000000000000002a1cabea16550a616db51d9ad8f9aae1735eb972")
+    assert plain.hex() == (
+        "4b5654420100580000000100000000006f88244fc73b1b4e890ee45f0b5861e610000102030405060708090a0b0c0d0e0f"
+        "000000000000000000000000000000000000002a1cabea16550a616db51d9a613f0cc7c05074e0")
+    assert bf.stated_header_size(aligned) == 4096 and bf.stated_header_size(plain) == 88
+    assert bf.check_block(aligned, payload, NS.digest, HASH, NS.layout_id) is None
+    assert bf.check_block(plain, payload, NS.digest, HASH, NS.layout_id) is None
+    # An aligned header read as an 88-byte one (a reader of the old layout) is refused, never misread.
+    assert bf.check_block(aligned[:88], payload, NS.digest, HASH, NS.layout_id) == "header length 4096, expected 88"
+    bad = bytearray(aligned)
+    bad[4095] = 1
+    assert bf.check_block(bytes(bad), payload, NS.digest, HASH, NS.layout_id) == \
+        "padding after the header's fields is not zero"
+    assert bf.check_header(bytes(bad)[:2048], NS.digest, HASH, NS.layout_id, len(payload)) == \
+        "header is 2048 bytes, expected 88"

@@ -22,7 +22,6 @@ from _reliability.common import LID, check, key_of, payload
 
 from kvtier.backend_api import BackendDiskFull, BackendError, BackendPermissionDenied
 from kvtier.backends.local_disk import LocalDiskBackend
-from kvtier.format.blockformat import HEADER_SIZE
 
 FS_SIZE = 8 << 20  # the size of the small_tmpfs fixture (tests/conftest.py)
 SIZE = 256 << 10  # payload bytes per block
@@ -72,7 +71,7 @@ def test_disk_full_stores_fail_cleanly(small_tmpfs, figures):
             (stored if ok else refused).append(k)
         assert n < 200, "the 8 MiB filesystem never filled up"
     s = b.stats()
-    capacity_blocks = FS_SIZE // (HEADER_SIZE + SIZE)
+    capacity_blocks = FS_SIZE // b.stored_size(SIZE)  # its file: header (88, or 4096 aligned) + payload
     figures("stores refused with ENOSPC / attempted (disk full)", f"{len(refused)}/{n}")
     figures("put_failures counted (disk full)", s.put_failures)
     figures("disk_full errors counted (disk full)", s.disk_full)
@@ -80,7 +79,7 @@ def test_disk_full_stores_fail_cleanly(small_tmpfs, figures):
     assert s.put_failures == len(refused) and s.puts == len(stored)
     assert s.disk_full == len(refused) and s.permission_denied == 0, "each key refused for want of space"
     assert _temp_files(root) == [], "a failed write removes its temp file"
-    assert s.extra["bytes"] == _block_bytes(root) == len(stored) * (HEADER_SIZE + SIZE), \
+    assert s.extra["bytes"] == _block_bytes(root) == len(stored) * b.stored_size(SIZE), \
         "accounted usage matches the bytes on disk; refused writes released their reservation"
 
     # Reads keep working on the full disk; nothing refused is readable (not even as a corrupt value).
@@ -141,7 +140,7 @@ def test_capacity_keeps_usage_under_bound(small_tmpfs, figures):
     root = small_tmpfs / "blocks"
     cap = 6 << 20
     b = LocalDiskBackend({"path": str(root), "capacity": cap, "threads": 4})
-    per_block = HEADER_SIZE + SIZE
+    per_block = b.stored_size(SIZE)
     total = int(2.5 * cap) // per_block
     keys = [key_of(i, tag="cap") for i in range(total)]
     peak = 0

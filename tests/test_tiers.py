@@ -170,6 +170,9 @@ def test_host_capacity_and_pinned_resolution():
     assert h.num_slots == 10 and h.capacity_bytes == 10_000
     assert h.pin_memory == torch.cuda.is_available()
     assert h.slab.shape == (10, 1000) and h.slab.dtype == torch.uint8
+    # The slab starts on a page, so slots of whole pages can take O_DIRECT reads (local_disk).
+    paged = HostTier(8192, num_slots=3, pinned=False)
+    assert [paged.slab[i].data_ptr() % 4096 for i in range(3)] == [0, 0, 0] and h.slab.data_ptr() % 4096 == 0
     with pytest.raises(ValueError, match="host capacity 999 B holds no block of 1000 B"):
         HostTier(1000, capacity_bytes=999)
     cases: tuple[dict[str, Any], ...] = ({}, {"capacity_bytes": 10_000, "num_slots": 10})

@@ -18,6 +18,14 @@ All integers little-endian.  A reader knows what it asked for (namespace, key, l
 field is checked against an expectation; the header checksum also covers the reserved bytes.  This layout
 is frozen: a change is a new version number, and readers keep accepting the versions they know.
 
+Aligned values (still version 1): the header length field may say 4096 (``ALIGNED_HEADER_SIZE``) instead
+of 88.  Then bytes 88..4096 are zero and the payload starts at offset 4096, so a reader can take it with
+``O_DIRECT`` straight into page-aligned memory (``local_disk`` writes payloads of whole pages so).  Bytes
+0..88 are the same fields as above, the header checksum covers the length field as before, and the
+padding must be zero (a reader checks it: nothing unchecked rides along).  No new version number: no
+reader of the 88-byte values misreads one — kvtier's readers before this checked the length field and
+refused 4096 as a wrong value (a miss), and only the two lengths 88 and 4096 are accepted now.
+
 Format version 2: a sealed block (``kvtier.security``: modes ``authenticate`` and ``encrypt``), 112 bytes
 of header.  Written and read only by a backend whose security mode is not ``none``; version 1 stays the
 format of mode ``none`` (what every kvtier before it wrote and reads).
@@ -60,6 +68,9 @@ _HEADER = struct.Struct("<4sHHQ16sB32s3xIQ")
 _HCHECK = struct.Struct("<Q")
 HEADER_SIZE = _HEADER.size + _HCHECK.size
 assert HEADER_SIZE == 88
+ALIGNED_HEADER_SIZE = 4096  # an aligned value's header length: 88 bytes of fields, zeros to the page end
+_PADDING = bytes(ALIGNED_HEADER_SIZE - HEADER_SIZE)
+HEADER_SIZES = (HEADER_SIZE, ALIGNED_HEADER_SIZE)  # the lengths a version 1 header may have
 
 
 # ---- format version 2 (sealed values); the fields are described in the module docstring
@@ -133,20 +144,36 @@ def payload_checksum(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload: Buffer) -> bytes:
-    """The 88-byte header for ``payload`` (any buffer; it is only hashed, never copied)."""
+def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload: Buffer,
+                  aligned: bool = False) -> bytes:
+    """The 88-byte header for ``payload`` (any buffer; it is only hashed, never copied), or with
+    ``aligned`` the 4096-byte one (header length 4096, zeros after byte 88: the payload starts on a page)."""
     mv = memoryview(payload).cast("B")
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, mv.nbytes, namespace_digest,
+    hlen = ALIGNED_HEADER_SIZE if aligned else HEADER_SIZE
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, hlen, mv.nbytes, namespace_digest,
                         len(block_hash), block_hash, layout_id, payload_checksum(mv))
-    return head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head))
+    head += _HCHECK.pack(xxhash.xxh3_64_intdigest(head))
+    return head + _PADDING if aligned else head
+
+
+def stated_header_size(header: Buffer) -> int | None:
+    """The header length a version 1 header's first 88 bytes state (88 or 4096), or None when they are no
+    version 1 header with one of those lengths (what it is exactly, ``check_header`` says).  A reader of
+    raw values uses it to find where the payload starts; the value is still checked in full."""
+    mv = memoryview(header).cast("B")
+    if mv.nbytes < HEADER_SIZE or bytes(mv[:4]) != MAGIC or int.from_bytes(mv[4:6], "little") != FORMAT_VERSION:
+        return None
+    n = int.from_bytes(mv[6:8], "little")
+    return n if n in HEADER_SIZES else None
 
 
 def check_header(header: Buffer, namespace_digest: bytes, block_hash: bytes, layout_id: int,
                  payload_len: int) -> str | None:
-    """Why ``header`` does not describe the expected block, or None if it does (payload not checked)."""
+    """Why ``header`` (the whole stored header: 88 bytes, or 4096 for an aligned value) does not describe
+    the expected block, or None if it does (payload not checked)."""
     header = bytes(header)
-    if len(header) != HEADER_SIZE:
-        return f"header is {len(header)} bytes, expected {HEADER_SIZE}"
+    if len(header) not in HEADER_SIZES:
+        return f"header is {len(header)} bytes, expected {HEADER_SIZE}"  # (or 4096: an aligned value's)
     magic, version, hlen, plen, ns, klen, key, layout, _ = _HEADER.unpack_from(header)
     if magic != MAGIC:
         return f"bad magic {magic!r}"
@@ -154,8 +181,10 @@ def check_header(header: Buffer, namespace_digest: bytes, block_hash: bytes, lay
         return f"unsupported format version {version} (this kvtier reads {FORMAT_VERSION})"
     if _HCHECK.unpack_from(header, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
         return "header checksum mismatch"
-    if hlen != HEADER_SIZE:
-        return f"header length {hlen}, expected {HEADER_SIZE}"
+    if hlen != len(header):
+        return f"header length {hlen}, expected {len(header)}"
+    if header[HEADER_SIZE:] != _PADDING[: len(header) - HEADER_SIZE]:
+        return "padding after the header's fields is not zero"
     if plen != payload_len:
         return f"payload length {plen}, expected {payload_len}"
     if ns != namespace_digest:
@@ -265,7 +294,8 @@ def check_block(header: Buffer, payload: Buffer | Segments, namespace_digest: by
 
     One pass over the payload (its xxh3-64, computed once, also on the failure path); ``checksum``: that
     xxh3-64 when the reader took it as the bytes landed (:func:`read_hashed`).  The header is compared
-    as one 88-byte string against the exact header this block must have."""
+    as one string against the exact header this block must have (88 bytes, or 4096 for an aligned
+    value: the fields, then zeros)."""
     if isinstance(payload, Segments):
         nbytes = payload.nbytes
         if checksum is None:
@@ -277,10 +307,15 @@ def check_block(header: Buffer, payload: Buffer | Segments, namespace_digest: by
             checksum = xxhash.xxh3_64_intdigest(mv)
     # Fast path (the common, intact case): the exact header this block must have, compared as bytes.
     # Only a mismatch pays for check_header's field-by-field walk, which names the reason.
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, nbytes, namespace_digest, len(block_hash),
-                        block_hash, layout_id, checksum)
-    if bytes(header) == head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head)):
-        return None
+    hmv = memoryview(header).cast("B")
+    hlen = hmv.nbytes
+    if hlen in HEADER_SIZES:
+        head = _HEADER.pack(MAGIC, FORMAT_VERSION, hlen, nbytes, namespace_digest, len(block_hash),
+                            block_hash, layout_id, checksum)
+        # As bytes: a memoryview compares byte by byte through its format (20 us for the padding).
+        if hmv[:HEADER_SIZE].tobytes() == head + _HCHECK.pack(xxhash.xxh3_64_intdigest(head)) and (
+                hlen == HEADER_SIZE or hmv[HEADER_SIZE:].tobytes() == _PADDING):
+            return None
     why = check_header(header, namespace_digest, block_hash, layout_id, nbytes)
     if why is None and stored_checksum(header) != checksum:
         why = "payload checksum mismatch"

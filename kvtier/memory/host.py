@@ -160,12 +160,24 @@ def _checked_slab(num_slots: int, block_nbytes: int, pin: bool) -> torch.Tensor:
         raise HostMemoryUnavailable(f"{what} could not be allocated: {first}") from None
 
 
+_PAGE = 4096
+
+
+def _page_aligned_empty(num_slots: int, block_nbytes: int) -> torch.Tensor:
+    """An uninitialised ``[num_slots, block_nbytes]`` uint8 tensor starting on a page (torch's allocator
+    gives 64-byte alignment): slots of whole pages are then page aligned, and a storage backend can read
+    a cold block into one with O_DIRECT (local_disk's aligned values).  One page more is allocated."""
+    raw = torch.empty(num_slots * block_nbytes + _PAGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % _PAGE
+    return raw[off:off + num_slots * block_nbytes].view(num_slots, block_nbytes)
+
+
 def _alloc_slab(num_slots: int, block_nbytes: int, pin: bool) -> torch.Tensor:
     if not pin:
-        return torch.empty((num_slots, block_nbytes), dtype=torch.uint8)
+        return _page_aligned_empty(num_slots, block_nbytes)
     # Register an ordinary allocation rather than use pin_memory=True: torch's caching host allocator
     # rounds every request up to a power of two, which would page-lock up to twice the capacity.
-    slab = torch.empty((num_slots, block_nbytes), dtype=torch.uint8)
+    slab = _page_aligned_empty(num_slots, block_nbytes)
     err = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0))
     if err == 0:
         slab._kvtier_registered = True  # type: ignore[attr-defined]

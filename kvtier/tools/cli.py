@@ -1,4 +1,4 @@
-"""``kvtier`` command line.  Each subcommand lives in ``kvtier/commands/<name>.py`` and exposes
+"""``kvtier`` command line.  Each subcommand lives in ``kvtier/tools/commands/<name>.py`` and exposes
 ``add_parser(subparsers)``; this file only discovers and dispatches them."""
 
 from __future__ import annotations

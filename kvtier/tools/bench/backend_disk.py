@@ -47,7 +47,6 @@ import numpy as np
 import xxhash
 
 from kvtier.backends.local_disk import LocalDiskBackend
-from kvtier.format.blockformat import HEADER_SIZE
 
 STARTUP_BLOCKS = 100_000  # start-up (index rebuild) is measured with this many blocks on disk
 BATCH_BYTES = 64 << 20  # bytes per put/get_into call (32 x 2 MiB, 256 x 256 KiB): a long prompt's worth
@@ -247,7 +246,7 @@ def _case(root: str, block: int, total_bytes: int, repeats: int, cold: bool = Fa
     filler_keys = ns.keys([os.urandom(16) for _ in range(fill)])
     fillers = [payloads[i % n] for i in range(fill)]
     full = None if cold else LocalDiskBackend({"path": os.path.join(root, f"backend-{block}-full"),
-                                               "capacity": fill * (HEADER_SIZE + block), "threads": THREADS})
+                                               "capacity": fill * backend.stored_size(block), "threads": THREADS})
     ops = ("put", "get") if cold else ("put", "get", "put full")
     with ThreadPoolExecutor(THREADS) as pool:
         def layout(d: str, ks: list[str]) -> list[str]:

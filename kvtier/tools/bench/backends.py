@@ -1,7 +1,7 @@
 """``kvtier bench backends``: put / get GiB/s of every storage backend beside its ceiling, same run, same
 payloads.
 
-Each backend's cases live in ``kvtier/bench/backend_<name>.py``, which exposes
+Each backend's cases live in ``kvtier/tools/bench/backend_<name>.py``, which exposes
 ``run_cases(block_sizes: list[int], total_bytes: int, repeats: int) -> list[dict]`` returning rows
 ``{"backend", "op", "block_bytes", "gib_s", "ceiling_gib_s", "ratio", "note"}`` (``op``: ``put``, ``get``, or
 a variant such as ``put full`` or ``get cold``; the summary gives each op's median ratio), medians over

@@ -13,7 +13,12 @@ is printed as ``index rebuild``).  Then, per size, each row beside the ceiling o
   lookup, divided by the blocks in the directory, for a first and a second process open at once (the
   index is one file shared through the page cache, so neither holds a copy).
 * ``lookup 1000``: ``LocalDiskBackend.lookup`` of a batch of 1,000 keys (half stored, half not) in the
-  index; ceiling: the same keys in a Python ``set`` (the least a lookup could cost).
+  index, ``first``: keys no lookup asked about before (a fresh batch each run: the SQLite query), and
+  ``again``: the same batch once more, the index unchanged (answered from the process's memory, which a
+  change by any connection clears); ceilings: the bare SQLite ``IN (...)`` query of another fresh batch on
+  a connection of its own (the least SQLite can do), and the keys in a Python ``set`` (up to 1 M).
+  ``--index-only``: just these rows, over an index of ``n`` rows filled directly (no block files: the
+  lookup reads only the index), for sizes whose directory is not built.
 * ``exists 1000``: ``exists`` of the same batch (asks the filesystem); ceiling: one ``os.lstat`` per key.
 * ``put`` / ``get``: throughput of new blocks into the big directory, batches of 256, beside raw
   ``open``/``write``/``close`` and ``open``/``readv``/``close`` of the same number of files.
@@ -259,6 +264,99 @@ def _timed(fn: Callable[[], Any], repeat: int, before: Callable[[], None] | None
     return _median(xs)
 
 
+def _batch(n: int, offset: int) -> list[str]:
+    """1,000 keys spread over ``2 n`` block numbers starting at ``offset``: about half stored (below n);
+    batches of other offsets (below ``2 n // 1000``) share no key."""
+    step = max(1, 2 * n // BATCH)
+    return [_key(i + offset) for i in range(0, 2 * n, step)][:BATCH]
+
+
+def lookup_rows(lookup: Callable[[list[str]], list[bool]], index: str, n: int, repeat: int,
+                row: Callable[..., None]) -> None:
+    """Time ``lookup`` of fresh batches and of the same batch again, beside the bare SQLite query of
+    other fresh batches on a connection of its own (same page cache size) and a Python ``set``."""
+    import sqlite3
+
+    c = sqlite3.connect(f"file:{index}?mode=ro", uri=True, isolation_level=None)
+    c.execute("PRAGMA cache_size=-8192")
+    sql = f"SELECT key FROM blocks WHERE key IN ({','.join('?' * BATCH)})"
+    runs = repeat * 10
+    batches = [_batch(n, 2 * r) for r in range(runs)]
+    bare_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 2 * r + 1)] for r in range(runs)]
+    first: list[float] = []
+    again: list[float] = []
+    bare: list[float] = []
+    for r in range(runs):  # interleaved: load on the machine hits all three alike
+        t0 = time.perf_counter()
+        got = lookup(batches[r])
+        first.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        if lookup(batches[r]) != got:
+            raise RuntimeError("disk-scale: a repeated lookup answered otherwise")
+        again.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        c.execute(sql, bare_batches[r]).fetchall()
+        bare.append(time.perf_counter() - t0)
+    c.close()
+    ceiling = _median(bare)
+    row("lookup 1,000 keys, first (index query)", _median(first), "ms", ceiling,
+        "bare SQLite IN query, fresh keys", 1000)
+    row("lookup 1,000 keys, again (index unchanged)", _median(again), "ms", ceiling,
+        "bare SQLite IN query, fresh keys", 1000)
+    if n <= 1_000_000:  # the old design's in-memory index, as a floor (5 M of them: GBs of RAM)
+        hashes = {block_hash(i) for i in range(n)}
+        keys = batches[0]
+        row("lookup 1,000 keys: Python set (floor)", _timed(lambda: [bytes.fromhex(k[33:]) in hashes for k in keys],
+                                                            runs), "ms", None, "", 1000)
+
+
+def index_only(base: str, n: int, repeat: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The lookup rows over an index of ``n`` rows filled directly (``<base>/disk-scale-index-only``,
+    reused when it has ``n`` rows)."""
+    from kvtier.backends.local_disk import DiskIndex
+
+    d = f"{base}/disk-scale-index-only"
+    root = f"{d}/root-{n}"
+    os.makedirs(root, exist_ok=True)
+    idx = DiskIndex(f"{d}/{n}.sqlite", root)
+    rows: list[dict[str, Any]] = []
+    if idx.counts()[0] != n:
+        t0 = time.perf_counter()
+        idx.cache(1 << 20)
+        with idx.transaction() as c:
+            idx.reset(c, "bench disk-scale --index-only")
+            for lo in range(0, n, 500_000):
+                idx.adopt(c, [(_key(i), _ROW_BYTES, i) for i in range(lo, min(n, lo + 500_000))])
+            idx.recount(c)
+        idx.cache()
+        log(f"  index of {n:,} rows filled in {time.perf_counter() - t0:.0f} s")
+
+    def row(what: str, value: tuple[float, float, float], unit: str, ceiling: tuple[float, float, float] | None,
+            ceiling_name: str, scale: float = 1.0) -> None:
+        _row(rows, log, f"{n:,} (index only)", what, value, unit, ceiling, ceiling_name, scale)
+
+    try:
+        lookup_rows(idx.lookup, idx.path, n, repeat, row)
+    finally:
+        idx.close()
+    return rows
+
+
+_ROW_BYTES = blockformat.HEADER_SIZE + 64  # what a row says of its block (unused by lookups)
+
+
+def _row(rows: list[dict[str, Any]], log: Callable[[str], None], blocks: str, what: str,
+         value: tuple[float, float, float], unit: str, ceiling: tuple[float, float, float] | None,
+         ceiling_name: str, scale: float = 1.0) -> None:
+    r: dict[str, Any] = {"blocks": blocks, "measure": what, "median": value[0] * scale,
+                         "spread": f"{value[1] * scale:.3g}-{value[2] * scale:.3g}", "unit": unit}
+    if ceiling is not None:
+        r.update(ceiling=ceiling[0] * scale, ceiling_spread=f"{ceiling[1] * scale:.3g}-{ceiling[2] * scale:.3g}",
+                 ratio=value[0] / ceiling[0] if ceiling[0] else float("nan"), ceiling_is=ceiling_name)
+    rows.append(r)
+    log("  " + "  ".join(f"{k}={v}" for k, v in r.items()))
+
+
 def measure(base: str, n: int, size: int, repeat: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     from kvtier.backends.local_disk import LocalDiskBackend
 
@@ -272,13 +370,7 @@ def measure(base: str, n: int, size: int, repeat: int, log: Callable[[str], None
 
     def row(what: str, value: tuple[float, float, float], unit: str, ceiling: tuple[float, float, float] | None,
             ceiling_name: str, scale: float = 1.0) -> None:
-        r: dict[str, Any] = {"blocks": f"{n:,}", "measure": what, "median": value[0] * scale,
-                             "spread": f"{value[1] * scale:.3g}-{value[2] * scale:.3g}", "unit": unit}
-        if ceiling is not None:
-            r.update(ceiling=ceiling[0] * scale, ceiling_spread=f"{ceiling[1] * scale:.3g}-{ceiling[2] * scale:.3g}",
-                     ratio=value[0] / ceiling[0] if ceiling[0] else float("nan"), ceiling_is=ceiling_name)
-        rows.append(r)
-        log("  " + "  ".join(f"{k}={v}" for k, v in r.items()))
+        _row(rows, log, f"{n:,}", what, value, unit, ceiling, ceiling_name, scale)
 
     t0 = time.perf_counter()
     b = LocalDiskBackend(opts)
@@ -314,13 +406,7 @@ def measure(base: str, n: int, size: int, repeat: int, log: Callable[[str], None
                 with contextlib.suppress(FileNotFoundError):
                     os.lstat(p)
 
-        ceiling = None
-        if n <= 1_000_000:  # the old design's in-memory index, as a floor (5 M of them: GBs of RAM)
-            hashes = {block_hash(i) for i in range(n)}
-            ceiling = _timed(lambda: [bytes.fromhex(k[33:]) in hashes for k in keys], repeat * 10)
-            del hashes
-        row("lookup 1,000 keys (index)", _timed(lambda: b.lookup(keys), repeat * 10), "ms", ceiling,
-            "Python set of every hash (in memory)", 1000)
+        lookup_rows(b.lookup, index, n, repeat, row)
         row("exists 1,000 keys (files)", _timed(lambda: b.exists(keys), repeat * 10), "ms",
             _timed(lstats, repeat * 10), "lstat per key", 1000)
     finally:
@@ -338,6 +424,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload", type=int, default=64, help="payload bytes per block (default 64)")
     p.add_argument("--repeat", type=int, default=7, help="runs per timing (lookups and exists: 10x)")
     p.add_argument("--json", type=out_file, default=None, help="also write the rows here")
+    p.add_argument("--index-only", action="store_true", help="only the lookup rows, over an index filled "
+                   "directly with the sizes' rows (no block files)")
 
 
 COLUMNS = ["blocks", "measure", "median", "spread", "unit", "ceiling", "ceiling_spread", "ratio", "ceiling_is"]
@@ -347,8 +435,9 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for n in (int(x) for x in str(args.sizes).split(",") if x):
         print(f"disk-scale: {n:,} blocks under {args.dir}", flush=True)
-        rows += measure(os.path.abspath(args.dir), n, args.payload, args.repeat,
-                        lambda m: print(m, file=sys.stderr, flush=True))
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        rows += (index_only(os.path.abspath(args.dir), n, args.repeat, log) if args.index_only
+                 else measure(os.path.abspath(args.dir), n, args.payload, args.repeat, log))
     print_table(rows, COLUMNS)
     write_json(args.json, {"rows": rows, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
     return 0

@@ -17,12 +17,14 @@ Rows (per block size, 2 MiB and 256 KiB by default):
   loop (4 threads: open / write / close, ``readinto``).
 * ``disk-cold`` (durable, cold reads): ``local_disk`` with ``fsync`` vs ``LocalDiskBackend`` with
   ``use_odirect`` (its only durable mode: it never fsyncs), raw loop with fsync; before every get the
-  contender's files are dropped from the page cache (``posix_fadvise(DONTNEED)``).
+  contender's files are dropped from the page cache (``posix_fadvise(DONTNEED)``) and everything written
+  is synced (``os.sync``), so no get competes with a put's writeback.
 * ``s3`` (when LMCache's S3 connector runs against moto here; otherwise a SKIP line says why).
 
 Every contender of a row runs in every round, in a rotating order (put, then get, then the next one), so
 drift and neighbours' load hit all alike; round 0 is a warm-up; figures are medians.  ``ratio`` =
-kvtier / LMCache throughput (> 1: kvtier is faster); ``vs_ceiling`` = each one / the raw loop.  Every
+kvtier / LMCache throughput (> 1: kvtier is faster), ``ratio_spread`` the lowest and highest of the
+rounds' own ratios; ``vs_ceiling`` = each one / the raw loop.  Every
 contender's bytes are compared with the payloads after the warm-up round.
 
 Without lmcache this prints how to install it (a venv that sees kvtier) and exits 2.
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import mmap
 import os
 import shutil
 import statistics
@@ -62,7 +65,7 @@ INSTALL_HINT = (
     "sees kvtier: python3 -m venv --system-site-packages .venv-lmcache && echo torch==2.13.0 > "
     "/tmp/torch-pin.txt && .venv-lmcache/bin/pip install lmcache==0.5.6 -c /tmp/torch-pin.txt && "
     ".venv-lmcache/bin/python -m kvtier bench peers")
-COLUMNS = ["store", "op", "block", "kvtier_gib_s", "peer", "peer_gib_s", "ratio", "ceiling_gib_s",
+COLUMNS = ["store", "op", "block", "kvtier_gib_s", "peer", "peer_gib_s", "ratio", "ratio_spread", "ceiling_gib_s",
            "kvtier_vs_ceiling", "peer_vs_ceiling", "ceiling"]
 
 
@@ -157,6 +160,10 @@ def summarize(store: str, op: str, block: int, gib: float, times: dict[str, list
     for peer in peers:
         row: dict[str, Any] = {"store": store, "op": op, "block_bytes": block, "kvtier_gib_s": gib / med[kvtier],
                                "peer": peer, "peer_gib_s": gib / med[peer], "ratio": med[peer] / med[kvtier]}
+        # The same round's two times (interleaved, so one round's load hits both): the ratio's spread.
+        timed = slice(1, None) if len(times[kvtier]) > 1 else slice(None)
+        per_round = [p / k for k, p in zip(times[kvtier][timed], times[peer][timed])]
+        row.update(ratio_rounds=per_round, ratio_spread=f"{min(per_round):.2f}-{max(per_round):.2f}")
         if ceilings:
             best = min(ceilings, key=lambda c: med[c])
             row.update(ceiling_gib_s=gib / med[best], kvtier_vs_ceiling=med[best] / med[kvtier],
@@ -247,6 +254,10 @@ def _case(store: str, block: int, total: int, repeats: int) -> list[dict[str, An
                 c.reset()
                 times["put"][name].append(_timed(c.put))
                 c.cool()
+                if store == "disk-cold":
+                    # Every contender's writes on the device before any get (LMCache's O_DIRECT puts are
+                    # never synced): a get then competes with no put's writeback, its own or another's.
+                    os.sync()
                 times["get"][name].append(_timed(c.get))
                 if r == 0:
                     c.check()
@@ -338,7 +349,11 @@ class _KvtierBackend(Contender):
         self.name, self.data, self._reset, self._files = name, data, reset, files
         self.ns = Namespace(f"bench/peers/{data.block}", "bfloat16", 32, 8, 128, 16)
         self.backend = load("backend", plugin)(options)
-        self.bufs = [memoryview(bytearray(data.block)) for _ in range(data.n)]
+        # Page-aligned get buffers, as LMCache's allocator and the raw loop have (and a host tier's slots):
+        # local_disk reads a cold aligned value into them with O_DIRECT.
+        self._mem = mmap.mmap(-1, data.n * data.block)
+        mv = memoryview(self._mem)
+        self.bufs = [mv[i * data.block:(i + 1) * data.block] for i in range(data.n)]
         self.keys: list[str] = []
 
     def reset(self) -> None:

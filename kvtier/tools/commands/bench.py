@@ -1,4 +1,4 @@
-"""``kvtier bench NAME``: every module in ``kvtier/bench/`` with ``HELP``, ``add_arguments(parser)`` and
+"""``kvtier bench NAME``: every module in ``kvtier/tools/bench/`` with ``HELP``, ``add_arguments(parser)`` and
 ``run(args) -> int`` is a benchmark.  ``_*`` modules are helpers and ``backend_*`` modules are the
 per-backend cases of ``kvtier bench backends``, so neither is a command of its own."""
 
