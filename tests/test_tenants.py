@@ -1,7 +1,7 @@
 """Two deployments sharing one store (issue 45, section 3): a directory, a Redis with a ``key_prefix``, an S3
 bucket under a ``prefix``.  Each deployment's tools see only its own namespaces unless told
 ``--all-namespaces``; a quota per namespace keeps one deployment's puts from evicting the other's blocks
-within its own quota.  The tools run in process (``kvtier.cli.main``) against real files, a real
+within its own quota.  The tools run in process (``kvtier.tools.cli.main``) against real files, a real
 redis-server and moto's server over HTTP."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.cli import main
+from kvtier.tools.cli import main
 from kvtier.config import load_config
 from kvtier.keys import Namespace
 
