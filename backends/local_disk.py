@@ -82,7 +82,6 @@ from typing import Any, TypeVar, cast
 
 from pydantic import Field, field_validator
 
-from kvtier.format import blockformat
 from kvtier import threads as kvthreads
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 from kvtier.backends._disk_files import (
@@ -108,6 +107,7 @@ from kvtier.backends._disk_ledger import HOST_TAG, locked, writer_alive
 from kvtier.backends._disk_ledger import LEDGER_NAME as LEDGER_NAME  # its public name, where tools import it
 from kvtier.backends._disk_removals import JOURNAL_NAME as JOURNAL_NAME  # public, as LEDGER_NAME
 from kvtier.backends._disk_removals import RemovalFeed, append_removals
+from kvtier.format import blockformat
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key, split_key
 from kvtier.units import ByteSize
 

@@ -51,9 +51,9 @@ from .config import KvtierConfig, direct_loads, load_config
 from .format.layout import KVLayout, LayoutError
 from .index import BlockIndex
 from .keys import Namespace
+from .memory.blockids import int_array
 from .memory.blockpool import BlockPool
 from .memory.device import DeviceTier
-from .memory.blockids import int_array
 from .memory.host import HostTier, memory_available
 from .memory.transfer import TransferEngine
 from .metrics import StackMetrics

@@ -12,12 +12,12 @@ import struct
 
 import pytest
 
-from kvtier.format import blockformat
 from kvtier.backends import _disk_files
 from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.format import blockformat
+from kvtier.keys import Namespace
 from kvtier.tools.commands import _storage_tools as st
 from kvtier.tools.commands.verify import Checker
-from kvtier.keys import Namespace
 
 NS = Namespace("m", "bfloat16", 8, 2, 64, 16)  # 64 KiB blocks: the smallest stored aligned
 LID = NS.layout_id

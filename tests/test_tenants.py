@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.tools.cli import main
 from kvtier.config import load_config
 from kvtier.keys import Namespace
+from kvtier.tools.cli import main
 
 MODEL_A: dict[str, Any] = {"id": "tenant-a/model", "kv_dtype": "float32", "num_layers": 2, "num_kv_heads": 2,
                            "head_dim": 8, "block_size": 4, "tp_size": 2}

@@ -14,11 +14,11 @@ import torch
 import kvtier.memory.device as device_mod
 import kvtier.memory.rows as rows_mod
 from kvtier.format.layout import KVLayout, LayoutError
-from kvtier.memory.rows import to_payload
 from kvtier.memory.blockpool import BlockPool, PoolExhausted
 from kvtier.memory.device import DeviceTier
 from kvtier.memory.host import HostTier, resolve_pin_memory
 from kvtier.memory.host_slots import FREE, READY, WRITING
+from kvtier.memory.rows import to_payload
 
 
 def random_tensors(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:

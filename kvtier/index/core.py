@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .tiers import MAX_BACKENDS, Tier, mask_bits, check_backend, mask_of, tier_backend
+from .tiers import MAX_BACKENDS, Tier, check_backend, mask_bits, mask_of, tier_backend
 
 ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
 # A device block id as engines hand them over: a Python int or a numpy integer (an id read out of a numpy

@@ -24,10 +24,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import ENV_PREFIX, ConfigError, KvtierConfig, config_text, read_yaml, parse_config
+from ..config import ENV_PREFIX, ConfigError, KvtierConfig, config_text, parse_config, read_yaml
 
 _SEG = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
 

@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from ..args import out_file, positive_int
-from . import vllm_hybrid
 from ..output import print_table, write_json
+from . import vllm_hybrid
 from .prefix import backend_section
 
 HELP = "TTFT inside a real vLLM: recompute, vLLM's own cache, kvtier host / disk / Redis / S3, ExampleConnector"

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from ._storage_tools import add_engine_argument, engine_model_line, engine_tiers
 from ..args import non_negative_int
+from ._storage_tools import add_engine_argument, engine_model_line, engine_tiers
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..cli import UserError
 from ..args import make_out_dir, non_negative_int, out_dir, out_file, positive_int
+from ..cli import UserError
 
 if TYPE_CHECKING:
     from ...integrations.engine import RequestResult

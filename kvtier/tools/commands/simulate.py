@@ -22,8 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..cli import UserError
 from ..args import make_out_dir, non_negative_int, out_dir, positive_int
+from ..cli import UserError
 
 if TYPE_CHECKING:
     from ...simulate import SimResult
