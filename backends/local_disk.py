@@ -119,6 +119,16 @@ _MIN_CHUNK_BYTES = 512 * 1024  # a batch is split across workers only in pieces 
 # passed: recording a batch of 1,000 costs about as much as a lookup of them (a few ms), too much per get.
 _FLUSH_READS = 16384
 _ALIGN_MIN_BYTES = 64 << 10  # smaller payloads keep the 88-byte header (a page of it would cost > 1/16)
+
+
+def _stores_aligned(options: Any, nbytes: int, sealed: bool) -> bool:
+    """Whether a payload of ``nbytes`` is stored aligned (``aligned_values``): mode ``none`` (a sealed value
+    keeps its format), whole pages (what O_DIRECT can read into a caller's buffer), and at least
+    ``_ALIGN_MIN_BYTES`` (the page of header costs at most 1/16 more disk)."""
+    return (not sealed and bool(options.aligned_values) and nbytes >= _ALIGN_MIN_BYTES
+            and nbytes % blockformat.ALIGNED_HEADER_SIZE == 0)
+
+
 _PAGE = blockformat.ALIGNED_HEADER_SIZE
 _FLUSH_S = 5.0
 # How old a namespace's byte count may be when a capacity eviction checks it against its quota.
@@ -698,15 +708,17 @@ class LocalDiskBackend(StorageBackend):
                            "put")
 
     def _aligned(self, nbytes: int) -> bool:
-        """Whether a payload of ``nbytes`` is stored aligned (``aligned_values``): mode ``none`` (a sealed
-        value keeps its format), whole pages (what O_DIRECT can read into a caller's buffer), and at least
-        ``_ALIGN_MIN_BYTES`` (the page of header costs at most 1/16 more disk)."""
-        return (self.seal is None and self.options.aligned_values and nbytes >= _ALIGN_MIN_BYTES
-                and nbytes % blockformat.ALIGNED_HEADER_SIZE == 0)
+        return _stores_aligned(self.options, nbytes, self.seal is not None)
 
     def stored_size(self, nbytes: int) -> int:
         """Bytes a stored payload of ``nbytes`` takes in the directory (its file: header and payload)."""
         return (blockformat.ALIGNED_HEADER_SIZE if self._aligned(nbytes) else self.header_size) + nbytes
+
+    @classmethod
+    def stored_value_nbytes(cls, options: Any, payload_nbytes: int, sealed: bool) -> int:
+        if _stores_aligned(options, payload_nbytes, sealed):
+            return blockformat.ALIGNED_HEADER_SIZE + payload_nbytes
+        return super().stored_value_nbytes(options, payload_nbytes, sealed)
 
     def _frame(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]:
         """The base class's framing, except a payload stored aligned gets the 4096-byte header (the same

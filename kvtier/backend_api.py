@@ -206,6 +206,13 @@ class StorageBackend(ABC):
         """Bytes of header before each stored payload in this backend's mode."""
         return blockformat.HEADER_SIZE if self.seal is None else self.seal.header_size
 
+    @classmethod
+    def stored_value_nbytes(cls, options: Any, payload_nbytes: int, sealed: bool) -> int:
+        """Bytes one stored value of ``payload_nbytes`` takes in a backend of this class with ``options``
+        (sealed: in mode authenticate or encrypt), without building one: what ``kvtier simulate``'s ledgers
+        count against a capacity.  A backend that frames values its own way says so here."""
+        return (blockformat.SEALED_HEADER_SIZE if sealed else blockformat.HEADER_SIZE) + payload_nbytes
+
     def _frame(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]:
         """(header, stored payload) for ``payload`` under ``key`` in this backend's mode; thread-safe.  The
         stored payload is ``payload`` itself except when encrypting."""

@@ -556,8 +556,10 @@ def test_blocks_the_disk_evicted_are_never_offered(model_dir, cold, tmp_path):
         small = tmp_path / "gc.yaml"
         small.write_text(yaml.safe_dump({**cfg, "backends": [
             {"name": "disk", "type": "local_disk", "options": {"path": str(root), "capacity": 2 * value}}]}))
-        gc = subprocess.run([sys.executable, "-m", "kvtier", "gc", "--config", str(small), "--engine", "vllm"],
-                            capture_output=True, text=True, timeout=120)
+        # The engine YAML names no model.id, so the tools cannot tell this deployment's namespaces from
+        # others': --all-namespaces trims the whole directory (both instances run the same model).
+        gc = subprocess.run([sys.executable, "-m", "kvtier", "gc", "--config", str(small), "--engine", "vllm",
+                             "--all-namespaces"], capture_output=True, text=True, timeout=120)
         assert gc.returncode == 0, gc.stdout + gc.stderr
         seen["after_gc"] = set(block_files(root))
 

@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..backend_api import StorageBackend, StoredBlock
-from ..format.blockformat import HEADER_SIZE
 
 
 class LedgerBackend(StorageBackend):
@@ -40,8 +39,10 @@ class LedgerBackend(StorageBackend):
     def for_config(cls, backend: Any, payload_nbytes: int) -> LedgerBackend:
         """The ledger of a config ``backends[i]`` entry (its ``options.capacity`` if the plugin has one)."""
         cap = getattr(backend.options, "capacity", None)
-        return cls(name=backend.name or backend.type, value_nbytes=HEADER_SIZE + payload_nbytes,
-                   capacity=None if cap is None else int(cap))
+        # The plugin's own framing (local_disk's aligned values take a page of header; sealed values a
+        # longer one), so the ledger fills up after as many values as the real directory.
+        value = backend.plugin().stored_value_nbytes(backend.options, payload_nbytes, backend.security != "none")
+        return cls(name=backend.name or backend.type, value_nbytes=value, capacity=None if cap is None else int(cap))
 
     @property
     def nbytes(self) -> int:
