@@ -53,6 +53,16 @@ def test_help_through_the_entry_point():
     assert "usage: kvtier events" in r.stdout
 
 
+def test_help_imports_no_engine_or_torch():
+    # `kvtier --help` (and every command's parser) imports each command's module to list it; torch alone
+    # took 2-6 s of that here, on every tool invocation and every CLI subprocess of the tests.
+    code = ("import sys; from kvtier.tools.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'vllm', 'sglang', 'transformers', 'boto3') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
 def test_user_error_is_one_line_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvtier", "config", "check", str(tmp_path / "nope.yaml")],
                        capture_output=True, text=True)

@@ -20,7 +20,6 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..args import out_file, positive_int
 from ..output import print_table, write_json
@@ -86,6 +85,8 @@ def _config(args: argparse.Namespace, backend: dict[str, Any], block_tokens: int
 
 
 def bench_one(args: argparse.Namespace, backend: dict[str, Any], block_tokens: int = 16) -> dict[str, Any]:
+    import torch
+
     from ...integrations.engine import CachedEngine
 
     prompt = torch.randint(0, 2048, (args.tokens + 1,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -21,16 +21,15 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from ...format.layout import KVLayout
-from ...memory.copy2d import memcpy2d_available
-from ...memory.device import DeviceTier
-from ...memory.host import HostTier
-from ...memory.transfer import TransferEngine
 from ..args import out_file, positive_int
 from ..output import print_table, write_json
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...memory.transfer import TransferEngine
 
 HELP = "device <-> host tier block copies (2 MiB blocks) vs raw copy_ of the same bytes (goal >= 0.8x)"
 GOAL_RATIO = 0.8
@@ -74,6 +73,16 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int, sync: Calla
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch and the tiers are imported here, not at the top: `kvtier --help` imports every command's
+    # module to list it, and must not wait seconds for torch.
+    import torch
+
+    from ...format.layout import KVLayout
+    from ...memory.copy2d import memcpy2d_available
+    from ...memory.device import DeviceTier
+    from ...memory.host import HostTier
+    from ...memory.transfer import TransferEngine
+
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -181,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
 def _layerwise_timing(eng: TransferEngine, slots: list[int], ids: torch.Tensor, num_layers: int,
                       repeats: int) -> dict[str, float]:
     """Submit a layer-wise load; time until layer 0 is usable and until the last layer has landed."""
+    import torch
+
     first, last = [], []
     for r in range(repeats + 1):
         torch.cuda.synchronize()
