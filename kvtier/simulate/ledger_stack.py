@@ -34,7 +34,7 @@ from ..metrics import StackMetrics
 from ..tiering.backend_set import BackendSet
 from ..tiering.load_steps import Source
 from ..tiering.manager import TierManager
-from ..tiering.planner import CopyDown, GroupWrite, Planner
+from ..tiering.planner import CopyDown, Planner
 from ..tiering.results import SKIPPED, STORED, LoadResult, LookupResult, StoreResult, StoreStatus
 from .ledger import LedgerBackend
 
@@ -170,15 +170,9 @@ class SimulatedStack:
         keys = [hashes[i] for i in take]
         with p.lock:
             down = p.stored_locked(take, keys, slots, [True] * len(take), status)
+            p.remember_store_locked(hashes, start)
         self._counters["host"].written += len(take)
-        if self.storage_blocks > 1:
-            groups = p.store_groups(hashes, start)
-            with p.lock:
-                for g in groups:
-                    p.remember_group_locked(g)
-            sent = set(down)
-            self._write_groups_from_host([g for g in groups if sent.intersection(g)])
-        elif down:
+        if down:
             self._write_down(down)
         return _Done(StoreResult(tuple(status)))
 
@@ -316,57 +310,24 @@ class SimulatedStack:
             return self.planner.written_back_locked(victims, written)
 
     def _write_down(self, keys: Sequence[bytes]) -> None:
-        """``Downward.write_down``: host blocks to every writable backend lacking them (with values of
-        several blocks: their whole groups)."""
-        p = self.planner
-        if self.storage_blocks > 1:
-            with p.lock:
-                groups = p.groups_to_write_locked(keys)
-            self._write_groups_from_host(groups)
-            return
-        with p.lock:
-            todo = p.plan_write_down_locked(keys)
-        if todo:
-            try:
-                self._copy_down(todo)
-            finally:
-                with p.lock:
-                    p.copies_done_locked([c.key for c in todo])
+        """``Downward.write_down``: the values of host blocks to every writable backend lacking them."""
+        with self.planner.lock:
+            values = self.planner.groups_to_write_locked(keys)
+        self._write_values(values)
 
     def _copy_down(self, todo: Sequence[CopyDown]) -> dict[bytes, bool]:
-        """``HostRoom.copy_down``: held host blocks to their target backends."""
+        """``HostRoom.copy_down``: held victims' values to the backends lacking them."""
+        with self.planner.lock:
+            values = {c.key: self.planner.group_of_locked(c.key) for c in todo}
+        written = self._write_values([v for v in values.values() if v is not None], frozenset(c.key for c in todo))
+        return {key: v is not None and v[-1] in written for key, v in values.items()}
+
+    def _write_values(self, values: Sequence[tuple[bytes, ...]], mine: frozenset[bytes] = frozenset()) -> set[bytes]:
+        """``BackendWriter.write_from_host`` / ``write_now`` (run at once): the last keys of the values a
+        backend took."""
         p = self.planner
-        if self.storage_blocks > 1:
-            with p.lock:
-                groups = {c.key: p.group_of_locked(c.key) for c in todo}
-            written = self._write_groups_now([g for g in groups.values() if g is not None],
-                                             frozenset(c.key for c in todo))
-            return {key: g is not None and g[-1] in written for key, g in groups.items()}
-        taken = {c.key: False for c in todo}
-        for b in self._backends.writable:
-            part = [c.key for c in todo if b in c.targets]
-            if not part:
-                continue
-            for key, good in zip(part, self._put(b, [(key,) for key in part])):
-                taken[key] = taken[key] or good
-            self._counters["host"].read += len(part)
-            with p.lock:
-                p.trim_index_locked()
-        return taken
-
-    def _write_groups_from_host(self, groups: Sequence[tuple[bytes, ...]]) -> None:
-        """``Grouped.write_from_host`` (run at once)."""
-        with self.planner.lock:
-            claims = self.planner.claim_groups_locked(groups)
-        self._put_groups(claims)
-
-    def _write_groups_now(self, groups: Sequence[tuple[bytes, ...]], mine: frozenset[bytes]) -> set[bytes]:
-        """``Grouped.write_now``: a write-back's groups; the last keys of those a backend took."""
-        with self.planner.lock:
-            claims = self.planner.claim_groups_locked(groups, mine)
-        return self._put_groups(claims)
-
-    def _put_groups(self, claims: list[GroupWrite]) -> set[bytes]:
+        with p.lock:
+            claims = p.claim_groups_locked(values, mine)
         written: set[bytes] = set()
         try:
             for b in self._backends.writable:
@@ -376,8 +337,10 @@ class SimulatedStack:
                 ok = self._put(b, [c.members for c in part])
                 written.update(c.members[-1] for c, good in zip(part, ok) if good)
                 self._counters["host"].read += sum(len(c.members) for c in part)
+                with p.lock:
+                    p.trim_index_locked()
         finally:
-            self.planner.release_groups(claims)
+            p.release_groups(claims)
         return written
 
     def _store_direct(self, hashes: list[bytes], start: int, new: list[int], status: list[StoreStatus]) -> None:

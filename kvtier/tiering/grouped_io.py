@@ -1,16 +1,12 @@
 """Stored values of several engine blocks (``storage.block_tokens``; see :mod:`kvtier.format.groups`): reading a
-value into the host slots of its blocks, and writing whole groups from host memory or the device.
+value into the host slots of its blocks.  Writing values, of one block or several, is
+:mod:`kvtier.tiering.writes`' alone.
 
 Invariants (beside the stack's):
-* a value is written only when every one of its blocks is in hand (committed in host memory, or read
-  from the device in the same store), and under its last block's key; a partial group is never written;
 * a value read from a backend is verified as a whole (one header, one checksum) before any of its blocks
   becomes visible in host memory;
-* the blocks of a value being written are claimed (the planner's ``claim_groups_locked``) for the whole
-  put, which keeps eviction away (no index reference: a copy down is not a use);
-* a block in host memory that belongs to a whole group known to the planner (stored or fetched as one)
-  is written with its whole group (write-back on eviction, a selective write on a hit); a group no
-  longer whole in host memory is not written.
+* a value read whole is remembered by the planner for its blocks in host memory, so a later write of
+  one of them writes the whole value.
 """
 
 from __future__ import annotations
@@ -20,15 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..format.blockformat import Segments
 from ..format.groups import group_of
 from .load_steps import Source, Step
 from .parts import SlotSource, StackParts
-from .planner import GroupWrite
-from .writes import BackendWriter
 
 log = logging.getLogger("kvtier.stack")
 
@@ -45,12 +38,11 @@ class _Reads:
 
 
 class Grouped:
-    """The grouped halves of fetch and write-down for one stack."""
+    """The grouped half of fetch for one stack."""
 
-    def __init__(self, parts: StackParts, room: SlotSource, writer: BackendWriter):
+    def __init__(self, parts: StackParts, room: SlotSource):
         self.parts = parts
         self.room = room
-        self.writer = writer
         self.k = parts.storage_blocks
 
     def groups_of(self, start: int, positions: Sequence[int], n: int) -> tuple[list[Group], list[int]]:
@@ -198,52 +190,6 @@ class Grouped:
         for j, good in zip(want, ok):
             if good:
                 src[j] = b
-
-    # ------------------------------------------------------------------ the way down
-
-    def write_from_host(self, groups: Sequence[tuple[bytes, ...]]) -> None:
-        """Write each group (its blocks' keys, in chain order) whose blocks are all in host memory to the
-        writable backends that lack it, asynchronously (the stack's write pool)."""
-        planner, workers = self.parts.planner, self.parts.workers
-        with planner.lock:
-            todo = planner.claim_groups_locked(groups)
-            if not todo:
-                return
-            workers.pending.add()
-        if not workers.submit(workers.io, self._write_job, todo):
-            planner.release_groups(todo)
-            workers.pending.done()
-
-    def write_now(self, groups: Sequence[tuple[bytes, ...]], mine: frozenset[bytes]) -> set[bytes]:
-        """Write groups in this thread (a write-back makes room); the last keys of those a backend took."""
-        planner = self.parts.planner
-        with planner.lock:
-            todo = planner.claim_groups_locked(groups, mine)
-        try:
-            return self._put(todo)
-        finally:
-            planner.release_groups(todo)
-
-    def _write_job(self, todo: list[GroupWrite]) -> None:
-        try:
-            self._put(todo)
-        finally:
-            self.parts.planner.release_groups(todo)
-            self.parts.workers.pending.done()
-
-    def _put(self, todo: list[GroupWrite]) -> set[bytes]:
-        p = self.parts
-        written: set[bytes] = set()
-        for b in p.backends.writable:
-            part = [c for c in todo if b in c.targets]
-            if not part:
-                continue
-            host = p.host_tier()
-            payloads = [np.concatenate([host.slot_view(slot) for slot in c.slots]) for c in part]
-            ok = self.writer.put_values(b, [c.members for c in part], payloads)
-            p.metrics.add("host", bytes_out=sum(ok) * self.k * p.layout.block_nbytes)
-            written.update(c.members[-1] for c, good in zip(part, ok) if good)
-        return written
 
 
 __all__ = ["Grouped"]

@@ -46,8 +46,9 @@ from .results import FAILED, PRESENT, SKIPPED, STORED, StoreStatus
 
 @dataclass(frozen=True)
 class CopyDown:
-    """A host block held for a copy to backends: in ``writing`` (and, for a write-back victim, referenced)
-    until the executor reports the copy over."""
+    """A write-back victim: a host block held (an index reference, ``writing``) until the executor
+    reports it copied down (:meth:`Planner.written_back_locked`); its value is written as a
+    :class:`GroupWrite`."""
 
     key: bytes
     slot: int
@@ -56,7 +57,8 @@ class CopyDown:
 
 @dataclass(frozen=True)
 class GroupWrite:
-    """A whole stored value (``storage.block_tokens`` > 1) claimed for writing from host memory."""
+    """A whole stored value (one block, or a group of ``storage_blocks`` blocks) claimed for writing from
+    host memory.  Every copy down writes values so: one path whatever the value's size."""
 
     members: tuple[bytes, ...]   # its blocks' keys, in chain order (the value is stored under the last)
     slots: tuple[int, ...]       # their host slots
@@ -196,8 +198,8 @@ class Planner:
                 if need == 0 or e is None or e.host is None or e.refs or key in self._writing:
                     continue  # only unpinned host blocks with no copy down in flight are evictable
                 targets = tuple(i for i in writable if i not in e.backends)
-                if targets and self.storage_blocks > 1 and self.group_of_locked(key) is None:
-                    targets = ()  # a block of a group no longer whole in host memory cannot be written
+                if targets and self.group_of_locked(key) is None:
+                    targets = ()  # a block of a value no longer whole in host memory cannot be written
                 if targets and key in self._unwritten and len(self._unwritten) > self.max_unwritten:
                     # Its write-back already failed and too many blocks wait on failing writes: evict it
                     # unwritten (a future miss) rather than let a refusing backend hold host memory.
@@ -327,35 +329,12 @@ class Planner:
 
     # ------------------------------------------------------------------ writes to backends
 
-    def plan_write_down_locked(self, keys: Sequence[bytes]) -> list[CopyDown]:
-        """Host blocks to copy to every writable backend that lacks them (blocks already there, not in host
-        memory, or already being copied are left alone); each returned one is in ``writing`` until
-        :meth:`copies_done_locked`.  Single-block values only (see :meth:`groups_to_write_locked`)."""
-        self.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
-        todo: list[CopyDown] = []
-        writable = self.backends.writable
-        for key in dict.fromkeys(keys):
-            e = self.index.get(key)
-            if e is None or e.host is None:
-                continue
-            targets = tuple(i for i in writable if i not in e.backends)
-            if not targets:
-                continue
-            self._owed[key] = None  # until every writable backend took it (put_done_locked)
-            if key in self._writing:
-                continue
-            # No index reference: a copy down is not a use and must not change the block's recency (an
-            # index reference takes it off the LRU list); ``writing`` keeps eviction away.
-            self._writing.add(key)
-            todo.append(CopyDown(key, e.host, targets))
-        return todo
-
-    def copies_done_locked(self, keys: Sequence[bytes]) -> None:
-        self._writing.difference_update(keys)
-
     def groups_to_write_locked(self, keys: Sequence[bytes]) -> list[tuple[bytes, ...]]:
-        """Values of several blocks: the whole groups ``keys`` are in, their blocks owed to the writable
-        backends that lack them."""
+        """The stored values to copy down for host blocks ``keys``: the whole value each is in (the block
+        itself when a value is one block), every block of them owed to the writable backends lacking it
+        until they took it (:meth:`put_done_locked`).  Claim them to write (:meth:`claim_groups_locked`):
+        values already there, no longer whole in host memory, or already being copied are left alone."""
+        self.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
         groups = [g for g in map(self.group_of_locked, dict.fromkeys(keys)) if g is not None]
         writable = self.backends.writable
         self._owed.update((k, None) for g in groups for k in g if self.index.host_slot(k) is not None
@@ -393,18 +372,29 @@ class Planner:
             wanted = dict.fromkeys([*in_host, *self._owed])
             return [k for k in wanted if self.index.host_slot(k) is not None]
 
-    # ------------------------------------------------------------------ groups (storage.block_tokens > 1)
+    # ------------------------------------------------------------------ stored values (groups of blocks)
 
     def remember_group_locked(self, members: tuple[bytes, ...]) -> None:
-        """Record a whole group for the blocks of it in host memory, so a later write of one of them
-        (write-back on eviction, a selective write on a hit) writes the group.  Entries leave with their
-        block's host copy."""
+        """Record a whole value of several blocks for the blocks of it in host memory, so a later write of
+        one of them (write-back on eviction, a selective write on a hit) writes the value.  Entries leave
+        with their block's host copy.  A value of one block needs no record."""
+        if len(members) == 1:
+            return
         for key in members:
             if self.index.host_slot(key) is not None:
                 self._members[key] = members
 
+    def remember_store_locked(self, hashes: Sequence[bytes], start: int) -> None:
+        """Remember the whole values a store of ``hashes`` at chain position ``start`` holds."""
+        if self.storage_blocks > 1:
+            for g in self.store_groups(hashes, start):
+                self.remember_group_locked(g)
+
     def group_of_locked(self, key: bytes) -> tuple[bytes, ...] | None:
-        """The whole group of a host block, if known and every block of it is in host memory."""
+        """The whole stored value a host block belongs to, if known and every block of it is in host
+        memory: the block alone when values are single blocks."""
+        if self.storage_blocks == 1:
+            return (key,) if self.index.host_slot(key) is not None else None
         members = self._members.get(key)
         if members is None or any(self.index.host_slot(m) is None for m in members):
             return None
@@ -412,9 +402,10 @@ class Planner:
 
     def claim_groups_locked(self, groups: Sequence[tuple[bytes, ...]],
                             mine: frozenset[bytes] = frozenset()) -> list[GroupWrite]:
-        """Claim each group that is whole in host memory, not being written, and missing from a writable
-        backend: its blocks go into ``writing`` (so none is evicted while the group is written); ``mine``:
-        blocks the caller already holds for writing (a write-back victim)."""
+        """Claim each value (a group of ``storage_blocks`` blocks, or one block) that is whole in host
+        memory, not being written, and missing from a writable backend: its blocks go into ``writing`` (so
+        none is evicted while it is written) until :meth:`release_groups`; ``mine``: blocks the caller
+        already holds for writing (a write-back victim)."""
         todo: list[GroupWrite] = []
         for members in dict.fromkeys(groups):
             slots = [self.index.host_slot(key) for key in members]

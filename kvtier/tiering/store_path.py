@@ -4,9 +4,10 @@ What to do is the planner's (:class:`~kvtier.tiering.planner.Planner`: which slo
 down where); this module runs it against the device, host memory and the backends and reports back.
 
 Invariants:
-* every block the planner hands out held (a store's new blocks, a write-back victim, a copy down) is
-  handed back exactly once, whatever fails: ``stored_locked`` / ``end_stores``, ``written_back_locked`` /
-  ``abandon_victims``, ``copies_done_locked``;
+* every block the planner hands out held (a store's new blocks, a write-back victim, a value claimed for a
+  copy down) is handed back exactly once, whatever fails: ``stored_locked`` / ``end_stores``,
+  ``written_back_locked`` / ``abandon_victims``, ``release_groups`` (:mod:`~kvtier.tiering.writes`);
+* one way down for every stored value, of one block or a group of them: the writer's claimed values.
 * a WRITING host slot taken for a store is committed or released, never left WRITING;
 * backend I/O and copies run outside the planner's lock; write-back victims reach a backend before their
   slots take new blocks (the copy of a store that needed them is issued after that I/O).
@@ -22,7 +23,6 @@ import numpy as np
 import torch
 
 from ..format.groups import whole_groups
-from .grouped_io import Grouped
 from .parts import StackParts
 from .planner import CopyDown
 from .results import FAILED, SKIPPED, STORED, StoreHandle, StoreResult, StoreStatus
@@ -41,7 +41,6 @@ class HostRoom:
     def __init__(self, parts: StackParts, writer: BackendWriter):
         self.parts = parts
         self.writer = writer
-        self.grouped: Grouped | None = None  # set by the stack when stored values hold several blocks
 
     def write_back(self, victims: Sequence[CopyDown]) -> list[int]:
         """Copy victims down (no lock held), then let the planner free those a backend took and nobody
@@ -66,39 +65,23 @@ class HostRoom:
         self.parts.planner.release_slots(slots)
 
     def copy_down(self, todo: Sequence[CopyDown]) -> dict[bytes, bool]:
-        """Write held host blocks to their target backends (no lock held during I/O); the writer records
-        which backends took them.  Returns {key: taken by at least one backend}.  With values of several
-        blocks, each block's whole group is written instead."""
-        p, planner = self.parts, self.parts.planner
-        if self.grouped is not None:
-            with planner.lock:
-                groups = {c.key: planner.group_of_locked(c.key) for c in todo}
-            written = self.grouped.write_now([g for g in groups.values() if g is not None],
-                                             frozenset(c.key for c in todo))
-            return {key: g is not None and g[-1] in written for key, g in groups.items()}
-        taken = {c.key: False for c in todo}
-        for b in p.backends.writable:
-            part = [c for c in todo if b in c.targets]
-            if not part:
-                continue
-            host = p.host_tier()
-            ok = self.writer.put_values(b, [(c.key,) for c in part], [host.slot_view(c.slot) for c in part])
-            p.metrics.add("host", bytes_out=sum(ok) * p.layout.block_nbytes)
-            for c, good in zip(part, ok):
-                taken[c.key] = taken[c.key] or good
-            with planner.lock:
-                planner.trim_index_locked()
-        return taken
+        """Write held victims' values to the backends lacking them, in this thread (no lock held during
+        I/O).  Returns {key: its value taken by at least one backend}."""
+        planner = self.parts.planner
+        with planner.lock:
+            values = {c.key: planner.group_of_locked(c.key) for c in todo}
+        written = self.writer.write_now([v for v in values.values() if v is not None],
+                                        frozenset(c.key for c in todo))
+        return {key: v is not None and v[-1] in written for key, v in values.items()}
 
 
 class Downward:
     """``store`` and the write-down of host blocks to the backends."""
 
-    def __init__(self, parts: StackParts, room: HostRoom, writer: BackendWriter, grouped: Grouped | None):
+    def __init__(self, parts: StackParts, room: HostRoom, writer: BackendWriter):
         self.parts = parts
         self.room = room
         self.writer = writer
-        self.grouped = grouped  # stored values of several blocks (storage.block_tokens > 1), else None
 
     # ------------------------------------------------------------------ store
 
@@ -171,20 +154,13 @@ class Downward:
         try:
             with planner.lock:
                 down = planner.stored_locked(take, keys, r.slots, r.ok, status)
+                # Values of several blocks: a write of one of their blocks (now, or a write-back later)
+                # writes the whole value.
+                planner.remember_store_locked(hashes, start)
             p.metrics.add("device", bytes_out=r.nbytes)
             p.metrics.add("host", bytes_in=r.nbytes, failures=int(not r.all_ok))
             p.metrics.observe("host", "write", r.seconds)
-            if self.grouped is not None:
-                # Values of several blocks: the store's whole groups are remembered (a later write of one
-                # of their blocks writes the group), and those holding a block the write policy sends
-                # down now are written (their blocks are in host memory, stored here or before).
-                groups = planner.store_groups(hashes, start)
-                sent = set(down)
-                with planner.lock:
-                    for g in groups:
-                        planner.remember_group_locked(g)
-                self.grouped.write_from_host([g for g in groups if sent.intersection(g)])
-            elif down:
+            if down:
                 self.write_down(down)
         finally:
             self._finish(handle, status)
@@ -248,33 +224,13 @@ class Downward:
     # ------------------------------------------------------------------ write-down
 
     def write_down(self, keys: Sequence[bytes]) -> None:
-        """Asynchronously copy host blocks to every writable backend that lacks them (blocks already
-        there, not in host, or already being written are left alone)."""
-        planner, workers = self.parts.planner, self.parts.workers
-        if self.grouped is not None:
-            with planner.lock:  # values of several blocks: the whole groups these blocks are in
-                groups = planner.groups_to_write_locked(keys)
-            self.grouped.write_from_host(groups)
-            return
-        with planner.lock:
-            todo = planner.plan_write_down_locked(keys)
-            if not todo:
-                return
-            workers.pending.add()
-        if not workers.submit(workers.io, self._write_down_job, todo):
-            self._write_down_done(todo)
-
-    def _write_down_job(self, todo: list[CopyDown]) -> None:
-        try:
-            self.room.copy_down(todo)
-        finally:
-            self._write_down_done(todo)
-
-    def _write_down_done(self, todo: list[CopyDown]) -> None:
+        """Asynchronously copy the values of host blocks ``keys`` to every writable backend that lacks
+        them (values already there, no longer whole in host memory, or already being written are left
+        alone)."""
         planner = self.parts.planner
         with planner.lock:
-            planner.copies_done_locked([c.key for c in todo])
-        self.parts.workers.pending.done()
+            values = planner.groups_to_write_locked(keys)
+        self.writer.write_from_host(values)
 
 
 __all__ = ["Downward", "HostRoom"]

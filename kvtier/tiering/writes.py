@@ -1,9 +1,14 @@
-"""Writes to backends: every put of a stored value goes through :class:`BackendWriter`.
+"""Writes to backends: every put of a stored value goes through :class:`BackendWriter`, whatever the value's
+size (one engine block, or a group of ``storage.block_tokens`` blocks): a copy down from host memory (a
+write-back making room, the write policy's write-down), a store written straight from the device.
 
 Invariants:
 * the planner hears of every put before it starts and after it returns (``begin_put_locked`` /
   ``put_done_locked``), so a value the backend evicted during its own write is never marked there, and a
   value a backend took is marked for each of its blocks;
+* a value is written from host memory only whole (every block of it claimed by
+  ``claim_groups_locked``, and so kept from eviction, for the whole put; released exactly once), under its
+  last block's key;
 * no lock is held during the I/O; a backend fault is a refused value (``BackendSet.put`` never raises).
 """
 
@@ -12,13 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .parts import StackParts
+from .planner import GroupWrite
 
 
 class BackendWriter:
-    """Puts stored values (one block, or a group of ``storage.block_tokens`` blocks) into backends."""
+    """Puts stored values into backends."""
 
     def __init__(self, parts: StackParts):
         self.parts = parts
@@ -43,6 +50,59 @@ class BackendWriter:
         for b in self.parts.backends.writable:
             took = [t or good for t, good in zip(took, self.put_values(b, values, views))]
         return took
+
+    # ------------------------------------------------------------------ from host memory
+
+    def write_from_host(self, values: Sequence[tuple[bytes, ...]]) -> None:
+        """Write each value (its blocks' keys, in chain order) whose blocks are all in host memory to the
+        writable backends that lack it, asynchronously (the stack's write pool)."""
+        planner, workers = self.parts.planner, self.parts.workers
+        with planner.lock:
+            todo = planner.claim_groups_locked(values)
+            if not todo:
+                return
+            workers.pending.add()
+        if not workers.submit(workers.io, self._write_job, todo):
+            planner.release_groups(todo)
+            workers.pending.done()
+
+    def write_now(self, values: Sequence[tuple[bytes, ...]], mine: frozenset[bytes]) -> set[bytes]:
+        """Write values in this thread (a write-back makes room; ``mine``: the victims the caller holds);
+        the last keys of those a backend took."""
+        planner = self.parts.planner
+        with planner.lock:
+            todo = planner.claim_groups_locked(values, mine)
+        try:
+            return self._put(todo)
+        finally:
+            planner.release_groups(todo)
+
+    def _write_job(self, todo: list[GroupWrite]) -> None:
+        try:
+            self._put(todo)
+        finally:
+            self.parts.planner.release_groups(todo)
+            self.parts.workers.pending.done()
+
+    def _put(self, todo: list[GroupWrite]) -> set[bytes]:
+        p, planner = self.parts, self.parts.planner
+        written: set[bytes] = set()
+        for b in p.backends.writable:
+            part = [c for c in todo if b in c.targets]
+            if not part:
+                continue
+            host = p.host_tier()
+            # A one-block value is its slot's bytes as they are (no copy); a group's blocks sit in slots
+            # that need not be adjacent, so they are joined into one payload.
+            payloads = [host.slot_view(c.slots[0]) if len(c.slots) == 1
+                        else np.concatenate([host.slot_view(slot) for slot in c.slots]) for c in part]
+            ok = self.put_values(b, [c.members for c in part], payloads)
+            p.metrics.add("host", bytes_out=sum(len(c.members) for c, good in zip(part, ok) if good)
+                          * p.layout.block_nbytes)
+            written.update(c.members[-1] for c, good in zip(part, ok) if good)
+            with planner.lock:
+                planner.trim_index_locked()
+        return written
 
 
 __all__ = ["BackendWriter"]
