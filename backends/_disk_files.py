@@ -120,13 +120,14 @@ _TAIL = memoryview(bytearray(1))
 
 
 def read_file(path: str, header: memoryview, payload: memoryview | blockformat.Segments,
-              aligned: DirectReads | None = None) -> tuple[int | str | None, int | None, int]:
+              aligned: DirectReads | None = None, hashed: bool = True) -> tuple[int | str | None, int | None, int]:
     """Read a value into (header, payload), hashing the payload as it lands (``blockformat.read_hashed``:
     segments in ``preadv`` calls of ``HASH_GROUP_BYTES``, a buffer in one).  Returns the value's full
     size (None if absent, or why the entry under the name is no value at all: a FIFO, socket, device or
     directory, never read), the payload's xxh3-64 when every read came back whole (else None: the
     caller takes it), and the length of the header read (the first that many bytes of ``header``).
-    ``payload`` may be segments (``reads_segments``): the reads fill the parts in order.
+    ``payload`` may be segments (``reads_segments``): the reads fill the parts in order.  ``hashed``
+    False (a sealed value: its tag covers the payload): no checksum is taken, the second item is None.
 
     Raw (``aligned`` None): the first ``header.nbytes`` bytes into ``header``, the rest into ``payload``.
     With ``aligned`` (``header`` is then a page-aligned 4096-byte buffer): a value of the aligned layout
@@ -154,20 +155,20 @@ def read_file(path: str, header: memoryview, payload: memoryview | blockformat.S
             if st.st_size == PAGE + payload.nbytes:
                 return _read_aligned(fd, path, st.st_size, header, payload, aligned)
             head = header[:blockformat.HEADER_SIZE]
-        return (*_read_buffered(fd, st.st_size, head, payload, probe=True), head.nbytes)
+        return (*_read_buffered(fd, st.st_size, head, payload, probe=True, hashed=hashed), head.nbytes)
     finally:
         os.close(fd)
 
 
 def _read_buffered(fd: int, size: int, header: memoryview, payload: memoryview | blockformat.Segments,
-                   probe: bool) -> tuple[int, int | None]:
+                   probe: bool, hashed: bool = True) -> tuple[int, int | None]:
     want = header.nbytes + payload.nbytes
     # The probe byte past the expected end tells "longer than expected" (a value that grew since the
     # fstat).  Segments are read a group at a time, hashed while in cache; one buffer in one read (why:
     # HASH_GROUP_BYTES).
     group = blockformat.HASH_GROUP_BYTES if isinstance(payload, blockformat.Segments) else want
     n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), header, payload,
-                                          (_PROBE,) if probe else (), group)
+                                          (_PROBE,) if probe else (), group, hashed)
     if n == want:
         return n, checksum
     size = os.fstat(fd).st_size

@@ -740,13 +740,19 @@ class LocalDiskBackend(StorageBackend):
         worth splitting run in the pool's threads; file reads and xxh3 both release the GIL, so one thread's
         hash overlaps another thread's next read.  The work per block in Python is kept to what
         verification needs: keys were checked once for the batch, verified keys are made most recent in
-        one index update at the end."""
+        one index update at the end.  A sealed value takes no xxh3 (its tag covers the payload); in mode
+        encrypt its ciphertext lands in the thread's buffer and is decrypted from there into the caller's
+        (``Seal.landing``: one call, no cipher context per value)."""
         where = self._check_keys(keys)
         check, read, hsize = self._verify, read_file, self.header_size
         # Mode none reads either layout: a page-aligned page for the header (an aligned value's whole
         # header; the first 88 bytes of it for the other), which O_DIRECT can fill.  Sealed values are
         # read raw, as written.
         direct = self._direct if self.seal is None else None
+        seal = self.seal
+        # A sealed value's tag covers its payload: no xxh3 taken as it lands (mode none always takes it).
+        hashed = seal is None
+        landing = seal.landing if seal is not None else None
         errors: list[OSError] = []
         verified: list[tuple[str, int]] = []  # list.append is atomic: shared by the workers
         forgotten: list[str] = []
@@ -757,12 +763,16 @@ class LocalDiskBackend(StorageBackend):
             out: list[bool | str] = []
             for i in idx:
                 key, payload, path = keys[i], payloads[i], where[i][1]
+                # Mode encrypt: the ciphertext lands in this thread's buffer and is decrypted from there
+                # into ``payload`` in one call (``Seal.landing``).
+                land = landing(payload) if landing is not None else None
+                into = payload if land is None else land[:payload.nbytes]
                 try:
-                    size, checksum, hlen = read(path, header, payload, direct)
+                    size, checksum, hlen = read(path, header, into, direct, hashed)
                     if size is None and (linked := self._holds.path(key)) is not None:
                         # A put elsewhere unlinked it in the instant before our hold: read it through
                         # the hold's link (``_disk_holds``), the same bytes.
-                        size, checksum, hlen = read(linked, header, payload, direct)
+                        size, checksum, hlen = read(linked, header, into, direct, hashed)
                 except OSError as e:
                     errors.append(e)
                     out.append(False)
@@ -773,7 +783,7 @@ class LocalDiskBackend(StorageBackend):
                 elif isinstance(size, str):
                     out.append(f"{path} is {size}")  # corrupt: counted and deleted by get_into
                 else:
-                    why = check(key, size, header[:hlen], payload, layout_id, checksum)  # the size too
+                    why = check(key, size, header[:hlen], payload, layout_id, checksum, land)  # the size too
                     if why is None:
                         verified.append((key, size))
                         out.append(True)

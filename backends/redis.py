@@ -243,7 +243,11 @@ class RedisBackend(StorageBackend):
         return [r == b"OK" for r in self._pipelined(rkeys, build, lambda c, i: c.read_reply(), False, self._stripes)]
 
     def _get(self, keys: Sequence[str], headers: Sequence[memoryview], payloads: Sequence[memoryview | Segments],
-             on_value: Callable[[int, int], None] | None = None) -> list[int | None]:
+             on_value: Callable[[int, int, memoryview | None], None] | None = None,
+             landing: Callable[[memoryview | Segments], memoryview | None] | None = None) -> list[int | None]:
+        """GET each key into (header, payload); ``on_value(i, size, land)`` right after value ``i`` arrived,
+        in the reading thread.  ``landing`` (``Seal.landing``): where a payload goes instead of ``payload``
+        (mode encrypt: the ciphertext, decrypted from there by ``on_value``), passed on as ``land``."""
         rkeys = self._rkeys(keys)
 
         def build(i: int) -> tuple[list[Buf], int]:
@@ -252,9 +256,10 @@ class RedisBackend(StorageBackend):
 
         def read(c: Connection, i: int) -> int | ReplyError | None:
             h, p = headers[i], payloads[i]
-            size = c.read_bulk_into(h, p, len(b"$%d\r\n" % (len(h) + p.nbytes)))
+            land = landing(p) if landing is not None else None
+            size = c.read_bulk_into(h, p if land is None else land[:p.nbytes], len(b"$%d\r\n" % (len(h) + p.nbytes)))
             if on_value is not None and isinstance(size, int):
-                on_value(i, size)
+                on_value(i, size, land)
             return size
         return [r if isinstance(r, int) else None for r in self._pipelined(rkeys, build, read, None, self._stripes)]
 
@@ -280,12 +285,15 @@ class RedisBackend(StorageBackend):
         results: list[bool | str] = [False] * len(keys)
         told = bytearray(len(keys))  # a key read again (a retried stripe) is reported once
 
-        def on_value(i: int, size: int) -> None:
-            results[i] = self._verify(keys[i], size, headers[i], payloads[i], layout_id) or True
+        def on_value(i: int, size: int, land: memoryview | None) -> None:
+            results[i] = self._verify(keys[i], size, headers[i], payloads[i], layout_id, None, land) or True
             if results[i] is True and on_verified is not None and not told[i]:
                 told[i] = 1
                 on_verified(i)
-        sizes = self._get(keys, headers, payloads, on_value)
+        # Mode encrypt: each ciphertext lands in the stripe thread's buffer and is decrypted from there
+        # into the caller's buffer in one call (``Seal.landing``).
+        landing = self.seal.landing if self.seal is not None else None
+        sizes = self._get(keys, headers, payloads, on_value, landing)
         return [False if s is None else r for s, r in zip(sizes, results)]
 
     # ------------------------------------------------------------------ the rest of the contract

@@ -221,13 +221,15 @@ class StorageBackend(ABC):
         return self.seal.seal(key, payload, layout_id)
 
     def _verify(self, key: str, size: int, header: bytes | bytearray | memoryview,
-                payload: memoryview | blockformat.Segments, layout_id: int, checksum: int | None = None) -> str | None:
+                payload: memoryview | blockformat.Segments, layout_id: int, checksum: int | None = None,
+                stored: memoryview | None = None) -> str | None:
         """``verify`` in this backend's mode: why the value read is not to be served (a ``Forged`` reason
         for a sealed backend's refusal of an intact value), or None, then ``payload`` holds the block
         (decrypted in place when encrypting).  ``checksum``: the payload's xxh3-64 if the reader took it
-        as it read (mode ``none`` only; a sealed value has none)."""
+        as it read (mode ``none`` only; a sealed value has none).  ``stored``: where the reader put the
+        stored payload instead of ``payload`` (``self.seal.landing(payload)``, mode encrypt only)."""
         if self.seal is not None:
-            return self.seal.open(key, size, header, payload, layout_id)
+            return self.seal.open(key, size, header, payload, layout_id, stored)
         if checksum is None:
             return verify(key, size, header, payload, layout_id)
         expected = _header_nbytes(header) + payload.nbytes

@@ -247,6 +247,19 @@ class SecuritySection(_Section):
     tenant_keys: bool = Field(False, description="true: keys are this tenant's keys (derived from a deployment "
                                                  "key with kvtier.security.derive_tenant_key), so this "
                                                  "deployment cannot make another tenant's values.")
+    tenant_namespace: bool = Field(False, description="true: this deployment's blocks get a namespace of their "
+                                   "own (security.tenant's tag folded into the namespace digest), so "
+                                   "backends[i].quota bounds this tenant's share of a shared store and the tools "
+                                   "see only its blocks; works in every security mode. Turning it on starts the "
+                                   "tenant's stored blocks afresh (those under the shared namespace are no longer "
+                                   "looked up).")
+
+    @property
+    def namespace_tenant(self) -> str:
+        """``Namespace.tenant`` of this deployment: the tag of ``tenant`` with ``tenant_namespace``, else ''."""
+        from .keys import tenant_tag
+
+        return tenant_tag(self.tenant) if self.tenant_namespace and self.tenant else ""
 
     @property
     def write_id(self) -> int | None:
@@ -272,6 +285,9 @@ class SecuritySection(_Section):
                        "of the one that seals new values")
         if self.tenant_keys and self.tenant is None:
             out.append("security.tenant_keys: true needs security.tenant (the cache_salt the tenant keys are for)")
+        if self.tenant_namespace and not self.tenant:
+            out.append("security.tenant_namespace: true needs security.tenant (the cache_salt of the tenant whose "
+                       "namespace it is)")
         for i, mode in sealed:
             if not self.keys:
                 out.append(f"backends[{i}].security: {mode} needs a deployment key: add security.keys "
@@ -425,7 +441,7 @@ class KvtierConfig(_Section):
                          tp_rank=m.tp_rank, tp_size=m.tp_size, pp_rank=m.pp_rank, pp_size=m.pp_size,
                          hash_algo=self.keys.algo, hash_seed=self.keys.seed,
                          storage_blocks=self.storage_blocks, payload=self.payload_arrangement,
-                         kv_group=m.kv_group)
+                         kv_group=m.kv_group, tenant=self.security.namespace_tenant)
 
     @property
     def payload_arrangement(self) -> str:

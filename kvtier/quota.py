@@ -24,8 +24,12 @@ Invariants:
   knows them (``local_disk`` records them in its directory's index and skips the blocks of a namespace
   within its quota); in Redis (``maxmemory``) and S3 (no eviction, or lifecycle rules) they protect by
   keeping every deployment that has one within it: size them so their sum fits the store.
-* The ``cache_salt`` tenant of a value is not in its key, so quotas are per namespace: tenants of one model
-  share their namespace's quota (a deployment per tenant, each with its own model id, gets one each).
+* Quotas are per namespace.  A value's ``cache_salt`` tenant is in its namespace only when its deployment
+  asks for it (``security.tenant_namespace``: the tenant's tag is a field of the namespace digest, so
+  every key says which tenant it is charged to); then each tenant deployment has its own quota.  Without
+  it tenants of one model share their namespace's quota.  One process serving requests of several salts
+  charges them all to its one namespace: a request's salt is folded into its block hashes, which no
+  listing can read back.
 """
 
 from __future__ import annotations

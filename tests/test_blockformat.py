@@ -130,6 +130,17 @@ def test_read_hashed_reports_a_longer_value_and_gives_no_checksum_for_a_short_re
     assert (n, digest) == (1000, None)
 
 
+def test_read_hashed_unhashed_fills_the_same_buffers_and_gives_no_checksum():
+    """``hashed=False`` (a sealed value's read: its tag covers the payload) reads the same bytes in the same
+    calls, and never claims a checksum."""
+    payload = os.urandom(bf.HASH_GROUP_BYTES + 10)
+    hdr = header(payload)
+    head = memoryview(bytearray(bf.HEADER_SIZE))
+    buf = bytearray(len(payload))
+    n, digest = bf.read_hashed(_Source(hdr + payload), head, memoryview(buf), (), bf.HASH_GROUP_BYTES, hashed=False)
+    assert (n, digest, bytes(buf), bytes(head)) == (len(hdr) + len(payload), None, payload, hdr)
+
+
 def test_check_block_uses_the_checksum_the_reader_took():
     """The reader's checksum is what is compared: a wrong one fails an intact block (so a reader that took
     it from other bytes than those landed cannot pass a damaged one)."""

@@ -228,6 +228,33 @@ def test_segments_open_as_one_buffer_and_any_flip_is_forged(mode):
     assert isinstance(why, Forged) and "version 1" in why
 
 
+def test_a_landing_buffer_decrypts_into_the_callers_and_a_flip_there_is_forged():
+    """Mode encrypt read through ``Seal.landing`` (the ciphertext in the thread's buffer, one
+    ``decrypt_into`` to the caller's): the same bytes as in place; any altered byte, or the tag of another
+    value, is Forged; authenticate has no landing buffer (its payload is read where it is served)."""
+    seal = Seal("encrypt", ring())
+    key, other = prompt_keys(2)
+    payload = memoryview(bytearray(payloads(1, 3000)[0]))
+    header, stored = seal.seal(key, payload, LID)
+    size = len(header) + stored.nbytes
+    dest = memoryview(bytearray(payload.nbytes))
+    land = seal.landing(dest)
+    assert land is not None and land.nbytes == payload.nbytes + bf.TAG_SIZE
+    land[:payload.nbytes] = stored
+    assert seal.open(key, size, header, dest, LID, land) is None and bytes(dest) == bytes(payload)
+    land[:payload.nbytes] = stored
+    land[1234] ^= 1
+    assert isinstance(seal.open(key, size, header, dest, LID, land), Forged)
+    header2, stored2 = seal.seal(key, payload, LID)  # another nonce and tag for the same block
+    land[:payload.nbytes] = stored
+    assert isinstance(seal.open(key, size, header2, dest, LID, land), Forged)
+    assert seal.landing(bf.Segments([dest[:10], dest[10:]])) is None
+    auth = Seal("authenticate", ring())
+    assert auth.landing(dest) is None
+    with pytest.raises(ValueError, match="landing buffer is for mode encrypt"):
+        auth.open(key, size, header, dest, LID, land)
+
+
 def test_version_1_values_still_load_in_mode_none(tmp_path):
     b = LocalDiskBackend({"path": str(tmp_path / "kv")})
     ks, data = prompt_keys(2), payloads(2)

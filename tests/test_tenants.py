@@ -361,3 +361,78 @@ def test_quota_counts_at_most_once_per_sixteenth_written():
             stored.pop(next(iter(stored)))
     assert sum(stored.values()) <= 1600 + 1600 // SLACK and keeper.trimmed > 0  # the documented bound
     assert 1 < len(counts) <= 1 + 400 * 10 // (1600 // SLACK)
+
+
+# ------------------------------------------------------------------ quotas per cache_salt tenant
+
+
+def tenant_deployment(tmp_path: Path, name: str, salt: str | None, backend: dict[str, Any], quota: int | None,
+                      tenant_namespace: bool = True):
+    """A deployment of MODEL_A serving the tenant whose requests carry ``salt`` (``security.tenant``)."""
+    security = {"tenant": salt, "tenant_namespace": tenant_namespace} if salt is not None else {}
+    b = {**backend, **({"quota": quota} if quota is not None else {})}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"model": MODEL_A, "keys": {"seed": "tenants"}, "backends": [b],
+                                    "security": security}))
+    cfg = load_config(str(path), env={})
+    backend_ = cfg.build_backend(cfg.backends[0])
+    told: list[str] = []
+    backend_.on_evicted = told.extend
+    return backend_, cfg.namespace(), told
+
+
+def test_a_tenant_namespace_is_its_own_and_changes_no_other_key(tmp_path):
+    """``security.tenant_namespace``: the tenant's tag (never its salt) is in the namespace, so two tenants of
+    one model get two namespaces; without it, and for deployments without a tenant, the namespace and
+    so every key is the one they had (the field is left out of the manifest when empty)."""
+    from kvtier.config import ConfigError
+    from kvtier.keys import tenant_tag
+
+    conf = disk(tmp_path)
+    plain = tenant_deployment(tmp_path, "plain", None, conf, None)[1]
+    off = tenant_deployment(tmp_path, "off", "salt-a", conf, None, tenant_namespace=False)[1]
+    a = tenant_deployment(tmp_path, "a", "salt-a", conf, None)[1]
+    b = tenant_deployment(tmp_path, "b", "salt-b", conf, None)[1]
+    assert "tenant" not in plain.manifest() and plain.id == off.id
+    assert plain.id == Namespace(model=MODEL_A["id"], kv_dtype="float32", num_layers=2, num_kv_heads=2,
+                                 head_dim=8, block_size=4, tp_size=2, hash_seed="tenants").id
+    assert len({plain.id, a.id, b.id}) == 3
+    assert a.manifest()["tenant"] == tenant_tag("salt-a") and "salt-a" not in json.dumps(a.manifest())
+    assert Namespace.from_manifest(a.manifest()).id == a.id
+    with pytest.raises(ValueError, match="tenant: expected '' or a tenant tag"):
+        Namespace(model="m", kv_dtype="float32", num_layers=1, num_kv_heads=1, head_dim=1, block_size=1,
+                  tenant="salt-a")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"model": MODEL_A, "backends": [conf], "security": {"tenant_namespace": True}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path), env={})
+    assert e.value.problems == ["security.tenant_namespace: true needs security.tenant (the cache_salt of the "
+                                "tenant whose namespace it is)"]
+
+
+@pytest.mark.parametrize("per_tenant", [True, False])
+def test_local_disk_a_tenant_within_its_quota_keeps_its_blocks_against_another_tenant_of_the_model(
+        tmp_path, per_tenant):
+    """Two tenants of one model share a directory of 8 blocks: A (quota 4) holds 4, B (quota 4) puts 8.
+    With ``tenant_namespace`` B loses its own oldest blocks, never A's (each tenant's count is its own
+    namespace's); without it (the control) both are one namespace and B's puts take A's blocks."""
+    conf = {**disk(tmp_path), "options": {"path": str(tmp_path / "blocks"), "capacity": 8 * STORED}}
+    a, ns_a, _ = tenant_deployment(tmp_path, "a", "salt-a", conf, 4 * STORED, per_tenant)
+    b, ns_b, told_b = tenant_deployment(tmp_path, "b", "salt-b", conf, 4 * STORED, per_tenant)
+    keys_a = put(a, ns_a, 4)
+    if not per_tenant:
+        assert ns_a.id == ns_b.id
+        for _ in range(8):
+            put(b, ns_b, 1)
+        assert a.exists(keys_a) == [False] * 4
+        a.close()
+        b.close()
+        return
+    keys_b = [k for _ in range(8) for k in put(b, ns_b, 1)]
+    assert a.exists(keys_a) == [True] * 4
+    held_b = [k for k, ok in zip(keys_b, b.exists(keys_b)) if ok]
+    assert held_b == keys_b[-len(held_b):] and len(held_b) <= 4
+    assert set(told_b) == set(keys_b) - set(held_b)
+    assert sum(blk.size for blk in a.scan(ns_a.id)) == 4 * STORED
+    a.close()
+    b.close()

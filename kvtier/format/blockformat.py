@@ -252,14 +252,15 @@ HASH_GROUP_BYTES = 512 << 10
 
 def read_hashed(read: Callable[[list[memoryview], int], int], header: memoryview,
                 payload: memoryview | Segments, tail: Sequence[memoryview] = (),
-                group_bytes: int = HASH_GROUP_BYTES) -> tuple[int, int | None]:
+                group_bytes: int = HASH_GROUP_BYTES, hashed: bool = True) -> tuple[int, int | None]:
     """Fill ``header`` then ``payload`` from offset 0 through ``read(buffers, offset) -> bytes read`` (a
     ``preadv`` on an open file, say), ``group_bytes`` of payload at a time, taking the payload's
     xxh3-64 as each group lands.  ``tail``: buffers read after the payload in the last call (a probe
     byte that tells a longer value).  Returns (bytes read, the payload's checksum); the checksum is None
     when a read came back short (the caller goes on from there and the checksum is taken afterwards).
     The checksum is of the bytes in the buffers once read, as :func:`check_block` would take it, in
-    the same pass as the read instead of a second one over memory."""
+    the same pass as the read instead of a second one over memory.  ``hashed`` False: no checksum is
+    taken (always None), for a sealed value, whose tag covers the payload (a keyless xxh3 adds nothing)."""
     parts = payload.parts if isinstance(payload, Segments) else [
         payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")]
     groups: list[list[memoryview]] = [[]]
@@ -273,7 +274,7 @@ def read_hashed(read: Callable[[list[memoryview], int], int], header: memoryview
                 size = 0
             groups[-1].append(piece)
             size += piece.nbytes
-    h = xxhash.xxh3_64()
+    h = xxhash.xxh3_64() if hashed else None
     done = 0
     last = len(groups) - 1
     for i, group in enumerate(groups):
@@ -283,9 +284,10 @@ def read_hashed(read: Callable[[list[memoryview], int], int], header: memoryview
         done += n
         if n < want:
             return done, None
-        for b in group:
-            h.update(b)
-    return done, h.intdigest()
+        if h is not None:
+            for b in group:
+                h.update(b)
+    return done, None if h is None else h.intdigest()
 
 
 def check_block(header: Buffer, payload: Buffer | Segments, namespace_digest: bytes, block_hash: bytes,

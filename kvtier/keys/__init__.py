@@ -40,7 +40,7 @@ from .hasher import (
     sglang_namespace_seed,
     sglang_sha256_chain,
 )
-from .namespace import BLOCK_FORMAT_VERSION, CANONICAL_PAYLOAD, HEAD_MAJOR_KINDS, Namespace
+from .namespace import BLOCK_FORMAT_VERSION, CANONICAL_PAYLOAD, HEAD_MAJOR_KINDS, Namespace, tenant_tag
 from .stored import KEY_FORMAT, MANIFEST_NAME, invalid_key, key_problem, show_key, split_key
 from .tokens import ExtraKey, LoRA, LoraKey, MMItem, SaltKey, as_token_array, validate_mm_items
 
@@ -51,4 +51,4 @@ __all__ = ["ALGORITHMS", "BLOCK_FORMAT_VERSION", "CANONICAL_PAYLOAD", "HEAD_MAJO
            "MANIFEST_NAME", "SGLANG_SHA256", "VLLM_DEFAULT_SEED", "BlockHasher", "ExtraKey", "Extras", "LoRA",
            "LoraKey", "MMItem", "Namespace", "SaltKey", "SequenceHasher", "as_token_array", "invalid_key",
            "key_problem", "known_algo", "none_hash_seed", "sglang_namespace_seed", "sglang_sha256_chain",
-           "sha256_cbor", "sha256_cbor_frames", "show_key", "split_key", "validate_mm_items"]
+           "sha256_cbor", "sha256_cbor_frames", "show_key", "split_key", "tenant_tag", "validate_mm_items"]

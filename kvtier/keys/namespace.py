@@ -16,6 +16,17 @@ from .hasher import BlockHasher, algo_problem, known_algo, none_hash_seed
 
 # --------------------------------------------------------------------------- namespaces
 
+
+def tenant_tag(cache_salt: str) -> str:
+    """``Namespace.tenant`` of the tenant whose requests carry ``cache_salt``: 8 bytes of a domain-separated
+    SHA-256, in hex.  A tag, not the salt: manifests are readable by whoever reads the store, and the salt
+    is what keeps the tenant's prompts from being probed (a guessable salt can still be confirmed from
+    its tag, as from its keys: give tenants random salts)."""
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt: expected a non-empty string, got {cache_salt!r}")
+    return hashlib.sha256(b"kvtier tenant tag v1\x00" + cache_salt.encode()).digest()[:8].hex()
+
+
 # 2: the payload of vLLM's CPU build became the canonical one.  Version 1 values written by vLLM CPU held
 # its kernel's own arrangement of K (dim-major, or VNNI-packed with V on AMX) where the payload is
 # token-major; nothing in them says so, so every version 1 namespace is left behind (a miss, never
@@ -67,6 +78,12 @@ class Namespace:
     # ``kvtier.integrations.vllm.groups``.  Empty for a model with one group; part of the digest only when
     # set, for the reason ``storage_blocks`` gives, so a hybrid deployment never reads a plain one's values.
     kv_group: str = ""
+    # The ``cache_salt`` tenant these values belong to, as its tag (:func:`tenant_tag`: never the salt,
+    # which guards the tenant's prompts and would be readable in every manifest), when the deployment asks
+    # for a namespace of its own per tenant (``security.tenant_namespace``): then quotas, the tools' scope
+    # and the eviction guard are per tenant.  Part of the digest only when set, for the reason
+    # ``storage_blocks`` gives: every deployment without it keeps the keys it had.
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.attention not in ("mha", "mla"):
@@ -79,6 +96,9 @@ class Namespace:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: expected an integer >= 1, got {v!r}")
+        if not isinstance(self.tenant, str) or not re.fullmatch(r"(?:[0-9a-f]{16})?", self.tenant):
+            raise ValueError(f"tenant: expected '' or a tenant tag of 16 hex digits (keys.tenant_tag), "
+                             f"got {self.tenant!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size={self.tp_size}, got {self.tp_rank}")
         if not 0 <= self.pp_rank < self.pp_size:
@@ -95,6 +115,8 @@ class Namespace:
             del out["payload"]  # likewise: canonical namespaces keep the keys they had
         if not out["kv_group"]:
             del out["kv_group"]  # likewise: one-group models keep the keys they had
+        if not out["tenant"]:
+            del out["tenant"]  # likewise: deployments without a tenant namespace keep the keys they had
         return out
 
     @classmethod

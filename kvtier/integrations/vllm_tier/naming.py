@@ -169,7 +169,7 @@ def tier_naming(config: Any, kvtier_config: str | os.PathLike[str] | None, *,
     ns = Namespace(model=m.id, kv_dtype=m.kv_dtype, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                    head_dim=m.head_dim, block_size=m.block_size, attention=m.attention, tp_rank=0, tp_size=1,
                    pp_rank=0, pp_size=1, hash_algo=cfg.keys.algo, hash_seed=cfg.keys.seed,
-                   storage_blocks=bpc, payload=payload)
+                   storage_blocks=bpc, payload=payload, tenant=cfg.security.namespace_tenant)
     payload_nbytes = int(config.worker_kv_bytes_per_block) * bpc * world
     comps = 1 if m.attention == "mla" else 2
     implied = m.num_layers * comps * m.block_size * m.num_kv_heads * m.head_dim * parse_dtype(m.kv_dtype).itemsize

@@ -189,7 +189,10 @@ def scope_of(cfg: KvtierConfig, filled: list[str] | None, config: str, all_names
         raise UserError(f"{config}: the file sets no model.id (the engine fills it at start-up), so which "
                         "namespaces are this deployment's cannot be told from other deployments': set model.id "
                         "to the model the engine serves, or pass --all-namespaces to work on every namespace")
-    return Scope(False, None, tuple((v, getattr(m, k)) for k, v in OWNER_FIELDS.items() if k not in filled))
+    fields = tuple((v, getattr(m, k)) for k, v in OWNER_FIELDS.items() if k not in filled)
+    # A tenant namespace's manifest names its tenant's tag: the engine's namespaces are that tenant's only.
+    tenant = cfg.security.namespace_tenant
+    return Scope(False, None, fields + ((("tenant", tenant),) if tenant else ()))
 
 
 def load(args: argparse.Namespace, named: bool = False) -> Loaded:
