@@ -290,6 +290,23 @@ class LocalDiskBackend(StorageBackend):
             with self._shared(removed=unlinked) as c:
                 self._make_room(c, 0, evicted, unlinked)
         self._evicted(evicted)
+        if self._complete and not self._idx.mirror_serves():
+            self._copy_mirror()
+
+    def _copy_mirror(self) -> None:
+        """Fill the lookup mirror from the index (new, or left unsealed by a kill or a rebuild): at once
+        when the index is small, else in a thread, so start-up never waits for millions of keys (lookups
+        ask SQLite until it is sealed)."""
+        def run() -> None:
+            try:
+                self._idx.rebuild_mirror(lambda: locked(self.root), self._stop_watch)
+            except (sqlite3.Error, OSError) as e:
+                log.warning("local_disk: %s: lookup mirror not copied (%s); lookups ask SQLite", self.root, e)
+
+        if self._idx.counts()[0] <= 50_000:
+            run()
+        else:
+            threading.Thread(target=run, name="kvtier-disk-mirror", daemon=True).start()
 
     def _check_index(self, gone: list[str]) -> str | None:
         """Validate the index in one locked session (recovering dead writers: the blocks they had unlinked
