@@ -39,7 +39,8 @@ Invariants:
   the index's clock: puts and verified reads make a block the most recent (reads are recorded in batches,
   at this process's next session or within a second).  A verified read of a block the index does not
   know adopts it; a read or an ``exists`` that finds a known block's file gone drops it, after checking
-  again under the lock; ``exists`` always asks the directory, ``lookup`` only the index.  The blocks a put
+  again under the lock; ``exists`` always asks the directory, ``lookup`` only the index (through its
+  LMDB mirror of the keys, ``_disk_mirror``, when that is sealed at the index's state).  The blocks a put
   evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
   Manifests are not blocks: never evicted, not counted.
 * Every block file unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix``
