@@ -112,6 +112,7 @@ class DiskIndex:
         # The open write transaction's key changes for the mirror (key -> listed), None when it made
         # changes the mirror is not told (a rebuild's bulk rows, a reset).
         self._delta: dict[bytes, bool] | None = {}
+        self._noted = 0  # rows the open transaction's changes named (each bumps mseq at most once)
         self._in_tx = False
 
     # ------------------------------------------------------------------ connection
@@ -167,7 +168,7 @@ class DiskIndex:
                 return
             c.execute("BEGIN IMMEDIATE")
             before = self._mseq(c)
-            self._delta, self._in_tx = {}, True
+            self._delta, self._noted, self._in_tx = {}, 0, True
             try:
                 yield c
             finally:
@@ -176,7 +177,9 @@ class DiskIndex:
                 if c.in_transaction:
                     c.execute("COMMIT")
                 if after is not None and after != before and gen is not None:
-                    self.mirror.apply(self._delta, str(gen), before, after)  # after the commit
+                    # More changes counted than named: some change was not told (never trusted then).
+                    delta = self._delta if after - before <= self._noted else None
+                    self.mirror.apply(delta, str(gen), before, after)  # after the commit
                 self._delta = {}
 
     @staticmethod
@@ -189,6 +192,7 @@ class DiskIndex:
         if d is not None:
             for k in keys:
                 d[k] = listed
+                self._noted += 1
             if len(d) > DELTA_MAX:
                 self._delta = None
 
@@ -292,10 +296,11 @@ class DiskIndex:
                 # (nothing remembered: a key twice is just probed twice)
                 missing = [b for b in dict.fromkeys(blobs) if b not in known] if known else blobs
                 if missing:
-                    ident = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('id', 'mseq')").fetchall())
+                    ident = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('id', 'mseq', 'complete')").fetchall())
                     seq = ident.get("mseq")
                     gen = None if ident.get("id") is None else str(ident["id"])
-                    fast: list[bool] | None = self.mirror.lookup(missing, gen, None if seq is None else int(seq))
+                    fast: list[bool] | None = self.mirror.lookup(missing, gen, None if seq is None else int(seq),
+                                                                 ident.get("complete") == 1)
                     if fast is not None:
                         known.update(zip(missing, fast))
                         if missing is blobs:

@@ -23,8 +23,11 @@ Invariants:
   key-range pages, each read from SQLite inside the LMDB write transaction that writes it (a writer's
   later delta then lands after it, so pages and deltas compose to SQLite's state), and sets ``valid`` under
   the directory's lock, where no writer is between its two commits.
-* an environment is never used across ``fork``: a child opens its own (inherited ones are kept, never
-  closed, like SQLite connections).
+* an environment is never used across ``fork``, nor closed in the child (LMDB's close would clear the
+  parent's reader slots); ``lmdb`` refuses a second open of the files in a forked child too (its registry
+  of open files is inherited), so a child of a process that had the mirror open asks SQLite, and its
+  writes leave the stamp behind the change count (no lookup trusts it until a start-up copies it again).
+  Files are removed only when LMDB says they are damaged, never because they are open.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +52,7 @@ log = logging.getLogger("kvtier.backends.local_disk")
 META = b"\x00"  # the stamp's key: one byte, never a block key (those are 32 or 48 bytes)
 _MAP_SIZE = 64 << 30  # address space reserved, not disk: about a billion keys
 _PAGE_ROWS = 50_000  # keys copied per LMDB transaction by a rebuild (writers wait at most one page)
+STALE_S = 5.0  # a stamp behind the index this long is no writer between its two commits
 DELTA_MAX = 100_000  # a transaction changing more keys than this clears ``valid`` instead (a rebuild's)
 
 
@@ -105,6 +110,11 @@ class Mirror:
         self._broken = lmdb is None  # unusable in this process: lookups ask SQLite
         self._inherited: list[Any] = []
         self._lock = threading.Lock()
+        # A stamp that stayed behind the index (a writer killed between its two commits, a forked child's
+        # writes): seen since when; ``on_stale`` (the backend's copy) is called once it has lasted
+        # STALE_S, so lookups are not left on SQLite until the next start-up.
+        self.on_stale: Callable[[], None] | None = None
+        self._stale: tuple[bytes, float] | None = None
 
     def env(self) -> Any:
         """The environment, or None when the mirror cannot be used in this process."""
@@ -113,8 +123,11 @@ class Mirror:
         if self._env is None or self._pid != os.getpid():
             with self._lock, _envs_lock:
                 if self._env is None or self._pid != os.getpid():
-                    if self._env is not None:
-                        self._inherited.append(self._env)
+                    if self._env is not None or any(k == self.path and p != os.getpid() for k, p in _envs):
+                        if self._env is not None:
+                            self._inherited.append(self._env)
+                        self._broken = True  # a forked child: see the module's invariants
+                        return None
                     held = _envs.get((self.path, os.getpid()))
                     if held is None:
                         env = self._open()
@@ -134,6 +147,10 @@ class Mirror:
         try:
             env = lmdb.open(self.path, **kw)
         except lmdb.Error as e:  # damaged: it holds nothing the index does not, start it again
+            if "already open" in str(e):  # open in this process by other means: never removed for that
+                log.warning("local_disk: lookup mirror %s: %s; lookups ask SQLite", self.path, e)
+                self._broken = True
+                return None
             log.warning("local_disk: lookup mirror %s is damaged (%s); starting it again", self.path, e)
             self._unlink()
             try:
@@ -180,21 +197,34 @@ class Mirror:
 
     # ------------------------------------------------------------------ reads
 
-    def lookup(self, blobs: list[bytes], gen: str | None, seq: int | None) -> list[bool] | None:
-        """Whether each key is listed, if the mirror's stamp is (gen, seq) and valid; else None."""
+    def lookup(self, blobs: list[bytes], gen: str | None, seq: int | None, complete: bool = False
+               ) -> list[bool] | None:
+        """Whether each key is listed, if the mirror's stamp is (gen, seq) and valid; else None.
+        ``complete``: the index is (no rebuild from the files in flight), so a stale stamp is copied."""
         env = self.env()
         if env is None:
             return None
         try:
             with env.begin(buffers=True) as t:
-                stamp = Stamp.decode(t.get(META))
+                raw = t.get(META)
+                stamp = Stamp.decode(raw)
                 if stamp is None or not stamp.serves(gen, seq):
+                    if complete:
+                        self._noticed(bytes(raw) if raw is not None else b"")
                     return None
                 g = t.get
                 return [g(b) is not None for b in blobs]
         except lmdb.Error as e:
             self.disable(e)
             return None
+
+    def _noticed(self, raw: bytes) -> None:
+        now = time.monotonic()
+        if self._stale is None or self._stale[0] != raw:
+            self._stale = (raw, now)
+        elif now - self._stale[1] >= STALE_S and self.on_stale is not None:
+            self._stale = (raw, now + 3600.0)  # once: a copy is under way (it changes the stamp)
+            self.on_stale()
 
     def stamp(self) -> Stamp | None:
         env = self.env()

@@ -291,10 +291,9 @@ class LocalDiskBackend(StorageBackend):
             with self._shared(removed=unlinked) as c:
                 self._make_room(c, 0, evicted, unlinked)
         self._evicted(evicted)
-        if self._complete and not self._idx.mirror_serves():
-            self._copy_mirror()
+        self._copy_mirror(now=self._complete and not self._idx.mirror_serves())
 
-    def _copy_mirror(self) -> None:
+    def _copy_mirror(self, now: bool = True) -> None:
         """Fill the lookup mirror from the index (new, or left unsealed by a kill or a rebuild): at once
         when the index is small, else in a thread, so start-up never waits for millions of keys (lookups
         ask SQLite until it is sealed)."""
@@ -304,6 +303,11 @@ class LocalDiskBackend(StorageBackend):
             except (sqlite3.Error, OSError) as e:
                 log.warning("local_disk: %s: lookup mirror not copied (%s); lookups ask SQLite", self.root, e)
 
+        if self._idx.mirror.on_stale is None:  # a stamp left behind later: copied again, in a thread
+            self._idx.mirror.on_stale = lambda: threading.Thread(target=run, name="kvtier-disk-mirror",
+                                                                 daemon=True).start()
+        if not now:
+            return
         if self._idx.counts()[0] <= 50_000:
             run()
         else:

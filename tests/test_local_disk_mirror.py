@@ -84,3 +84,41 @@ def test_kill9_between_index_commit_and_mirror_update(tmp_path):
     assert c.lookup(ks) == [True, True]
     a.close()
     c.close()
+
+
+def test_a_forked_child_never_removes_the_mirror_and_a_stale_stamp_is_copied_again(tmp_path, monkeypatch):
+    """lmdb refuses an open in a forked child (its registry of open files is inherited): the child asks
+    SQLite, its puts leave the stamp behind, the file is never removed for it; the parent's lookups stay
+    exact and, once the stamp has lagged STALE_S, copy the mirror again."""
+    import time
+
+    from kvtier.backends import _disk_mirror
+
+    monkeypatch.setattr(_disk_mirror, "STALE_S", 0.0)
+    a = mk(tmp_path)
+    ks = newkeys(2)
+    assert a.put([ks[0]], [b"x" * 64], LID) == [True]
+    ino = os.stat(a._idx.mirror.path).st_ino
+    pid = os.fork()
+    if pid == 0:  # the child: exit code says what went wrong
+        code = 0
+        try:
+            if a.lookup(ks) != [True, False] or a._idx.mirror.env() is not None:
+                code = 3
+            elif a.put([ks[1]], [b"y" * 64], LID) != [True] or a.lookup(ks) != [True, True]:
+                code = 4
+        except BaseException:
+            code = 5
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert os.stat(a._idx.mirror.path).st_ino == ino
+    assert not a._idx.mirror_serves()
+    deadline = time.monotonic() + 30
+    while True:
+        a._idx._known_version = None  # each lookup asks the index again
+        assert a.lookup(ks) == [True, True]
+        if a._idx.mirror_serves() or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert a._idx.mirror_serves()
+    a.close()
