@@ -4,8 +4,9 @@ process on the host that opens the directory, so no process scans the directory 
 Why SQLite (it ships with Python): a B-tree on disk that a process opens in milliseconds whatever its size,
 whose pages live once in the page cache for all processes (resident memory per process is its page cache
 budget, not per block), with transactions that survive kill -9 (WAL: an uncommitted transaction is rolled
-back by the next opener).  LMDB would do as well but is not installed with Python; a hand-written file
-would have to re-earn all three.
+back by the next opener).  A hand-written file would have to re-earn all three.  Its query engine is
+slow for a batch of lookups (about 3-10 us a key at 5 million rows), so lookups go to an LMDB mirror of
+the keys kept beside it (``_disk_mirror``), SQLite staying the index of record.
 
 It lives outside the directory, ``<index_dir>/<sha256(root)[:24]>.sqlite``: the directory holds blocks,
 manifests and the usage ledger only, as tools and operators expect.  The ledger file names the index
@@ -31,20 +32,27 @@ Invariants:
   the read connection, taken in the same read transaction as the query that filled them: any commit by
   any other connection (this process's writer, another process) changes it, and the next lookup forgets
   them all before answering.  So a remembered answer is always the index's answer as of that lookup's
-  snapshot, never older.
+  snapshot, never older;
+* ``meta.mseq`` counts every insert into and delete from ``blocks`` (SQLite triggers: whoever writes);
+  the lookup mirror (``_disk_mirror``, LMDB) is trusted only at the count and generation it was stamped
+  with, and each transaction hands it the keys it added and dropped after its commit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
+
+from kvtier.backends._disk_mirror import DELTA_MAX, Mirror
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v) WITHOUT ROWID;
@@ -54,7 +62,14 @@ CREATE INDEX IF NOT EXISTS blocks_used ON blocks(used);
 CREATE TABLE IF NOT EXISTS intents(writer TEXT NOT NULL, key BLOB NOT NULL, size INTEGER NOT NULL,
                                    tmp TEXT, t REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS intents_writer ON intents(writer, key);
+INSERT OR IGNORE INTO meta(k, v) VALUES ('mseq', 0);
 """
+# Every change to the set of keys bumps ``mseq``, also one made by a writer that predates the mirror.
+_ADDED = """CREATE TRIGGER IF NOT EXISTS blocks_added AFTER INSERT ON blocks BEGIN
+  UPDATE meta SET v = v + 1 WHERE k = 'mseq'; END"""
+_DROPPED = """CREATE TRIGGER IF NOT EXISTS blocks_dropped AFTER DELETE ON blocks BEGIN
+  UPDATE meta SET v = v + 1 WHERE k = 'mseq'; END"""
+log = logging.getLogger("kvtier.backends.local_disk")
 _CACHE_KIB = 8192  # SQLite's page cache per connection: the index's resident memory in a process
 # Lookup answers remembered while the index is unchanged (a scheduler asks about a waiting request's keys
 # at every step): at most this many, about 100 bytes each.
@@ -93,6 +108,12 @@ class DiskIndex:
         # Connections inherited across fork: kept, never closed or freed in the child (closing one would
         # drop the child's own POSIX locks on the database file, which SQLite takes per process).
         self._inherited: list[sqlite3.Connection] = []
+        self.mirror = Mirror(path[: -len(".sqlite")] + ".lmdb" if path.endswith(".sqlite") else path + ".lmdb")
+        # The open write transaction's key changes for the mirror (key -> listed), None when it made
+        # changes the mirror is not told (a rebuild's bulk rows, a reset).
+        self._delta: dict[bytes, bool] | None = {}
+        self._noted = 0  # rows the open transaction's changes named (each bumps mseq at most once)
+        self._in_tx = False
 
     # ------------------------------------------------------------------ connection
 
@@ -106,7 +127,7 @@ class DiskIndex:
             c.execute("PRAGMA synchronous=NORMAL")  # a kill loses nothing committed; a power cut may lose
             # the last transactions, which the next rebuild-free start treats like a killed writer's
             c.execute(f"PRAGMA cache_size=-{_CACHE_KIB}")
-            c.executescript(_SCHEMA)
+            c.executescript(f"{_SCHEMA}{_ADDED};{_DROPPED};")
             if "mtime" not in {r[1] for r in c.execute("PRAGMA table_info(blocks)")}:  # an index of an earlier
                 c.execute("ALTER TABLE blocks ADD COLUMN mtime INTEGER")  # build: its rows' mtimes unknown
             self._conn, self._pid = c, os.getpid()
@@ -134,6 +155,7 @@ class DiskIndex:
                     with contextlib.suppress(sqlite3.Error):
                         c.close()
             self._conn = self._r = None
+        self.mirror.close()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -141,12 +163,38 @@ class DiskIndex:
         after an error: every change in it stands for a filesystem change already made."""
         with self._lock:
             c = self.conn()
+            if self._in_tx:  # nested: the outer one commits and tells the mirror
+                yield c
+                return
             c.execute("BEGIN IMMEDIATE")
+            before = self._mseq(c)
+            self._delta, self._noted, self._in_tx = {}, 0, True
             try:
                 yield c
             finally:
+                self._in_tx = False
+                after, gen = (self._mseq(c), self.meta(c, "id")) if c.in_transaction else (None, None)
                 if c.in_transaction:
                     c.execute("COMMIT")
+                if after is not None and after != before and gen is not None:
+                    # More changes counted than named: some change was not told (never trusted then).
+                    delta = self._delta if after - before <= self._noted else None
+                    self.mirror.apply(delta, str(gen), before, after)  # after the commit
+                self._delta = {}
+
+    @staticmethod
+    def _mseq(c: sqlite3.Connection) -> int:
+        row = c.execute("SELECT v FROM meta WHERE k='mseq'").fetchone()
+        return -1 if row is None or row[0] is None else int(row[0])
+
+    def _note(self, keys: Iterable[bytes], listed: bool) -> None:
+        d = self._delta
+        if d is not None:
+            for k in keys:
+                d[k] = listed
+                self._noted += 1
+            if len(d) > DELTA_MAX:
+                self._delta = None
 
     def cache(self, kib: int = _CACHE_KIB) -> None:
         """Set the write connection's page cache (a rebuild fills the B-tree faster with a large one)."""
@@ -180,10 +228,14 @@ class DiskIndex:
     def reset(self, c: sqlite3.Connection, rebuilder: str) -> str:
         """Empty the index for a rebuild (in the caller's transaction); the new generation id."""
         gen = uuid.uuid4().hex
+        self._delta = None
+        # Without the triggers, so SQLite empties the table at once (the new generation restarts mseq).
+        c.execute("DROP TRIGGER IF EXISTS blocks_dropped")
         c.execute("DELETE FROM blocks")
+        c.execute(_DROPPED)  # DDL: part of this transaction
         c.execute("DELETE FROM intents")
         c.execute("DELETE FROM meta")
-        for k, v in (("id", gen), ("bytes", 0), ("blocks", 0), ("clock", 0), ("complete", 0),
+        for k, v in (("id", gen), ("bytes", 0), ("blocks", 0), ("clock", 0), ("complete", 0), ("mseq", 0),
                      ("rebuilder", rebuilder), ("root", os.path.realpath(self.root))):
             self.set_meta(c, k, v)
         return gen
@@ -194,11 +246,13 @@ class DiskIndex:
         for suffix in ("", "-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path + suffix)
+        self.mirror.remove_files()
 
     def adopt(self, c: sqlite3.Connection, rows: Sequence[tuple[str, int, int]]) -> None:
         """A rebuild's rows (key, size, last use in microseconds), in key order (B-tree pages filled in
         order); keys already there keep theirs.  ``bytes`` / ``blocks`` are set once at the end
         (``recount``): nothing else writes blocks while a rebuild runs (puts are refused)."""
+        self._delta = None  # bulk: the mirror is copied from the index once it is complete
         c.executemany("INSERT OR IGNORE INTO blocks(key, size, used) VALUES (?, ?, ?)",
                       sorted((blob(k), n, u) for k, n, u in rows))
 
@@ -222,12 +276,14 @@ class DiskIndex:
 
     def lookup(self, keys: Sequence[str]) -> list[bool]:
         """Whether the index knows each key.  Keys answered since the index last changed are answered
-        from memory (the module's invariants: exact as of this call's snapshot); the others by one
-        ``IN (...)`` query per ``_IN_MAX`` keys, in one read transaction with the ``data_version`` that
-        dates them.  Measured at 5 million blocks (docs/performance.md): the query is SQLite's B-tree
-        probe, about 3 us a key here; a temp-table join, per-key queries, ``mmap_size`` and a larger
-        page cache were no faster."""
-        blobs = [blob(k) for k in keys]
+        from memory (the module's invariants: exact as of this call's snapshot); the others by the
+        lookup mirror (LMDB) when its stamp is this snapshot's generation and change count, else by one
+        ``IN (...)`` query per ``_IN_MAX`` keys, all in one read transaction with the ``data_version``
+        that dates them.  Measured at 5 million blocks (docs/performance.md): SQLite's query is about
+        3-10 us a key here (a temp-table join, per-key queries, ``mmap_size`` and a larger page cache
+        were no faster); the mirror's probe about a third of that."""
+        fromhex = bytes.fromhex  # blob(), inline: a call per key is a tenth of the mirror's probe
+        blobs = [fromhex(k[:32] + k[33:]) for k in keys]
         c = self.rconn()
         with self._rlock:
             known = self._known
@@ -237,7 +293,19 @@ class DiskIndex:
                 if version != self._known_version or len(known) > _KNOWN_MAX:
                     known.clear()
                     self._known_version = version
-                missing = [b for b in dict.fromkeys(blobs) if b not in known]
+                # (nothing remembered: a key twice is just probed twice)
+                missing = [b for b in dict.fromkeys(blobs) if b not in known] if known else blobs
+                if missing:
+                    ident = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('id', 'mseq', 'complete')").fetchall())
+                    seq = ident.get("mseq")
+                    gen = None if ident.get("id") is None else str(ident["id"])
+                    fast: list[bool] | None = self.mirror.lookup(missing, gen, None if seq is None else int(seq),
+                                                                 ident.get("complete") == 1)
+                    if fast is not None:
+                        known.update(zip(missing, fast))
+                        if missing is blobs:
+                            return fast
+                        missing = []
                 for i in range(0, len(missing), _IN_MAX):
                     part = missing[i:i + _IN_MAX]
                     found = {r[0] for r in c.execute(
@@ -247,6 +315,45 @@ class DiskIndex:
             finally:
                 c.execute("COMMIT")
             return [known[b] for b in blobs]
+
+    def mirror_serves(self) -> bool:
+        """Whether lookups of the committed index are answered by the mirror."""
+        c = self.rconn()
+        with self._rlock:
+            ident = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('id', 'mseq')").fetchall())
+        stamp = self.mirror.stamp()
+        seq = ident.get("mseq")
+        return stamp is not None and stamp.serves(None if ident.get("id") is None else str(ident["id"]),
+                                                  None if seq is None else int(seq))
+
+    def rebuild_mirror(self, lock: Callable[[], AbstractContextManager[Any]], stop: threading.Event | None = None) -> int:
+        """Copy the index's keys into the lookup mirror and seal it under ``lock`` (the directory's lock:
+        no writer is then between its SQLite commit and its mirror update); the keys copied."""
+        c = self.rconn()
+
+        def pages(after: bytes) -> list[bytes]:
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            with self._rlock:  # autocommit: each page reads the latest committed rows
+                return [r[0] for r in c.execute("SELECT key FROM blocks WHERE key > ? ORDER BY key LIMIT 50000",
+                                                (after,))]
+
+        def seal(stamp: Callable[[str, int], None]) -> None:
+            with lock(), self._rlock:
+                # (an incomplete index too: the mirror answers as SQLite would, a rebuild's rows follow)
+                ident = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('id', 'mseq')").fetchall())
+                if ident.get("id") is not None and ident.get("mseq") is not None:
+                    stamp(str(ident["id"]), int(ident["mseq"]))
+
+        t0 = time.perf_counter()
+        try:
+            n = self.mirror.rebuild(pages, seal)
+        except _Stopped:
+            return 0
+        if n > 100_000:
+            log.info("local_disk: %s: lookup mirror copied from the index: %d keys in %.2f s", self.root, n,
+                     time.perf_counter() - t0)
+        return int(n)
 
     def sizes(self, c: sqlite3.Connection, keys: Sequence[str]) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -343,6 +450,7 @@ class DiskIndex:
         old = self.sizes(c, [k for k, _ in entries])
         m = mtimes or {}
         rows = [(blob(k), n, t + i, m.get(k)) for i, (k, n) in enumerate(entries)]
+        self._note((r[0] for r in rows), True)
         if keep_use:
             c.executemany("INSERT OR IGNORE INTO blocks(key, size, used, mtime) VALUES (?, ?, ?, ?)", rows)
             new = [(k, n) for k, n in entries if k not in old]
@@ -359,7 +467,9 @@ class DiskIndex:
         """Forget blocks no longer on disk; the bytes they had."""
         old = self.sizes(c, keys)
         if old:
-            c.executemany("DELETE FROM blocks WHERE key=?", [(blob(k),) for k in old])
+            gone = [blob(k) for k in old]
+            c.executemany("DELETE FROM blocks WHERE key=?", [(b,) for b in gone])
+            self._note(gone, False)
             self._add(c, -len(old), -sum(old.values()))
         return sum(old.values())
 
@@ -413,6 +523,10 @@ class DiskIndex:
                              (lo, hi)).fetchall()
         return [(unblob(k), n) for k, n in rows]
 
+class _Stopped(Exception):
+    """The backend closed while its mirror was being copied."""
+
+
 _pruned: set[str] = set()
 
 
@@ -437,7 +551,7 @@ def prune_indexes(index_dir: str) -> int:
         except OSError:
             continue
         if root and not os.path.isdir(root):
-            for suffix in (".sqlite", ".sqlite-wal", ".sqlite-shm", ".root"):
+            for suffix in (".sqlite", ".sqlite-wal", ".sqlite-shm", ".lmdb", ".lmdb-lock", ".root"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(base + suffix)
             n += 1

@@ -39,7 +39,8 @@ Invariants:
   the index's clock: puts and verified reads make a block the most recent (reads are recorded in batches,
   at this process's next session or within a second).  A verified read of a block the index does not
   know adopts it; a read or an ``exists`` that finds a known block's file gone drops it, after checking
-  again under the lock; ``exists`` always asks the directory, ``lookup`` only the index.  The blocks a put
+  again under the lock; ``exists`` always asks the directory, ``lookup`` only the index (through its
+  LMDB mirror of the keys, ``_disk_mirror``, when that is sealed at the index's state).  The blocks a put
   evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
   Manifests are not blocks: never evicted, not counted.
 * Every block file unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix``
@@ -290,6 +291,27 @@ class LocalDiskBackend(StorageBackend):
             with self._shared(removed=unlinked) as c:
                 self._make_room(c, 0, evicted, unlinked)
         self._evicted(evicted)
+        self._copy_mirror(now=self._complete and not self._idx.mirror_serves())
+
+    def _copy_mirror(self, now: bool = True) -> None:
+        """Fill the lookup mirror from the index (new, or left unsealed by a kill or a rebuild): at once
+        when the index is small, else in a thread, so start-up never waits for millions of keys (lookups
+        ask SQLite until it is sealed)."""
+        def run() -> None:
+            try:
+                self._idx.rebuild_mirror(lambda: locked(self.root), self._stop_watch)
+            except (sqlite3.Error, OSError) as e:
+                log.warning("local_disk: %s: lookup mirror not copied (%s); lookups ask SQLite", self.root, e)
+
+        if self._idx.mirror.on_stale is None:  # a stamp left behind later: copied again, in a thread
+            self._idx.mirror.on_stale = lambda: threading.Thread(target=run, name="kvtier-disk-mirror",
+                                                                 daemon=True).start()
+        if not now:
+            return
+        if self._idx.counts()[0] <= 50_000:
+            run()
+        else:
+            threading.Thread(target=run, name="kvtier-disk-mirror", daemon=True).start()
 
     def _check_index(self, gone: list[str]) -> str | None:
         """Validate the index in one locked session (recovering dead writers: the blocks they had unlinked
@@ -830,17 +852,41 @@ class LocalDiskBackend(StorageBackend):
         return [0 if isinstance(size, str) else size for size in sizes]
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
-        where = self._check_keys(keys)
+        if self._closed:
+            raise RuntimeError(f"local_disk at {self.root} is closed")
+        self._refuse_invalid_paths(keys)
         # The directory is the truth, for keys this process knows too: another process sharing it (vLLM's
         # worker beside its scheduler, a prefill instance) may have evicted the block or deleted it as
         # corrupt, and a key answered from memory would be offered, loaded, fail and be offered again.
-        # One stat per key; lookups probe from their own threads, never the engine's.
-        kinds = [entry_kind(w[1]) for w in where]
-        out = [kind is True for kind in kinds]
-        # A FIFO, socket, device or directory under a block's name is a corrupt entry, as a read finds it:
-        # a lookup that met it counts and removes it (else nothing would: it is never offered, so never read).
-        self._found_corrupt([(k, f"{w[1]} is {kind}") for k, w, kind in zip(keys, where, kinds)
-                             if isinstance(kind, str)])
+        # One lstat per key; lookups probe from their own threads, never the engine's.  The loop is
+        # _where and entry_kind inlined: at 1,000 keys their calls were a third of the time beside the
+        # lstats themselves (docs/performance.md).
+        root, verified, lstat, where = self.root, self._verified_dirs, os.lstat, self._where
+        out: list[bool] = []
+        odd: list[tuple[str, str]] = []  # (key, path) of entries that are no regular file
+        for k in keys:
+            h = k[33:]
+            if h == MANIFEST_NAME:
+                path = where(k, checked=True)[1]
+            else:
+                d = f"{root}/{k[:32]}/{h[:2]}"
+                if d not in verified:
+                    self._verify_dir(d, k[:32])
+                path = f"{d}/{h}"
+            try:
+                mode = lstat(path).st_mode
+            except FileNotFoundError:
+                out.append(False)
+                continue
+            out.append(mode & 0o170000 == 0o100000)  # S_ISREG
+            if mode & 0o170000 not in (0o100000, 0o120000):  # neither a file nor a symlink (never followed)
+                odd.append((k, path))
+        if odd:
+            # A FIFO, socket, device or directory under a block's name is a corrupt entry, as a read finds
+            # it: a lookup that met it counts and removes it (else nothing would: it is never offered, so
+            # never read).
+            kinds = [(k, p, entry_kind(p)) for k, p in odd]
+            self._found_corrupt([(k, f"{p} is {kind}") for k, p, kind in kinds if isinstance(kind, str)])
         gone = [k for k, ok in zip(keys, out) if not ok]
         if gone:
             with self._idx_lock:

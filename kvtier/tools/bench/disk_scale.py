@@ -272,37 +272,57 @@ def _batch(n: int, offset: int) -> list[str]:
 
 
 def lookup_rows(lookup: Callable[[list[str]], list[bool]], index: str, n: int, repeat: int,
-                row: Callable[..., None]) -> None:
+                row: Callable[..., None], mirror: Any = None) -> None:
     """Time ``lookup`` of fresh batches and of the same batch again, beside the bare SQLite query of
-    other fresh batches on a connection of its own (same page cache size) and a Python ``set``."""
+    other fresh batches on a connection of its own (same page cache size), the bare LMDB probe of yet
+    other fresh batches in the lookup mirror (``mirror``: the index's ``Mirror``; LMDB allows one
+    environment per file and process) and a Python ``set``."""
     import sqlite3
 
     c = sqlite3.connect(f"file:{index}?mode=ro", uri=True, isolation_level=None)
     c.execute("PRAGMA cache_size=-8192")
     sql = f"SELECT key FROM blocks WHERE key IN ({','.join('?' * BATCH)})"
     runs = repeat * 10
-    batches = [_batch(n, 2 * r) for r in range(runs)]
-    bare_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 2 * r + 1)] for r in range(runs)]
+    batches = [_batch(n, 3 * r) for r in range(runs)]
+    bare_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 3 * r + 1)] for r in range(runs)]
+    lmdb_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 3 * r + 2)] for r in range(runs)]
+    env = mirror.env() if mirror is not None else None
     first: list[float] = []
     again: list[float] = []
     bare: list[float] = []
+    bare_lmdb: list[float] = []
     for r in range(runs):  # interleaved: load on the machine hits all three alike
-        t0 = time.perf_counter()
-        got = lookup(batches[r])
-        first.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        if lookup(batches[r]) != got:
-            raise RuntimeError("disk-scale: a repeated lookup answered otherwise")
-        again.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        c.execute(sql, bare_batches[r]).fetchall()
-        bare.append(time.perf_counter() - t0)
+        def mine(r: int = r) -> None:
+            t0 = time.perf_counter()
+            got = lookup(batches[r])
+            first.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            if lookup(batches[r]) != got:
+                raise RuntimeError("disk-scale: a repeated lookup answered otherwise")
+            again.append(time.perf_counter() - t0)
+
+        def bares(r: int = r) -> None:
+            t0 = time.perf_counter()
+            c.execute(sql, bare_batches[r]).fetchall()
+            bare.append(time.perf_counter() - t0)
+            if env is not None:
+                t0 = time.perf_counter()
+                with env.begin(buffers=True) as t:
+                    g = t.get
+                    [g(b) is not None for b in lmdb_batches[r]]
+                bare_lmdb.append(time.perf_counter() - t0)
+
+        for step in ((mine, bares) if r % 2 == 0 else (bares, mine)):  # the first of a round runs slower
+            step()
     c.close()
     ceiling = _median(bare)
     row("lookup 1,000 keys, first (index query)", _median(first), "ms", ceiling,
         "bare SQLite IN query, fresh keys", 1000)
     row("lookup 1,000 keys, again (index unchanged)", _median(again), "ms", ceiling,
         "bare SQLite IN query, fresh keys", 1000)
+    if bare_lmdb:
+        row("lookup 1,000 keys, first, beside bare LMDB", _median(first), "ms", _median(bare_lmdb),
+            "bare LMDB get per key, fresh keys", 1000)
     if n <= 1_000_000:  # the old design's in-memory index, as a floor (5 M of them: GBs of RAM)
         hashes = {block_hash(i) for i in range(n)}
         keys = batches[0]
@@ -330,13 +350,18 @@ def index_only(base: str, n: int, repeat: int, log: Callable[[str], None]) -> li
             idx.recount(c)
         idx.cache()
         log(f"  index of {n:,} rows filled in {time.perf_counter() - t0:.0f} s")
+    if not idx.mirror_serves():  # as a backend's start-up does (in a thread there)
+        t0 = time.perf_counter()
+        idx.rebuild_mirror(contextlib.nullcontext)
+        log(f"  lookup mirror of {n:,} keys copied in {time.perf_counter() - t0:.1f} s "
+            f"(serves: {idx.mirror_serves()})")
 
     def row(what: str, value: tuple[float, float, float], unit: str, ceiling: tuple[float, float, float] | None,
             ceiling_name: str, scale: float = 1.0) -> None:
         _row(rows, log, f"{n:,} (index only)", what, value, unit, ceiling, ceiling_name, scale)
 
     try:
-        lookup_rows(idx.lookup, idx.path, n, repeat, row)
+        lookup_rows(idx.lookup, idx.path, n, repeat, row, idx.mirror)
     finally:
         idx.close()
     return rows
@@ -406,7 +431,11 @@ def measure(base: str, n: int, size: int, repeat: int, log: Callable[[str], None
                 with contextlib.suppress(FileNotFoundError):
                     os.lstat(p)
 
-        lookup_rows(b.lookup, index, n, repeat, row)
+        for _ in range(600):  # the lookup mirror is copied in a thread at the first start-up
+            if b._idx.mirror_serves():
+                break
+            time.sleep(0.5)
+        lookup_rows(b.lookup, index, n, repeat, row, b._idx.mirror)
         row("exists 1,000 keys (files)", _timed(lambda: b.exists(keys), repeat * 10), "ms",
             _timed(lstats, repeat * 10), "lstat per key", 1000)
     finally:
