@@ -139,19 +139,10 @@ def main() -> None:
         json.dump({"startup_s": startup, "results": results, "abort": aborted}, f)
     if events is not None:
         # Writes and evictions that end after the last prompt reach the scheduler with a later step's worker
-        # reports, and removals by other processes with local_disk's next journal poll (every second): step
-        # the idle engine (a served instance steps on as requests come) for 2 s at least, then until no event
-        # came for 2.5 s (two polls), at most 20 s.  A fixed 2 s missed late removals on a loaded machine.
-        start = last_change = time.monotonic()
-        seen = len(events.frames)
-        while time.monotonic() - start < 20:
+        # reports: step the idle engine a while (a served instance steps on as requests come).
+        for _ in range(40):
             llm.llm_engine.step()
             time.sleep(0.05)
-            now = time.monotonic()
-            if len(events.frames) != seen:
-                seen, last_change = len(events.frames), now
-            elif now - start >= 2 and now - last_change >= 2.5:
-                break
         time.sleep(0.5)  # the last batches are published from vLLM's publisher thread
         rows = events.stop()
         with open(a.kv_events_out, "w") as f:
