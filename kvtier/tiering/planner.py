@@ -377,9 +377,8 @@ class Planner:
     def remember_group_locked(self, members: tuple[bytes, ...]) -> None:
         """Record a whole value of several blocks for the blocks of it in host memory, so a later write of
         one of them (write-back on eviction, a selective write on a hit) writes the value.  Entries leave
-        with their block's host copy.  A value of one block needs no record."""
-        if len(members) == 1:
-            return
+        with their block's host copy.  A value of one block needs no record (:meth:`group_of_locked`
+        answers it without one), so only stores and reads of values of several blocks call this."""
         for key in members:
             if self.index.host_slot(key) is not None:
                 self._members[key] = members
