@@ -29,8 +29,8 @@ Invariants:
 
 This class is a facade: every placement decision is the planner's
 (:class:`~kvtier.tiering.planner.Planner`, torch-free), the executors run them (the store path in
-:mod:`kvtier.tiering.store_path`, the load and prefetch paths in :mod:`kvtier.tiering.load_path`, reads of
-values of several blocks in :mod:`kvtier.tiering.grouped_io`, every write of a value, whatever its size, in
+:mod:`kvtier.tiering.store_path`, the load and prefetch paths in :mod:`kvtier.tiering.load_path`, every
+read of a stored value, whatever its size, in :mod:`kvtier.tiering.reads`, every write of one in
 :mod:`kvtier.tiering.writes`), results and handles are in
 :mod:`kvtier.tiering.results`.
 """
@@ -61,7 +61,6 @@ from .metrics import StackMetrics
 from .plans import WorkerReport
 from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
 from .tiering.backend_set import BackendSet
-from .tiering.grouped_io import Grouped
 from .tiering.load_path import Upward
 from .tiering.manager import TierManager
 from .tiering.parts import StackParts, Tuning, Workers
@@ -146,10 +145,8 @@ class TierStack:
                                  self.prefetch_policy, pol.prefetch.threshold_tokens)
         writer = BackendWriter(self._parts)
         self._room = HostRoom(self._parts, writer)
-        # Values of several blocks are read by the grouped fetch; written, like every value, by the writer.
-        grouped = Grouped(self._parts, self._room) if self.storage_blocks > 1 else None
         self._down = Downward(self._parts, self._room, writer)
-        self._up = Upward(self._parts, self._room, self._down, grouped, self.lookup)
+        self._up = Upward(self._parts, self._room, self._down, self.lookup)
 
         self.manager.on_backend_back = self._backend_back
         self._backends.put_manifests(self.namespace)

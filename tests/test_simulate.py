@@ -66,14 +66,16 @@ CHAT = dict(users=12, turns=4)
     ("6MiB", "write_through", 64, True, {}),
     ("6MiB", "write_back", 64, True, {}),
     ("6MiB", "write_through", None, False, {}),
+    ("6MiB", "write_through", 64, False, {}),
     ("2MiB", "write_back", None, False, {"second_disk": "48MiB"}),
     ("6MiB", "write_through_selective", 64, True, {"write_options": {"threshold": 1}}),
 ])
 def test_simulated_hit_rates_match_a_real_run_of_the_chat(tmp_path, host, write, block_tokens, promote, extra):
     # Small tiers, so that every tier serves hits and both the host and the disk evict; no host tier at
     # all (stores go straight to the disk); stored values of 4 blocks (storage.block_tokens); loads from
-    # the disk read straight into the CPU KV tensors, out of host memory (host.promote_loads false); two
-    # disks under a host tier smaller than one turn, written back; and selective writes of 4-block values.
+    # the disk read straight into the CPU KV tensors, out of host memory (host.promote_loads false), one
+    # block a value or 4; two disks under a host tier smaller than one turn, written back; and selective
+    # writes of 4-block values.
     cfg = _config(tmp_path, host=host, disk="12MiB", write=write, block_tokens=block_tokens, promote=promote,
                   **extra)
     disks = ["local_disk", "disk_b"] if "second_disk" in extra else ["local_disk"]

@@ -336,3 +336,38 @@ def test_values_load_exactly_when_host_memory_holds_few_of_their_blocks(tmp_path
     finally:
         fb.clear()
         st.close(timeout=TIMEOUT)
+
+
+def test_a_cpu_load_reads_each_value_straight_into_the_kv_tensors(tmp_path):
+    """host.promote_loads false with values of several blocks: a load into CPU KV tensors reads each value
+    into the tensor rows of its blocks (a block of it the load does not want, into a temporary row),
+    verified whole there and never in host memory.  A corrupt value is never served: its blocks and every
+    one after them are recomputed, and the values before it hold their exact bytes."""
+    from kvtier.format.blockformat import HEADER_SIZE
+
+    st, _ = make_stack(tmp_path, faulty=False, host_slots=16, storage={"block_tokens": K * BLOCK})
+    hs = chain(st, 12)
+    rows = fill(st, list(range(12)), seed=41)
+    assert st.store(hs, list(range(12))).wait(TIMEOUT).num_stored == 12 and st.flush(TIMEOUT)
+    st.close(timeout=TIMEOUT)
+    decode, _ = make_stack(tmp_path, faulty=False, num_blocks=48, storage={"block_tokens": K * BLOCK},
+                           host={"capacity": 16 * st.layout.block_nbytes, "promote_loads": False})
+    try:
+        assert decode.direct_loads == [True]
+        # From block 5: the value of blocks 4-7 is read whole, block 4 into a temporary row.
+        lr = decode.load(hs[5:], list(range(20, 27)), start=5).wait(TIMEOUT)
+        assert lr.num_loaded == 7 and set(lr.tiers) == {Tier.backend(0)}
+        assert torch.equal(read(decode, list(range(20, 27))), rows[5:])
+        assert all(decode.index.get(h) is None or decode.index.get(h).host is None for h in hs)
+        decode.on_device_freed(list(range(20, 27)))
+        key = decode.namespace.key(hs[11])  # the value of blocks 8-11
+        path = tmp_path / "disk" / key[:32] / key[33:35] / key[33:]
+        data = bytearray(path.read_bytes())
+        data[HEADER_SIZE + 3 * decode.layout.block_nbytes + 5] ^= 0xFF  # one payload byte of block 11
+        path.write_bytes(bytes(data))
+        lr = decode.load(hs, list(range(30, 42))).wait(TIMEOUT)
+        assert lr.num_loaded == 8 and lr.recompute == list(range(38, 42))
+        assert torch.equal(read(decode, list(range(30, 38))), rows[:8])
+        assert decode.backends[0].stats().corrupt == 1 and not path.exists()
+    finally:
+        decode.close(timeout=TIMEOUT)

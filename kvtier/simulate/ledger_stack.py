@@ -136,8 +136,7 @@ class SimulatedStack:
             held = self._keys(hashes) if self._holds else []
             self._backends.hold(held)
             try:
-                got = (self._fetch_groups(hashes, start, pos) if self.storage_blocks > 1
-                       else self._fetch([hashes[i] for i in pos]))
+                got = self._fetch_values(hashes, start, pos)
             finally:
                 self._backends.release(held)
             cut = next((i for i, ok in zip(pos, got) if not ok), cut)
@@ -195,41 +194,6 @@ class SimulatedStack:
             slots, victims = p.take_slots_locked(n)
         return slots + self._write_back(victims)
 
-    def _fetch(self, keys: list[bytes]) -> list[bool]:
-        """``Upward.fetch`` for a load: per key whether it arrived (into a host slot when there is room,
-        else a temporary buffer, or straight into the device block)."""
-        p = self.planner
-        strs = self._keys(keys)
-        where = self._backends.locate(strs)
-        out = [False] * len(keys)
-        with p.lock:
-            todo = [j for j in range(len(where)) if p.index.host_slot(keys[j]) is None]
-        for j in set(range(len(where))) - set(todo):
-            out[j] = True  # arrived meanwhile (in host memory already)
-        if not todo:
-            return out
-        straight = {j for j in todo if self.direct[where[j]]}  # read into the device block: no host slot
-        via_host = [j for j in todo if j not in straight]
-        slots = self._reserve(len(via_host)) if self.host_slots else []
-        src = {j: self._read(strs[j], where[j], straight_only=j in straight) for j in todo}
-        with p.lock:
-            for j in todo:
-                b = src[j]
-                if b >= 0:
-                    p.mark_read_locked(keys[j], b)
-                else:
-                    p.mark_missing_locked(keys[j], where[j])  # read and not there: the hint was stale
-            for r, j in enumerate(via_host):
-                if r < len(slots):
-                    if src[j] >= 0:
-                        p.commit_host_locked(keys[j], slots[r])
-                        self._counters["host"].written += 1
-                    else:
-                        p.release_slots([slots[r]])
-        for j in todo:
-            out[j] = src[j] >= 0
-        return out
-
     def _read(self, key: str, first: int, *, straight_only: bool = False) -> int:
         """``Upward.fetch``'s reads of one key: from ``first``, then (vanished: a write-back's put made
         room) the others in order; the backend it came from, or -1."""
@@ -240,24 +204,28 @@ class SimulatedStack:
                 return b
         return -1
 
-    def _fetch_groups(self, hashes: list[bytes], start: int, pos: list[int]) -> list[bool]:
-        """``Upward._fetch_groups`` + ``Grouped.fetch`` for a load: a chunk of values at a time, host room
-        made first for the wanted blocks not in host memory (the values held, so a write-back making that
-        room never evicts them), then every value of the chunk read under its last block's key; per
-        position in ``pos`` whether it arrived."""
+    def _fetch_values(self, hashes: list[bytes], start: int, pos: list[int]) -> list[bool]:
+        """``Upward._fetch_values`` + ``ValueReader.fetch`` for a load: the values holding ``pos`` (one
+        block each, or groups of ``storage.block_tokens``), a chunk of them at a time.  A value whose
+        backend loads straight into the engine's KV is read there; for the others, host room is made
+        first for their wanted blocks not in host memory (the values held, so a write-back making that
+        room never evicts them; no room: a temporary row); then every value is read under its last
+        block's key.  Per position in ``pos``, whether it arrived."""
         p, k = self.planner, self.storage_blocks
         got = dict.fromkeys(pos, False)
         groups: list[tuple[int, int]] = []
         for i in pos:
-            grp = group_of(start, i, k)
+            grp = (i, i) if k == 1 else group_of(start, i, k)
             if grp[1] >= len(hashes):
                 break  # its value's key is beyond the slice: this block and the rest are not fetched
             if not groups or groups[-1] != grp:
                 groups.append(grp)
         strs = self._keys([hashes[last] for _, last in groups])
         where = self._backends.locate(strs)
-        for a, z in load_chunks(len(where), self.block_nbytes * k, self.load_chunk_bytes):
-            chunk = groups[a:z]
+        chunks = load_chunks(len(where), self.block_nbytes * k, self.load_chunk_bytes)
+        if where and all(self.direct[w] for w in where):
+            chunks = [(0, len(where))]  # as Upward._fetch_values: every value read straight in, at once
+        for a, z in chunks:
             todo: list[tuple[int, list[int]]] = []  # (group index, its wanted blocks not in host memory)
             with p.lock:
                 for g in range(a, z):
@@ -268,19 +236,22 @@ class SimulatedStack:
                         got[i] = i not in missing
                     if missing:
                         todo.append((g, missing))
-            held = [strs[g] for g, _ in todo]
+            held = [strs[g] for g, _ in todo] if self._holds else []
             self._backends.hold(held)
             try:
-                slots = self._reserve(sum(len(m) for _, m in todo)) if self.host_slots else []
-                src = {g: self._read(strs[g], where[g]) for g, _ in todo}
+                n_rows = sum(len(m) for g, m in todo if not self.direct[where[g]])
+                slots = self._reserve(n_rows) if self.host_slots and n_rows else []
+                src = {g: self._read(strs[g], where[g], straight_only=self.direct[where[g]]) for g, _ in todo}
             finally:
                 self._backends.release(held)
             r = 0
             with p.lock:
                 for g, missing in todo:
                     first, last = groups[g]
-                    mine = slots[r:r + len(missing)]
-                    r += len(missing)
+                    mine: list[int] = []
+                    if not self.direct[where[g]]:
+                        mine = slots[r:r + len(missing)]
+                        r += len(missing)
                     if src[g] >= 0:
                         for i in range(max(first, 0), last + 1):
                             p.mark_read_locked(hashes[i], src[g])
@@ -288,14 +259,14 @@ class SimulatedStack:
                             p.commit_host_locked(hashes[i], slot)
                             self._counters["host"].written += 1
                         for i in missing:
-                            got[i] = True  # in a host slot, or a temporary row when host memory had no room
-                        if first >= 0:
+                            got[i] = True  # in a host slot, a temporary row, or the device block itself
+                        if k > 1 and first >= 0:
                             p.remember_group_locked(tuple(hashes[first:last + 1]))
                     else:
                         p.release_slots(mine)
                         p.mark_missing_locked(hashes[last], where[g])  # read and not there: a stale hint
                 p.release_slots(slots[r:])
-            if any(not got[i] for first, last in chunk for i in range(max(first, 0), last + 1) if i in got):
+            if any(not got[i] for first, last in groups[a:z] for i in range(max(first, 0), last + 1) if i in got):
                 break
         return [got[i] for i in pos]
 

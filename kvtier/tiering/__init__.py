@@ -6,8 +6,8 @@
   index and lock in one process, on its own in vLLM's scheduler;
 * the executors, which run the planner's decisions against device memory, host memory and backends:
   :mod:`~kvtier.tiering.store_path` (store, write-down, write-back), :mod:`~kvtier.tiering.load_path`
-  (load, fetch, prefetch), :mod:`~kvtier.tiering.grouped_io` (stored values of several blocks),
-  :mod:`~kvtier.tiering.writes` (every put), over :mod:`~kvtier.tiering.parts` (what they share) and
+  (load, prefetch), :mod:`~kvtier.tiering.reads` (every backend read), :mod:`~kvtier.tiering.writes`
+  (every put), over :mod:`~kvtier.tiering.parts` (what they share) and
   :mod:`~kvtier.tiering.backend_set` (the backends, used only through their contract);
 * :mod:`~kvtier.tiering.results` and :mod:`~kvtier.tiering.load_steps`: what callers and executors hand
   each other.

@@ -20,9 +20,9 @@ from ..format.blockformat import Segments
 from ..format.groups import load_chunks
 from ..index import Tier
 from ..memory.transfer import TransferGroup
-from .grouped_io import Grouped
 from .load_steps import Source, Step, lost
 from .parts import StackParts
+from .reads import ValueReader
 from .results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
 from .store_path import Downward, HostRoom
 
@@ -34,105 +34,12 @@ log = logging.getLogger("kvtier.stack")
 class Upward:
     """``load``, ``prefetch`` and the backend fetches both use."""
 
-    def __init__(self, parts: StackParts, room: HostRoom, down: Downward, grouped: Grouped | None,
-                 lookup: Callable[..., LookupResult]):
+    def __init__(self, parts: StackParts, room: HostRoom, down: Downward, lookup: Callable[..., LookupResult]):
         self.parts = parts
         self.room = room
         self.down = down
-        self.grouped = grouped  # stored values of several blocks (storage.block_tokens > 1), else None
+        self.reader = ValueReader(parts, room)  # every backend read, whatever the stored value's size
         self.lookup = lookup  # the stack's lookup (a prefetch without a lookup result asks it)
-
-    # ------------------------------------------------------------------ fetch (backends -> host)
-
-    def locate(self, keys: Sequence[bytes]) -> list[int]:
-        """For the longest prefix of ``keys`` present in some backend, the backend holding each block."""
-        return self.parts.backends.locate(self.parts.namespace.keys(keys))
-
-    def fetch(self, keys: Sequence[bytes], where: Sequence[int], *, allow_tmp: bool,
-              on_verified: Callable[[int, Any], None] | None = None,
-              direct: Callable[[int], Segments | None] | None = None) -> list[Step | None]:
-        """Bring the first ``len(where)`` keys (``where[j]``: the backend to try first) up from the
-        backends.  Per key: a HOST step (verified, now in host memory, or already there), a TMP step (no
-        host room: a temporary row, only with ``allow_tmp``), a DIRECT step (read into ``direct(j)``), or
-        None.  The keys must be pinned by the caller.  ``on_verified(j, buffer)``: see
-        ``StorageBackend.get_into`` (``buffer`` holds key ``j``'s verified bytes; it is not yet visible in
-        the host tier).
-
-        ``direct(j)``: where key ``j``'s device block lies in CPU memory (None: nowhere).  A key whose
-        backend loads straight into it (``TierStack.direct_loads``: ``host.promote_loads: false``) is read
-        there and never lands in host memory: the backend keeps it (a local disk's page cache already
-        holds what host memory would, at the cost of a copy more in every load).  Should that backend
-        fail it, only backends that load straight into it are tried."""
-        p, planner = self.parts, self.parts.planner
-        m = len(where)
-        out: list[Step | None] = [None] * len(keys)
-        todo: list[int] = []
-        with planner.lock:
-            for j in range(m):
-                slot = planner.index.host_slot(keys[j])
-                if slot is not None:
-                    out[j] = Step(Source.HOST, slot)  # arrived meanwhile (a store, another fetch)
-                else:
-                    todo.append(j)
-        if not todo:
-            return out
-        segs = p.direct_loads
-        bufs: dict[int, Any] = {}  # key position -> where its payload is read to
-        if direct is not None:
-            for j in todo:
-                seg = direct(j) if segs[where[j]] else None
-                if seg is not None:
-                    bufs[j] = seg
-        straight = set(bufs)
-        todo = [j for j in todo if j not in straight]
-        host = p.host
-        slots = self.room.reserve(len(todo)) if host is not None else []
-        n_tmp = len(todo) - len(slots) if allow_tmp else 0
-        tmp = torch.empty((n_tmp, p.layout.block_nbytes), dtype=torch.uint8)
-        if host is not None:
-            bufs.update({j: host.slot_view(sl) for j, sl in zip(todo, slots)})
-        bufs.update({j: tmp[r].numpy() for r, j in enumerate(todo[len(slots):len(slots) + n_tmp])})
-        strs = p.namespace.keys(keys)
-        src = {j: -1 for j in bufs}
-        # Each key from the backend that has it; then what failed (vanished, corrupt) from the others.
-        for b in sorted({where[j] for j in bufs}):
-            self._get(b, [j for j in bufs if where[j] == b], strs, bufs, src, on_verified)
-        for b in range(len(p.backends)):
-            self._get(b, [j for j in bufs if src[j] < 0 and where[j] != b and (segs[b] or j not in straight)],
-                      strs, bufs, src, on_verified)
-        with planner.lock:
-            for j in straight:
-                key, b = keys[j], src[j]
-                if b >= 0:
-                    out[j] = Step(Source.DIRECT, None, b)
-                    planner.mark_read_locked(key, b)
-                else:
-                    planner.mark_missing_locked(key, where[j])  # read and not there: the hint was stale
-            for r, j in enumerate(todo):
-                key, b = keys[j], src.get(j, -1)
-                if b >= 0:
-                    planner.mark_read_locked(key, b)
-                elif j in bufs:
-                    planner.mark_missing_locked(key, where[j])  # read and not there: the hint was stale
-                if r < len(slots):
-                    if b >= 0:
-                        out[j] = Step(Source.HOST, planner.commit_host_locked(key, slots[r]), b)
-                    else:
-                        self.room.release([slots[r]])
-                elif b >= 0:
-                    out[j] = Step(Source.TMP, tmp[r - len(slots)], b)
-        n_host = sum(1 for r, j in enumerate(todo) if r < len(slots) and src.get(j, -1) >= 0)
-        p.metrics.add("host", bytes_in=n_host * p.layout.block_nbytes)
-        return out
-
-    def _get(self, b: int, want: list[int], strs: list[str], bufs: dict[int, Any], src: dict[int, int],
-             on_verified: Callable[[int, Any], None] | None = None) -> None:
-        if want:
-            tell = None if on_verified is None else (lambda k: on_verified(want[k], bufs[want[k]]))
-            ok = self.parts.backends.get_into(b, [strs[j] for j in want], [bufs[j] for j in want], tell)
-            for j, good in zip(want, ok):
-                if good:
-                    src[j] = b
 
     # ------------------------------------------------------------------ load
 
@@ -180,32 +87,7 @@ class Upward:
         try:
             advance()
             pos = [i for i, step in enumerate(plan) if step.source is Source.FETCH]
-            if self.grouped is not None:
-                self._fetch_groups(self.grouped, hashes, start, pos, plan, advance)
-            else:
-                keys = [hashes[i] for i in pos]
-                where = self.locate(keys)
-                landed: set[int] = set()  # plan positions whose reading thread copied them to the device
-                chunks = load_chunks(len(where), p.layout.block_nbytes, p.tuning.load_chunk_bytes)
-                if not p.device.is_cuda and where and all(p.direct_loads[w] for w in where):
-                    # Every block is read straight into its place in the engine's KV (CPU, host.promote_loads
-                    # false): no copy waits for a chunk, so chunks only add barriers, each waiting for its
-                    # slowest read.  One read of the whole load: 128 MiB, 1 MiB blocks, 4 threads: 111 ms
-                    # against 152 in 32 MiB chunks (A/B interleaved, medians of 9).
-                    chunks = [(0, len(where))]
-                for a, b in chunks:
-                    land = direct = None
-                    if not p.device.is_cuda:
-                        land = self._lander(ids, pos[a:b], landed)
-                        direct = self._segments(ids, pos[a:b]) if any(p.direct_loads) else None
-                    got = self.fetch(keys[a:b], where[a:b], allow_tmp=True, on_verified=land, direct=direct)
-                    for i, g in zip(pos[a:b], got):
-                        plan[i] = g or lost()
-                        if g is not None and i in landed:
-                            g.landed = True
-                    advance()
-                    if any(g is None for g in got):
-                        break  # the chain is broken here: later blocks are of no use
+            self._fetch_values(hashes, ids, start, pos, plan, advance)
             for i in pos:
                 if plan[i].source is Source.FETCH:
                     plan[i] = lost()  # never read (an earlier chunk ended the chain)
@@ -224,48 +106,62 @@ class Upward:
         handle.stage(xh)
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
 
-    def _lander(self, ids: np.ndarray, pos: list[int], landed: set[int]) -> Callable[[int, Any], None]:
-        """``fetch``'s ``on_verified`` for a load into CPU memory: copy each block into its device block
-        in the thread that read and verified it, while its bytes are still in the CPU cache, and record
-        its plan position in ``landed``.  A copy that fails leaves the block to the usual host -> device
-        copy.  Blocks after a break in the chain may land too: they are reported not loaded whatever
-        their device block holds (the engine recomputes them)."""
-        device = self.parts.device
-
-        def land(j: int, buf: Any) -> None:
-            if isinstance(buf, Segments):
-                return  # read straight into the device block (a DIRECT step): nothing to copy
-            try:
-                device.write_payload(buf, int(ids[pos[j]]))
-                landed.add(pos[j])
-            except Exception as e:  # noqa: BLE001 - never into the backend's reading thread
-                log.warning("load: copying block %d to the device as it was read failed (%s); copying it "
-                            "from host memory", int(ids[pos[j]]), e)
-
-        return land
-
-    def _segments(self, ids: np.ndarray, pos: list[int]) -> Callable[[int], Segments | None]:
-        """``fetch``'s ``direct`` for a load into CPU memory: key ``j``'s device block, as segments."""
-        device = self.parts.device
-        return lambda j: device.block_segments(int(ids[pos[j]]))
-
-    def _fetch_groups(self, grouped: Grouped, hashes: list[bytes], start: int, pos: list[int], plan: list[Step],
-                      advance: Any) -> None:
-        """``_load_job``'s reads when stored values hold several blocks: whole values, a chunk of them at
-        a time, each block placed where the plan wants it."""
-        groups, gone = grouped.groups_of(start, pos, len(hashes))
+    def _fetch_values(self, hashes: list[bytes], ids: np.ndarray, start: int, pos: list[int], plan: list[Step],
+                      advance: Callable[[], None]) -> None:
+        """``_load_job``'s reads: the stored values holding plan positions ``pos``, a chunk of values at a
+        time, each block placed where the plan wants it and each chunk's copies started at once."""
+        p, reader = self.parts, self.reader
+        groups, gone = reader.groups_of(start, pos, len(hashes))
         for i in gone:
             plan[i] = lost()
-        where = grouped.locate(hashes, groups)
+        where = reader.locate(hashes, groups)
+        chunks = load_chunks(len(where), p.layout.block_nbytes * reader.k, p.tuning.load_chunk_bytes)
+        land = direct = None
+        landed: set[int] = set()  # plan positions whose reading thread copied them to the device
+        if not p.device.is_cuda:
+            land = self._lander(ids, landed)
+            if any(p.direct_loads):
+                direct = self._segments(ids)
+            if where and all(p.direct_loads[w] for w in where):
+                # Every value is read straight into its place in the engine's KV (CPU, host.promote_loads
+                # false): no copy waits for a chunk, so chunks only add barriers, each waiting for its
+                # slowest read.  One read of the whole load: 128 MiB, 1 MiB blocks, 4 threads: 111 ms
+                # against 152 in 32 MiB chunks (A/B interleaved, medians of 9).
+                chunks = [(0, len(where))]
         want = set(pos)
-        for a, b in load_chunks(len(where), self.parts.layout.block_nbytes * grouped.k,
-                                self.parts.tuning.load_chunk_bytes):
-            got = grouped.fetch(hashes, groups[a:b], where[a:b], want, allow_tmp=True)
+        for a, b in chunks:
+            got = reader.fetch(hashes, groups[a:b], where[a:b], want, allow_tmp=True, land=land, direct=direct)
             for i, g in got.items():
                 plan[i] = g or lost()
+                if g is not None and i in landed:
+                    g.landed = True
             advance()
             if any(g is None for g in got.values()):
                 break  # the chain is broken here: later blocks are of no use
+
+    def _lander(self, ids: np.ndarray, landed: set[int]) -> Callable[[int, Any], None]:
+        """``ValueReader.fetch``'s ``land`` for a load into CPU memory: copy each block into its device
+        block in the thread that read and verified it, while its bytes are still in the CPU cache, and
+        record its plan position in ``landed``.  A copy that fails leaves the block to the usual host ->
+        device copy.  Blocks after a break in the chain may land too: they are reported not loaded whatever
+        their device block holds (the engine recomputes them)."""
+        device = self.parts.device
+
+        def land(i: int, buf: Any) -> None:
+            try:
+                device.write_payload(buf, int(ids[i]))
+                landed.add(i)
+            except Exception as e:  # noqa: BLE001 - never into the backend's reading thread
+                log.warning("load: copying block %d to the device as it was read failed (%s); copying it "
+                            "from host memory", int(ids[i]), e)
+
+        return land
+
+    def _segments(self, ids: np.ndarray) -> Callable[[int], Segments | None]:
+        """``ValueReader.fetch``'s ``direct`` for a load into CPU memory: a plan position's device block,
+        as segments."""
+        device = self.parts.device
+        return lambda i: device.block_segments(int(ids[i]))
 
     def _copy(self, part: list[int], handle: LoadHandle, hashes: list[bytes], ids: np.ndarray,
               plan: list[Step], copies: list[TransferHandle], order: list[int], errors: list[str]) -> None:
@@ -372,47 +268,33 @@ class Upward:
         prefix = hashes[:res.num_blocks]
         planner.pin(prefix)  # the memory part too: making room must not evict the request's own head
         handle = PrefetchHandle(in_memory, hashes, tokens, p.prefetch_policy.wait_seconds(tokens), started=True)
-        if self.grouped is not None:
-            ok = workers.submit(workers.reads, self._prefetch_groups_job, self.grouped, handle, prefix, hashes,
-                                start, pos)
-        else:
-            ok = workers.submit(workers.reads, self._prefetch_job, handle, prefix, [hashes[i] for i in pos],
-                                [res.tiers[i].as_backend_index() for i in pos])
-        if not ok:
+        if not workers.submit(workers.reads, self._prefetch_job, handle, prefix, hashes, start, pos, res):
             self._prefetch_done(handle, prefix)
         return handle
 
-    def _prefetch_job(self, handle: PrefetchHandle, prefix: list[bytes], keys: list[bytes],
-                      where: list[int]) -> None:
+    def _prefetch_job(self, handle: PrefetchHandle, prefix: list[bytes], hashes: list[bytes], start: int,
+                      pos: list[int], res: LookupResult) -> None:
+        """Bring the values holding positions ``pos`` into host memory, ``prefetch_chunk_blocks`` blocks
+        at a time (the granularity of a cancel), stopping at the first block not delivered."""
+        reader = self.reader
         try:
-            step = max(1, self.parts.tuning.prefetch_chunk_blocks)
-            for a in range(0, len(keys), step):
-                if handle.cancelled.is_set():
-                    break
-                got = self.fetch(keys[a:a + step], where[a:a + step], allow_tmp=False)
-                n_ok = next((j for j, g in enumerate(got) if g is None), len(got))
-                handle.fetched += n_ok
-                if n_ok < len(got):
-                    break  # the chain is broken here: later blocks are of no use
-        finally:
-            self._prefetch_done(handle, prefix)
-
-    def _prefetch_groups_job(self, grouped: Grouped, handle: PrefetchHandle, prefix: list[bytes],
-                             hashes: list[bytes], start: int, pos: list[int]) -> None:
-        try:
-            groups, _ = grouped.groups_of(start, pos, len(hashes))
-            where = grouped.locate(hashes, groups)
+            groups, _ = reader.groups_of(start, pos, len(hashes))
+            lasts = [res.tiers[last] if last < len(res.tiers) else None for _, last in groups]
+            # The lookup located every value already (one block each, or its last block in a backend):
+            # no second round trip to ask the backends again.
+            where = ([t.as_backend_index() for t in lasts if t is not None] if all(t is not None and t.is_backend
+                     for t in lasts) else reader.locate(hashes, groups))
             want = set(pos)
-            per = max(1, self.parts.tuning.prefetch_chunk_blocks // grouped.k)
+            per = max(1, self.parts.tuning.prefetch_chunk_blocks // reader.k)
             for a in range(0, len(where), per):
                 if handle.cancelled.is_set():
                     break
-                got = grouped.fetch(hashes, groups[a:a + per], where[a:a + per], want, allow_tmp=False)
+                got = reader.fetch(hashes, groups[a:a + per], where[a:a + per], want, allow_tmp=False)
                 order = sorted(got)
                 n_ok = next((j for j, i in enumerate(order) if got[i] is None), len(order))
                 handle.fetched += n_ok
                 if n_ok < len(order):
-                    break
+                    break  # the chain is broken here: later blocks are of no use
         finally:
             self._prefetch_done(handle, prefix)
 

@@ -4,8 +4,8 @@ Torch-free by import, never waits on I/O.  It owns the block index, the write an
 host slots' bookkeeping (:class:`~kvtier.memory.host_slots.SlotTable`: which slot a block goes to; the bytes are
 the executor's), the scheduler half (:class:`~kvtier.manager.TierManager`, sharing the index and the
 lock) and what is in flight.  The executors (:mod:`~kvtier.tiering.store_path`,
-:mod:`~kvtier.tiering.load_path`, :mod:`~kvtier.tiering.grouped_io`) ask it, under :attr:`Planner.lock`,
-what to do (which slots, which victims to write back, what to write down and where, where each block of a
+:mod:`~kvtier.tiering.load_path`, :mod:`~kvtier.tiering.reads`, :mod:`~kvtier.tiering.writes`) ask it,
+under :attr:`Planner.lock`, what to do (which slots, which victims to write back, what to write down and where, where each block of a
 load comes from), run that against memory and backends outside the lock, and tell it what happened.
 
 Invariants (checked by :meth:`Planner.check_locked` in the tests, after every operation has settled):
