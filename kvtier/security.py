@@ -190,6 +190,13 @@ class Seal:
         self.code = MODE_CODES[mode]
         self.keyring = keyring
         self._landings = threading.local()
+        # Imported once here (a sealed mode is in use), not per value: the two ``from`` imports in the
+        # decryption path cost about 2 us a value under the GIL (measured: 4.8-5.3 against 6.7-8.6 us of
+        # work beside a 256 KiB ``decrypt_into`` of 25 us).
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher, modes
+
+        self._invalid_tag, self._cipher, self._gcm = InvalidTag, Cipher, modes.GCM
 
     def __repr__(self) -> str:
         return f"Seal(mode={self.mode!r}, keys={list(self.keyring.ids)}, write_key={self.keyring.write_id})"
@@ -267,9 +274,6 @@ class Seal:
                 payload: memoryview | bf.Segments, stored: memoryview | None) -> bool:
         if self.code == bf.MODE_AUTHENTICATE and isinstance(payload, memoryview):
             return hmac.compare_digest(aead.encrypt(nonce, aad, payload)[-bf.TAG_SIZE:], tag)
-        from cryptography.exceptions import InvalidTag
-        from cryptography.hazmat.primitives.ciphers import Cipher, modes
-
         if stored is not None and isinstance(payload, memoryview):
             n = payload.nbytes
             if stored.nbytes != n + bf.TAG_SIZE:
@@ -278,25 +282,25 @@ class Seal:
             stored[n:] = tag  # decrypt_into wants ciphertext || tag
             try:
                 aead.decrypt_into(nonce, stored, aad, payload)
-            except InvalidTag:
+            except self._invalid_tag:
                 return False
             return True
 
         # Streamed: a payload in several buffers, or decrypted in place (the one-shot API needs the tag
         # beside the ciphertext, and a copy of the payload to put it there).
         if self.code == bf.MODE_AUTHENTICATE:
-            enc = Cipher(aes, modes.GCM(nonce)).encryptor()
+            enc = self._cipher(aes, self._gcm(nonce)).encryptor()
             for part in _parts(payload):
                 enc.authenticate_additional_data(part)
             enc.update(aad)
             enc.finalize()
             return hmac.compare_digest(enc.tag, tag)
-        dec = Cipher(aes, modes.GCM(nonce, tag)).decryptor()
+        dec = self._cipher(aes, self._gcm(nonce, tag)).decryptor()
         dec.authenticate_additional_data(aad)
         for part in _parts(payload):
             dec.update_into(part, part)
         try:
             dec.finalize()
-        except InvalidTag:
+        except self._invalid_tag:
             return False
         return True

@@ -130,6 +130,28 @@ def test_read_hashed_reports_a_longer_value_and_gives_no_checksum_for_a_short_re
     assert (n, digest) == (1000, None)
 
 
+@pytest.mark.parametrize("hashed", [True, False])
+@pytest.mark.parametrize("stored, cap", [("exact", None), ("longer", None), ("short", 1000)])
+def test_read_hashed_one_buffer_in_one_group_reads_once_as_the_grouped_path_would(hashed, stored, cap):
+    """A payload in one buffer no larger than a group (how local_disk reads a value) is read in one call
+    with the header and the probe, and gives what the grouped path gives for it: the bytes, the count
+    (a longer value's probe byte included, a short read's count), the checksum only when whole."""
+    payload = os.urandom(256 << 10)
+    hdr = header(payload)
+    data = hdr + payload + (b"x" if stored == "longer" else b"")
+    got = []
+    for group in (len(hdr) + len(payload), len(payload) // 3):  # one group; several (the general path)
+        src, head, buf, probe = _Source(data, cap), memoryview(bytearray(bf.HEADER_SIZE)), bytearray(len(payload)), \
+            memoryview(bytearray(1))
+        n, digest = bf.read_hashed(src, head, memoryview(buf), (probe,), group, hashed)
+        got.append((n, digest, bytes(head), bytes(buf) if cap is None else None, len(src.calls)))
+    one, grouped = got
+    assert one[:4] == grouped[:4] and one[4] == 1 and (grouped[4] > 1 or stored == "short")  # short: stops at once
+    whole = len(hdr) + len(payload)
+    assert one[0] == {"exact": whole, "longer": whole + 1, "short": 1000}[stored]
+    assert one[1] == (xxhash.xxh3_64_intdigest(payload) if hashed and cap is None else None)
+
+
 def test_read_hashed_unhashed_fills_the_same_buffers_and_gives_no_checksum():
     """``hashed=False`` (a sealed value's read: its tag covers the payload) reads the same bytes in the same
     calls, and never claims a checksum."""

@@ -9,6 +9,16 @@ many threads as the backend's batches use (local_disk ``threads``, redis ``strip
 A row's ``ratio`` is the mode's speed over ``none``'s; ``ratio_vs_primitive`` its speed over the
 primitive's alone (the ceiling where the store is faster than the primitive: files in the page cache).
 
+local_disk gets also carry the machine's own ceiling for a sealed read, measured bare in the same rounds
+(no kvtier): ``bare_read_gib_s``, files of the sealed values' size (112-byte header, the payload) read on
+the backend's threads with ``open`` / ``preadv`` / ``close`` into the buffers the backend reads into (mode
+encrypt: a landing buffer per thread; authenticate: the caller's buffer), and ``bare_ceiling_gib_s``, that
+same read followed on the same thread by the mode's primitive with its check (``decrypt_into`` from the
+landing buffer into the caller's buffer; the GMAC over the caller's buffer compared with the stored tag).
+``ratio_vs_bare`` is the backend's speed over that ceiling.  Where a page-cache read costs as much as the
+primitive and the primitive holds the GIL, the bare ceiling, not the primitive alone, is what a sealed get
+can reach (docs/performance.md, "Sealed reads: the machine's ceiling").
+
 ``primitive`` rows: the candidates' raw speed over the same payloads on one thread and on two (keyed
 BLAKE2b, keyed BLAKE3 where installed, HMAC-SHA256, Poly1305, AES-GMAC, AES-256-GCM, ChaCha20-Poly1305):
 what the MAC and the cipher were chosen by (docs/performance.md).
@@ -127,6 +137,72 @@ def _primitive(mode: str, op: str, payloads: list[memoryview], threads: int) -> 
     return run
 
 
+class BareReads:
+    """The bare ceiling of a sealed local_disk get (module docstring): ``payloads`` sealed by the primitive
+    into files of the backend's value size under ``root`` (two-level, like the backend's shards), read back
+    by ``pool``'s ``threads`` workers, each a strided share of a batch, as the backend splits one."""
+
+    def __init__(self, root: str, mode: str, payloads: list[memoryview], pool: ThreadPoolExecutor, threads: int):
+        import threading
+
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        from kvtier.format import blockformat as bf
+
+        self.mode, self.pool, self.threads = mode, pool, threads
+        self.aead, self.aad = AESGCM(os.urandom(32)), os.urandom(bf.SEALED_AAD_SIZE)
+        self.hsize, self.tag_at = bf.SEALED_HEADER_SIZE, bf.SEALED_AAD_SIZE
+        self.nonces = [os.urandom(12) for _ in payloads]
+        self.paths = [os.path.join(root, f"{i % 256:02x}", str(i)) for i in range(len(payloads))]
+        for d in {os.path.dirname(p) for p in self.paths}:
+            os.makedirs(d, exist_ok=True)
+        for p, nonce, payload in zip(self.paths, self.nonces, payloads):
+            if mode == "encrypt":
+                sealed = self.aead.encrypt(nonce, payload, self.aad)
+                body, tag = sealed[:-bf.TAG_SIZE], sealed[-bf.TAG_SIZE:]
+            else:
+                body, tag = bytes(payload), self.aead.encrypt(nonce, self.aad, payload)[-bf.TAG_SIZE:]
+            header = bytearray(self.hsize)
+            header[self.tag_at:self.tag_at + bf.TAG_SIZE] = tag
+            with open(p, "wb") as f:
+                f.write(header + body)
+        self._local = threading.local()
+
+    def _buffers(self, nbytes: int) -> tuple[memoryview, memoryview]:
+        """This thread's header buffer and landing buffer (payload + tag), as ``Seal.landing`` keeps one."""
+        got: tuple[memoryview, memoryview] | None = getattr(self._local, "bufs", None)
+        if got is None or got[1].nbytes != nbytes + 16:
+            got = self._local.bufs = (memoryview(bytearray(self.hsize)), memoryview(bytearray(nbytes + 16)))
+        return got
+
+    def get(self, lo: int, hi: int, bufs: list[memoryview], check: bool) -> None:
+        """Read blocks ``lo:hi`` into ``bufs`` (mode encrypt: the ciphertext into the landing buffer, then,
+        with ``check``, decrypted from there into ``bufs``; authenticate: the payload into ``bufs``, then,
+        with ``check``, its GMAC compared with the stored tag); raises if a tag does not verify."""
+        paths, nonces, aead, aad, encrypt, at = self.paths, self.nonces, self.aead, self.aad, \
+            self.mode == "encrypt", self.tag_at
+
+        def share(j: int) -> None:
+            for i in range(lo + j, hi, self.threads):
+                out = bufs[i]
+                header, landing = self._buffers(out.nbytes)
+                n = out.nbytes
+                fd = os.open(paths[i], os.O_RDONLY)
+                try:
+                    os.preadv(fd, [header, landing[:n] if encrypt else out], 0)
+                finally:
+                    os.close(fd)
+                if not check:
+                    continue
+                if encrypt:
+                    landing[n:] = header[at:at + 16]
+                    aead.decrypt_into(nonces[i], landing, aad, out)  # raises InvalidTag if it does not verify
+                elif not hmac.compare_digest(aead.encrypt(nonces[i], aad, out)[-16:], header[at:at + 16]):
+                    raise RuntimeError(f"bare {self.mode} read: block {i}'s tag does not verify")
+
+        list(self.pool.map(share, range(self.threads)))
+
+
 def _drain(pool: ThreadPoolExecutor, fn: Callable[[memoryview], object], items: list[memoryview]) -> None:
     list(pool.map(fn, items))  # map only submits: the time is until the last result
 
@@ -149,8 +225,12 @@ def mode_rows(name: str, block: int, total_bytes: int, repeats: int, modes: list
     gib = n * block / _GIB
     ring = KeyRing({1: os.urandom(32)}, 1)
     all_modes = ["none", *modes]
-    with _store(name) as (make, threads):
+    with _store(name) as (make, threads), tempfile.TemporaryDirectory(prefix="kvtier-bench-bare-") as bare_dir, \
+            ThreadPoolExecutor(threads) as bare_pool:
         backends = {m: make(None if m == "none" else Seal(m, ring)) for m in all_modes}
+        # local_disk: the bare ceiling of a sealed get (module docstring), one file set per mode.
+        bare = {m: BareReads(os.path.join(bare_dir, m), m, payloads, bare_pool, threads)
+                for m in modes} if name == "disk" else {}
         keys = {m: ns.keys([os.urandom(16) for _ in range(n)]) for m in all_modes}
         spans = [(i, min(n, i + per)) for i in range(0, n, per)]
 
@@ -165,8 +245,15 @@ def mode_rows(name: str, block: int, total_bytes: int, repeats: int, modes: list
                     raise RuntimeError(f"{name} {m}: a get missed")
 
         prims = {(m, op): _primitive(m, op, payloads, threads) for m in modes for op in ("put", "get")}
+
+        def bare_get(m: str, check: bool) -> None:
+            for lo, hi in spans:
+                bare[m].get(lo, hi, bufs, check)
+
         times: dict[tuple[str, str], list[float]] = {(c, op): [] for c in [*all_modes, *(f"raw {m}" for m in modes)]
                                                      for op in ("put", "get")}
+        for m in bare:
+            times[f"bare read {m}", "get"], times[f"bare {m}", "get"] = [], []
         for r in range(repeats + 1):  # the first round warms up and is dropped
             order = all_modes[r % len(all_modes):] + all_modes[:r % len(all_modes)]
             for m in order:
@@ -179,18 +266,33 @@ def mode_rows(name: str, block: int, total_bytes: int, repeats: int, modes: list
                 if m != "none":
                     for op in ("put", "get"):
                         times[f"raw {m}", op].append(_timed(prims[m, op]))
+                if m in bare:  # right after the mode's own gets, in its turn of the rotation
+                    times[f"bare read {m}", "get"].append(_timed(functools.partial(bare_get, m, False)))
+                    times[f"bare {m}", "get"].append(_timed(functools.partial(bare_get, m, True)))
+                    for i in range(0, n, max(1, n // 8)):  # the bare contender returned the block's bytes
+                        if bufs[i] != payloads[i]:
+                            raise RuntimeError(f"bare {m} read: wrong bytes for block {i}")
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     spread = {k: (min(v[1:]), max(v[1:])) for k, v in times.items()}
     rows = []
     for m in modes:
         for op in ("put", "get"):
             lo, hi = spread[m, op]
+            extra: dict[str, Any] = {}
+            if op == "get" and m in bare:
+                blo, bhi = spread[f"bare {m}", "get"]
+                extra = {"bare_read_gib_s": gib / med[f"bare read {m}", "get"],
+                         "bare_ceiling_gib_s": gib / med[f"bare {m}", "get"],
+                         "ratio_vs_bare": med[f"bare {m}", "get"] / med[m, "get"],
+                         "bare_spread": f"{gib / bhi:.2f}-{gib / blo:.2f}"}
             rows.append({"backend": f"{name} {m}", "op": op, "block_bytes": block, "gib_s": gib / med[m, op],
                          "ceiling_gib_s": gib / med["none", op], "ratio": med["none", op] / med[m, op],
                          "primitive_gib_s": gib / med[f"raw {m}", op],
                          "ratio_vs_primitive": med[f"raw {m}", op] / med[m, op],
                          "note": f"ceiling: mode none, same run; {m} {op} spread {gib / hi:.2f}-{gib / lo:.2f} "
-                                 f"GiB/s; primitive on {threads} thread(s); {n} blocks"})
+                                 f"GiB/s; primitive on {threads} thread(s); {n} blocks"
+                                 + ("; bare: open/preadv/close + the primitive, same threads, no kvtier" if extra
+                                    else ""), **extra})
     return rows
 
 
