@@ -47,7 +47,8 @@ Invariants:
   logged); it then answers ``snapshot + changes with id > upto`` (the process keeps those it read, as of
   the ``data_version`` it read them at), exact as of that transaction.  Otherwise it asks SQLite and a
   build is asked for (``on_snapshot_wanted``), also when the changes since the snapshot pass
-  ``_REBUILD_AT``.
+  ``_REBUILD_MIN`` / ``_REBUILD_FRACTION``; a write transaction asks for one at the same bound, so the
+  log stays short where nobody looks up.
 """
 
 from __future__ import annotations
@@ -203,12 +204,27 @@ class DiskIndex:
                 return
             c.execute("BEGIN IMMEDIATE")
             self._in_tx = True
+            due = False
             try:
                 yield c
             finally:
                 self._in_tx = False
                 if c.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        due = self._log_due(c)
                     c.execute("COMMIT")
+            if due:  # (also where nobody looks up: a writer-only process keeps the log short too)
+                self._want()
+
+    @staticmethod
+    def _log_due(c: sqlite3.Connection) -> bool:
+        """Whether the change log has grown past what a new snapshot should fold in (``_follow``'s bound)."""
+        row = c.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
+        if row is None:
+            return False
+        m = dict(c.execute("SELECT k, v FROM meta WHERE k IN ('ctrim', 'blocks', 'complete')").fetchall())
+        return bool(m.get("complete") == 1 and int(row[0]) - int(m.get("ctrim") or 0)
+                    > max(_REBUILD_MIN, int(m.get("blocks") or 0) // _REBUILD_FRACTION))
 
     def cache(self, kib: int = _CACHE_KIB) -> None:
         """Set the write connection's page cache (a rebuild fills the B-tree faster with a large one)."""

@@ -170,3 +170,26 @@ def test_the_module_states_its_invariants():
     doc = snapshots.__doc__ or ""
     assert "Invariants:" in doc and "renamed into place" in doc and "boot" in doc
     assert struct.calcsize("<8sIIQq32s36sQ") + 8 <= snapshots.HEADER_BYTES
+
+
+def test_a_writer_that_never_looks_up_keeps_the_change_log_short(tmp_path, monkeypatch):
+    import sqlite3
+    import time
+
+    from kvtier.backends import _disk_index
+
+    monkeypatch.setattr(_disk_index, "_REBUILD_MIN", 4)
+    monkeypatch.setattr(_disk_index, "_WANT_EVERY_S", 0.0)
+    a = mk(tmp_path)
+    ks = newkeys(12)
+    for i in range(0, 12, 2):
+        assert a.put(ks[i:i + 2], [b"x" * 64] * 2, LID) == [True, True]
+    c = sqlite3.connect(a._idx.path)
+    deadline = time.monotonic() + 60
+    while c.execute("SELECT v FROM meta WHERE k='ctrim'").fetchone()[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the build runs in a thread)
+    assert c.execute("SELECT v FROM meta WHERE k='ctrim'").fetchone()[0] > 0
+    assert c.execute("SELECT count(*) FROM changes").fetchone()[0] < 12
+    c.close()
+    assert a.lookup(ks) == [True] * 12
+    a.close()
