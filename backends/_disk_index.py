@@ -139,7 +139,7 @@ class DiskIndex:
         self._snap: snapshots.Snapshot | None = None  # the file mapped (whether it serves: _serving)
         self._serving = False  # as of _snap_version: the snapshot answers this connection's lookups
         self._snap_version: int | None = None  # the read connection's data_version _delta is as of
-        self._delta: dict[bytes, bool] = {}  # key -> listed, every logged change after _snap.upto
+        self._delta: dict[bytes, int] = {}  # key -> listed (1 / 0), every logged change after _snap.upto
         self._delta_upto = 0  # the last change-log id in _delta
         self._bad: tuple[int, int, int] | None = None  # the file that failed to load (damaged, other boot)
         self._wanted = -1e9  # when a build was last asked for
@@ -336,7 +336,7 @@ class DiskIndex:
                         fast: list[bool] = snap.contains(missing)
                         if self._delta:
                             d = self._delta
-                            fast = [d.get(b, f) for b, f in zip(missing, fast)]
+                            fast = [d[b] == 1 if b in d else f for b, f in zip(missing, fast)]
                         known.update(zip(missing, fast))
                         if missing is blobs:
                             return fast
@@ -373,11 +373,13 @@ class DiskIndex:
         if not self._serving or snap is None:  # (the changes are read again from its upto if it serves later)
             self._delta, self._delta_upto = {}, snap.upto if snap is not None else 0
             return complete
-        d = self._delta
         upto = self._delta_upto
-        for i, k, listed in c.execute("SELECT id, key, listed FROM changes WHERE id > ? ORDER BY id", (upto,)):
-            d[k] = listed == 1
-            upto = int(i)
+        last = c.execute("SELECT max(id) FROM changes").fetchone()[0]
+        if last is not None and int(last) > upto:
+            # dict() over the cursor: built in C (a Python loop over 60,000 rows took 56 ms, the whole of
+            # a start-up here); in id order, so a key's last change wins.
+            self._delta.update(c.execute("SELECT key, listed FROM changes WHERE id > ? ORDER BY id", (upto,)))
+            upto = int(last)
         self._delta_upto = upto
         return bool(upto - snap.upto > max(_REBUILD_MIN, snap.count // _REBUILD_FRACTION))
 

@@ -193,3 +193,17 @@ def test_a_writer_that_never_looks_up_keeps_the_change_log_short(tmp_path, monke
     c.close()
     assert a.lookup(ks) == [True] * 12
     a.close()
+
+
+def test_one_build_at_a_time(tmp_path):
+    """A build that finds another holding the snapshot's lock leaves it alone (returns 0, file untouched)."""
+    a = mk(tmp_path)
+    assert a.put(newkeys(2), [b"x" * 64] * 2, LID) == [True, True]
+    assert build(a) == 2
+    before = snapshots.stat_ident(a._idx.snapshot_path)
+    with snapshots.exclusive(a._idx.snapshot_path) as mine:  # (another open file description: another builder)
+        assert mine
+        assert build(a) == 0
+    assert snapshots.stat_ident(a._idx.snapshot_path) == before
+    assert build(a) == 2
+    a.close()
