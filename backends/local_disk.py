@@ -40,7 +40,7 @@ Invariants:
   at this process's next session or within a second).  A verified read of a block the index does not
   know adopts it; a read or an ``exists`` that finds a known block's file gone drops it, after checking
   again under the lock; ``exists`` always asks the directory, ``lookup`` only the index (through its
-  LMDB mirror of the keys, ``_disk_mirror``, when that is sealed at the index's state).  The blocks a put
+  lookup snapshot, ``_disk_snapshot``, plus the changes logged since, when it serves the index's state).  The blocks a put
   evicts are told to ``on_evicted`` (the stack using this backend) after the lock is released.
   Manifests are not blocks: never evicted, not counted.
 * Every block file unlinked (evicted, deleted: by any process, ``kvtier gc`` and ``verify --fix``
@@ -203,6 +203,7 @@ class LocalDiskBackend(StorageBackend):
         self._instance = uuid.uuid4().hex[:8]  # this backend among the removal journal's writers
         os.makedirs(self.root, exist_ok=True)
         self._stop_watch = threading.Event()
+        self._building = threading.Lock()  # held while this process builds the lookup snapshot
         # Opened before the index is built: a removal made meanwhile is then read, not missed.
         feed = RemovalFeed(self.root) if o.removals_poll_s > 0 else None
         t0 = time.perf_counter()
@@ -216,6 +217,11 @@ class LocalDiskBackend(StorageBackend):
         if feed is not None:
             threading.Thread(target=_watch_removals, args=(weakref.ref(self), feed, self._stop_watch,
                              o.removals_poll_s), name="kvtier-local-disk-removals", daemon=True).start()
+
+    @property
+    def index(self) -> DiskIndex:
+        """The directory's index as this process holds it (tools and ``bench disk-scale`` time it)."""
+        return self._idx
 
     def removed_elsewhere(self, keys: Sequence[str]) -> list[str]:
         """Blocks other backends (other processes, or other instances in this one) removed from the
@@ -291,27 +297,35 @@ class LocalDiskBackend(StorageBackend):
             with self._shared(removed=unlinked) as c:
                 self._make_room(c, 0, evicted, unlinked)
         self._evicted(evicted)
-        self._copy_mirror(now=self._complete and not self._idx.mirror_serves())
+        me = weakref.ref(self)  # (the index must not keep a backend dropped without close alive)
 
-    def _copy_mirror(self, now: bool = True) -> None:
-        """Fill the lookup mirror from the index (new, or left unsealed by a kill or a rebuild): at once
-        when the index is small, else in a thread, so start-up never waits for millions of keys (lookups
-        ask SQLite until it is sealed)."""
+        def wanted() -> None:
+            b = me()
+            if b is not None and not b._closed:
+                b._build_snapshot()
+
+        self._idx.on_snapshot_wanted = wanted
+        if self._complete and not self._idx.snapshot_serves():
+            self._build_snapshot(now=self._idx.counts()[0] <= 50_000)
+
+    def _build_snapshot(self, now: bool = False) -> None:
+        """Build the lookup snapshot from the index (none yet, another generation's, of another boot, or
+        many changes behind): at once when the index is small (start-up), else in a thread, so neither
+        start-up nor a lookup waits for millions of keys (lookups ask SQLite meanwhile)."""
         def run() -> None:
             try:
-                self._idx.rebuild_mirror(lambda: locked(self.root), self._stop_watch)
-            except (sqlite3.Error, OSError) as e:
-                log.warning("local_disk: %s: lookup mirror not copied (%s); lookups ask SQLite", self.root, e)
+                self._idx.build_snapshot(lambda: locked(self.root), self._stop_watch)
+            except (sqlite3.Error, OSError, ValueError) as e:
+                log.warning("local_disk: %s: lookup snapshot not built (%s); lookups ask SQLite", self.root, e)
+            finally:
+                self._building.release()
 
-        if self._idx.mirror.on_stale is None:  # a stamp left behind later: copied again, in a thread
-            self._idx.mirror.on_stale = lambda: threading.Thread(target=run, name="kvtier-disk-mirror",
-                                                                 daemon=True).start()
-        if not now:
+        if not self._building.acquire(blocking=False):  # one build at a time in this process
             return
-        if self._idx.counts()[0] <= 50_000:
+        if now:
             run()
         else:
-            threading.Thread(target=run, name="kvtier-disk-mirror", daemon=True).start()
+            threading.Thread(target=run, name="kvtier-disk-snapshot", daemon=True).start()
 
     def _check_index(self, gone: list[str]) -> str | None:
         """Validate the index in one locked session (recovering dead writers: the blocks they had unlinked

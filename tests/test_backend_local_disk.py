@@ -994,17 +994,18 @@ def test_lookup_answers_from_memory_only_while_no_connection_changed_the_index(t
     A itself, is seen by A's next lookup."""
     a, b = mk(tmp_path), mk(tmp_path)
     k1, k2 = newkeys(2)
-    queries: list[str] = []  # the index asked: a SQLite query, or a probe its lookup mirror answered
+    queries: list[str] = []  # the index asked: a SQLite query, or a search its lookup snapshot answered
     a._idx.rconn().set_trace_callback(lambda sql: queries.append(sql) if "FROM blocks" in sql else None)
-    probe = a._idx.mirror.lookup
+    assert a._idx.snapshot_serves()
+    snap = a._idx._snap
+    assert snap is not None
+    search = snap.contains
 
     def counted(*x):
-        r = probe(*x)
-        if r is not None:
-            queries.append("mirror")
-        return r
+        queries.append("snapshot")
+        return search(*x)
 
-    a._idx.mirror.lookup = counted
+    snap.contains = counted
     assert a.lookup([k1, k2]) == [False, False] and len(queries) == 1
     assert a.lookup([k2, k1, k1]) == [False, False, False] and len(queries) == 1  # from memory
     assert b.put([k1], [b"x" * 64], LID) == [True]
@@ -1014,6 +1015,6 @@ def test_lookup_answers_from_memory_only_while_no_connection_changed_the_index(t
     assert a.lookup([k1, k2]) == [False, False]
     assert a.put([k2], [b"y" * 64], LID) == [True]  # its own writer is another connection too
     assert a.lookup([k1, k2]) == [False, True] and len(queries) == 4
-    assert queries.count("mirror") == 4  # every ask was the mirror's, exact after each change
+    assert queries.count("snapshot") == 4  # every ask was the snapshot's (+ the changes), exact after each
     a.close()
     b.close()

@@ -15,8 +15,11 @@ is printed as ``index rebuild``).  Then, per size, each row beside the ceiling o
 * ``lookup 1000``: ``LocalDiskBackend.lookup`` of a batch of 1,000 keys (half stored, half not) in the
   index, ``first``: keys no lookup asked about before (a fresh batch each run: the SQLite query), and
   ``again``: the same batch once more, the index unchanged (answered from the process's memory, which a
-  change by any connection clears); ceilings: the bare SQLite ``IN (...)`` query of another fresh batch on
-  a connection of its own (the least SQLite can do), and the keys in a Python ``set`` (up to 1 M).
+  change by any connection clears); ceilings: the bare search of the lookup snapshot (``_disk_snapshot``:
+  a sorted key file every process maps) for another fresh batch, the bare SQLite ``IN (...)`` query of
+  another on a connection of its own (the least SQLite can do), a bare LMDB probe per key of another in a
+  copy of the keys (the previous design's structure; when ``lmdb`` is installed), and the keys in a
+  Python ``set`` (up to 1 M).
   ``--index-only``: just these rows, over an index of ``n`` rows filled directly (no block files: the
   lookup reads only the index), for sizes whose directory is not built.
 * ``exists 1000``: ``exists`` of the same batch (asks the filesystem); ceiling: one ``os.lstat`` per key.
@@ -148,22 +151,24 @@ _RSS_CHILD = """
 import os, sys, time
 def rss():
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        resident, shared = (int(x) for x in f.read().split()[1:3])
+    return resident * os.sysconf("SC_PAGE_SIZE"), (resident - shared) * os.sysconf("SC_PAGE_SIZE")
 from kvtier.backends.local_disk import LocalDiskBackend
 from kvtier.tools.bench import disk_scale as d
 keys = [d._key(i) for i in range(0, 2 * {n}, 2 * {n} // 1000)][:1000]
 before = rss()
 b = LocalDiskBackend({{"path": {root!r}, "index_dir": {index_dir!r}, "capacity": "1TiB"}})
 b.lookup(keys)
-print(rss() - before, flush=True)
+after = rss()
+print(after[0] - before[0], after[1] - before[1], flush=True)
 sys.stdin.readline()
 b.close()
 """
 
 
-def rss_per_block(root: str, index_dir: str, n: int) -> tuple[int, int]:
+def rss_per_block(root: str, index_dir: str, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """Resident bytes a first and a second process (both open at once) add by opening the directory and
-    answering one lookup of 1,000 keys."""
+    answering one lookup of 1,000 keys: (all, its own: not file pages shared with other processes)."""
     code = _RSS_CHILD.format(n=n, root=root, index_dir=index_dir)
     procs = []
     out = []
@@ -173,7 +178,8 @@ def rss_per_block(root: str, index_dir: str, n: int) -> tuple[int, int]:
                                  text=True)
             procs.append(p)
             assert p.stdout is not None
-            out.append(int(p.stdout.readline()))
+            total, own = (int(x) for x in p.stdout.readline().split())
+            out.append((total, own))
     finally:
         for p in procs:
             with contextlib.suppress(Exception):
@@ -271,27 +277,58 @@ def _batch(n: int, offset: int) -> list[str]:
     return [_key(i + offset) for i in range(0, 2 * n, step)][:BATCH]
 
 
+def _lmdb_copy(index: str, log: Callable[[str], None]) -> Any:
+    """An LMDB environment holding the index's keys (``<index>.bench-lmdb``, copied when missing or of
+    another count), or None without ``lmdb``."""
+    import sqlite3
+
+    try:
+        import lmdb  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    c = sqlite3.connect(f"file:{index}?mode=ro", uri=True, isolation_level=None)
+    try:
+        n = c.execute("SELECT count(*) FROM blocks").fetchone()[0]
+        env = lmdb.open(index + ".bench-lmdb", subdir=False, map_size=64 << 30, sync=False, metasync=False,
+                        readahead=False, meminit=False)
+        if env.stat()["entries"] != n:
+            t0 = time.perf_counter()
+            cur = c.execute("SELECT key FROM blocks")
+            while page := cur.fetchmany(50_000):
+                with env.begin(write=True) as t:
+                    for (k,) in page:
+                        t.put(k, b"")
+            log(f"  LMDB copy of {n:,} keys made in {time.perf_counter() - t0:.1f} s")
+        return env
+    finally:
+        c.close()
+
+
 def lookup_rows(lookup: Callable[[list[str]], list[bool]], index: str, n: int, repeat: int,
-                row: Callable[..., None], mirror: Any = None) -> None:
-    """Time ``lookup`` of fresh batches and of the same batch again, beside the bare SQLite query of
-    other fresh batches on a connection of its own (same page cache size), the bare LMDB probe of yet
-    other fresh batches in the lookup mirror (``mirror``: the index's ``Mirror``; LMDB allows one
-    environment per file and process) and a Python ``set``."""
+                row: Callable[..., None], snapshot: Any, log: Callable[[str], None]) -> None:
+    """Time ``lookup`` of fresh batches and of the same batch again, beside the bare search of the lookup
+    snapshot (``snapshot``: a mapped ``_disk_snapshot.Snapshot``) and the bare SQLite query of other
+    fresh batches on a connection of its own (same page cache size), the bare LMDB probe of yet other
+    fresh batches in a copy of the keys, and a Python ``set``."""
     import sqlite3
 
     c = sqlite3.connect(f"file:{index}?mode=ro", uri=True, isolation_level=None)
     c.execute("PRAGMA cache_size=-8192")
     sql = f"SELECT key FROM blocks WHERE key IN ({','.join('?' * BATCH)})"
     runs = repeat * 10
-    batches = [_batch(n, 3 * r) for r in range(runs)]
-    bare_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 3 * r + 1)] for r in range(runs)]
-    lmdb_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 3 * r + 2)] for r in range(runs)]
-    env = mirror.env() if mirror is not None else None
+    batches = [_batch(n, 4 * r) for r in range(runs)]
+    bare_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 4 * r + 1)] for r in range(runs)]
+    lmdb_batches = [[bytes.fromhex(k[:32] + k[33:]) for k in _batch(n, 4 * r + 2)] for r in range(runs)]
+    snap_batches = [_batch(n, 4 * r + 3) for r in range(runs)]
+    if snapshot is None:
+        raise RuntimeError(f"disk-scale: no lookup snapshot serves the index {index}")
+    env = _lmdb_copy(index, log)
     first: list[float] = []
     again: list[float] = []
     bare: list[float] = []
     bare_lmdb: list[float] = []
-    for r in range(runs):  # interleaved: load on the machine hits all three alike
+    bare_snap: list[float] = []
+    for r in range(runs):  # interleaved: load on the machine hits all of them alike
         def mine(r: int = r) -> None:
             t0 = time.perf_counter()
             got = lookup(batches[r])
@@ -302,6 +339,9 @@ def lookup_rows(lookup: Callable[[list[str]], list[bool]], index: str, n: int, r
             again.append(time.perf_counter() - t0)
 
         def bares(r: int = r) -> None:
+            t0 = time.perf_counter()
+            snapshot.contains([bytes.fromhex(k[:32] + k[33:]) for k in snap_batches[r]])  # (as a lookup does)
+            bare_snap.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             c.execute(sql, bare_batches[r]).fetchall()
             bare.append(time.perf_counter() - t0)
@@ -315,8 +355,12 @@ def lookup_rows(lookup: Callable[[list[str]], list[bool]], index: str, n: int, r
         for step in ((mine, bares) if r % 2 == 0 else (bares, mine)):  # the first of a round runs slower
             step()
     c.close()
+    if env is not None:
+        env.close()
     ceiling = _median(bare)
-    row("lookup 1,000 keys, first (index query)", _median(first), "ms", ceiling,
+    row("lookup 1,000 keys, first (index query)", _median(first), "ms", _median(bare_snap),
+        "bare snapshot search (+ hex decode), fresh keys", 1000)
+    row("lookup 1,000 keys, first, beside bare SQLite", _median(first), "ms", ceiling,
         "bare SQLite IN query, fresh keys", 1000)
     row("lookup 1,000 keys, again (index unchanged)", _median(again), "ms", ceiling,
         "bare SQLite IN query, fresh keys", 1000)
@@ -350,18 +394,21 @@ def index_only(base: str, n: int, repeat: int, log: Callable[[str], None]) -> li
             idx.recount(c)
         idx.cache()
         log(f"  index of {n:,} rows filled in {time.perf_counter() - t0:.0f} s")
-    if not idx.mirror_serves():  # as a backend's start-up does (in a thread there)
+    if not idx.state()[1]:  # the bench's own index: no rebuild from the files to wait for
+        with idx.transaction() as c:
+            idx.set_meta(c, "complete", 1)
+    if not idx.snapshot_serves():  # as a backend's start-up does (in a thread there)
         t0 = time.perf_counter()
-        idx.rebuild_mirror(contextlib.nullcontext)
-        log(f"  lookup mirror of {n:,} keys copied in {time.perf_counter() - t0:.1f} s "
-            f"(serves: {idx.mirror_serves()})")
+        idx.build_snapshot(contextlib.nullcontext)
+        log(f"  lookup snapshot of {n:,} keys built in {time.perf_counter() - t0:.1f} s "
+            f"(serves: {idx.snapshot_serves()})")
 
     def row(what: str, value: tuple[float, float, float], unit: str, ceiling: tuple[float, float, float] | None,
             ceiling_name: str, scale: float = 1.0) -> None:
         _row(rows, log, f"{n:,} (index only)", what, value, unit, ceiling, ceiling_name, scale)
 
     try:
-        lookup_rows(idx.lookup, idx.path, n, repeat, row, idx.mirror)
+        lookup_rows(idx.lookup, idx.path, n, repeat, row, idx.serving_snapshot(), log)
     finally:
         idx.close()
     return rows
@@ -406,7 +453,7 @@ def measure(base: str, n: int, size: int, repeat: int, log: Callable[[str], None
     if blocks != n:
         raise RuntimeError(f"disk-scale: {root} indexes {blocks:,} blocks, expected {n:,}")
     row("first open (index rebuild if none)", (first, first, first), "s", None, "")
-    files = [index, index + "-wal", index + "-shm", f"{root}/.kvtier-usage.json"]
+    files = [index, index + "-wal", index + "-shm", index[: -len(".sqlite")] + ".keys", f"{root}/.kvtier-usage.json"]
 
     def open_close() -> None:
         LocalDiskBackend(opts).close()
@@ -415,11 +462,14 @@ def measure(base: str, n: int, size: int, repeat: int, log: Callable[[str], None
     row("open, warm", _timed(open_close, repeat), "ms", walk, "scandir walk, warm", 1000)
     row("open, index dropped from page cache", _timed(open_close, repeat, lambda: _drop_cache(files)), "ms",
         walk, "scandir walk, warm", 1000)
-    first_rss, second_rss = rss_per_block(root, index_dir, n)
+    (first_rss, first_own), (second_rss, second_own) = rss_per_block(root, index_dir, n)
     rows.append({"blocks": f"{n:,}", "measure": "RSS per block, first / second process",
                  "median": f"{first_rss / n:.2f} / {second_rss / n:.2f}", "unit": "B",
                  "spread": f"{first_rss >> 10} / {second_rss >> 10} KiB in all"})
-    log(f"  rss: first {first_rss} B, second {second_rss} B")
+    rows.append({"blocks": f"{n:,}", "measure": "RSS per block not in shared file pages, first / second",
+                 "median": f"{first_own / n:.2f} / {second_own / n:.2f}", "unit": "B",
+                 "spread": f"{first_own >> 10} / {second_own >> 10} KiB in all"})
+    log(f"  rss: first {first_rss} B ({first_own} its own), second {second_rss} B ({second_own} its own)")
     b = LocalDiskBackend(opts)
     try:
         keys = [_key(i) for i in range(0, 2 * n, 2 * n // 1000)][:1000]  # half stored (i < n), half not
@@ -427,15 +477,19 @@ def measure(base: str, n: int, size: int, repeat: int, log: Callable[[str], None
         paths = [_path(root, k) for k in keys]
 
         def lstats() -> None:
+            lstat = os.lstat
             for p in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    os.lstat(p)
+                # (not contextlib.suppress: its call per key cost about a third of the loop here)
+                try:  # noqa: SIM105
+                    lstat(p)
+                except FileNotFoundError:
+                    pass
 
-        for _ in range(600):  # the lookup mirror is copied in a thread at the first start-up
-            if b._idx.mirror_serves():
+        for _ in range(600):  # the lookup snapshot is built in a thread at the first start-up
+            if b.index.snapshot_serves():
                 break
             time.sleep(0.5)
-        lookup_rows(b.lookup, index, n, repeat, row, b._idx.mirror)
+        lookup_rows(b.lookup, index, n, repeat, row, b.index.serving_snapshot(), log)
         row("exists 1,000 keys (files)", _timed(lambda: b.exists(keys), repeat * 10), "ms",
             _timed(lstats, repeat * 10), "lstat per key", 1000)
     finally:
