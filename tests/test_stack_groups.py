@@ -358,7 +358,7 @@ def test_a_cpu_load_reads_each_value_straight_into_the_kv_tensors(tmp_path):
         lr = decode.load(hs[5:], list(range(20, 27)), start=5).wait(TIMEOUT)
         assert lr.num_loaded == 7 and set(lr.tiers) == {Tier.backend(0)}
         assert torch.equal(read(decode, list(range(20, 27))), rows[5:])
-        assert all(decode.index.get(h) is None or decode.index.get(h).host is None for h in hs)
+        assert all(e is None or e.host is None for e in map(decode.index.get, hs))  # never in host memory
         decode.on_device_freed(list(range(20, 27)))
         key = decode.namespace.key(hs[11])  # the value of blocks 8-11
         path = tmp_path / "disk" / key[:32] / key[33:35] / key[33:]
