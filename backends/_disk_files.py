@@ -129,7 +129,11 @@ def read_file(path: str, header: memoryview, payload: memoryview | blockformat.S
     ``payload`` may be segments (``reads_segments``): the reads fill the parts in order.  ``hashed``
     False (a sealed value: its tag covers the payload): no checksum is taken, the second item is None.
 
-    Raw (``aligned`` None): the first ``header.nbytes`` bytes into ``header``, the rest into ``payload``.
+    Raw (``aligned`` None): the first ``header.nbytes`` bytes into ``header``, the rest into ``payload``,
+    with no ``fstat`` when the read comes back whole with nothing past it (its size is then what was
+    read).  A special file is named after its read fails (a FIFO, a directory) or comes back short or
+    long (a character device); a block device of exactly a value's size would be read as one and refused
+    by the caller's check (header, checksum or tag) like any planted file, counted and deleted.
     With ``aligned`` (``header`` is then a page-aligned 4096-byte buffer): a value of the aligned layout
     (``blockformat.ALIGNED_HEADER_SIZE``, told by its size: 4096 + the payload's) is read whole page into
     ``header``, payload into ``payload``; when it is not in the page cache and the buffers are page
@@ -146,32 +150,58 @@ def read_file(path: str, header: memoryview, payload: memoryview | blockformat.S
             return "not a regular file but a socket or device", None, header.nbytes
         raise
     try:
+        if aligned is None:
+            # Raw: no fstat.  The read tells the size itself (whole, and nothing in the probe byte past it:
+            # exactly the expected length), and one fstat fewer is one GIL release fewer per value, each
+            # a wait behind another thread's decryption when a batch's threads share the GIL.  What is
+            # not a regular file shows in the read: pread fails on a FIFO (ESPIPE) or a directory
+            # (EISDIR), a character device reads short or long; only then is it fstat-ed and named.
+            try:
+                if not hashed and isinstance(payload, memoryview) and payload.format == "B" and payload.ndim == 1:
+                    # A sealed value into one buffer (every local_disk get in a sealed mode): one preadv
+                    # here, without read_hashed's frames (about 1 us a value under the GIL).  Anything
+                    # but whole goes the general way below, from offset 0 again.
+                    n = os.preadv(fd, [header, payload, _PROBE], 0)
+                    if n == header.nbytes + payload.nbytes:
+                        return n, None, header.nbytes
+                return (*_read_buffered(fd, header, payload, probe=True, hashed=hashed), header.nbytes)
+            except OSError:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode):
+                    raise
+                return _not_regular(st.st_mode), None, header.nbytes
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(st.st_mode), 'special file')}", None, \
-                header.nbytes
-        head = header
-        if aligned is not None:
-            if st.st_size == PAGE + payload.nbytes:
-                return _read_aligned(fd, path, st.st_size, header, payload, aligned)
-            head = header[:blockformat.HEADER_SIZE]
-        return (*_read_buffered(fd, st.st_size, head, payload, probe=True, hashed=hashed), head.nbytes)
+            return _not_regular(st.st_mode), None, header.nbytes
+        if st.st_size == PAGE + payload.nbytes:
+            return _read_aligned(fd, path, st.st_size, header, payload, aligned)
+        head = header[:blockformat.HEADER_SIZE]
+        return (*_read_buffered(fd, head, payload, probe=True, hashed=hashed), head.nbytes)
     finally:
         os.close(fd)
 
 
-def _read_buffered(fd: int, size: int, header: memoryview, payload: memoryview | blockformat.Segments,
-                   probe: bool, hashed: bool = True) -> tuple[int, int | None]:
+def _not_regular(mode: int) -> str:
+    return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}"
+
+
+def _read_buffered(fd: int, header: memoryview, payload: memoryview | blockformat.Segments,
+                   probe: bool, hashed: bool = True) -> tuple[int | str, int | None]:
+    """(the value's size, or why it is not a regular file; its payload's xxh3-64 or None).  Whole and
+    nothing past it (the probe byte found no more): the size is what was read, no fstat."""
     want = header.nbytes + payload.nbytes
     # The probe byte past the expected end tells "longer than expected" (a value that grew since the
-    # fstat).  Segments are read a group at a time, hashed while in cache; one buffer in one read (why:
-    # HASH_GROUP_BYTES).
+    # fstat, or that was never fstat-ed: a raw read).  Segments are read a group at a time, hashed while
+    # in cache; one buffer in one read (why: HASH_GROUP_BYTES).
     group = blockformat.HASH_GROUP_BYTES if isinstance(payload, blockformat.Segments) else want
     n, checksum = blockformat.read_hashed(lambda bufs, off: os.preadv(fd, bufs, off), header, payload,
                                           (_PROBE,) if probe else (), group, hashed)
     if n == want:
         return n, checksum
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # a raw read of a character device (a null one reads nothing)
+        return _not_regular(st.st_mode), None
+    size = st.st_size
     while 0 < n < min(want, size):  # a short read (network filesystems): go on from there
         rest = (payload.tail(max(0, n - header.nbytes)) if isinstance(payload, blockformat.Segments)
                 else [payload[max(0, n - header.nbytes):]])
@@ -199,7 +229,7 @@ def _read_aligned(fd: int, path: str, size: int, page: memoryview, payload: memo
                 raise
             direct.refused(path, e)
         fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK)  # what O_DIRECT did not read whole: buffered
-    return (*_read_buffered(fd, size, page, payload, probe=False), PAGE)
+    return (*_read_buffered(fd, page, payload, probe=False), PAGE)
 
 
 # ------------------------------------------------------------------ the directory at start-up
@@ -264,7 +294,7 @@ def entry_kind(path: str) -> bool | str | None:
         return True
     if stat.S_ISLNK(mode):
         return None
-    return f"not a regular file but a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}"
+    return _not_regular(mode)
 
 
 _FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device",

@@ -797,12 +797,19 @@ class LocalDiskBackend(StorageBackend):
             # Reused: verified before the next read.  mmap: page aligned, as O_DIRECT needs.
             header = memoryview(mmap.mmap(-1, _PAGE)) if direct is not None else memoryview(bytearray(hsize))
             out: list[bool | str] = []
+            land: memoryview | None = None
+            landed = -1  # the payload size ``land`` was taken for: reused while sizes repeat (a batch's do)
             for i in idx:
                 key, payload, path = keys[i], payloads[i], where[i][1]
                 # Mode encrypt: the ciphertext lands in this thread's buffer and is decrypted from there
-                # into ``payload`` in one call (``Seal.landing``).
-                land = landing(payload) if landing is not None else None
-                into = payload if land is None else land[:payload.nbytes]
+                # into ``payload`` in one call (``Seal.landing``).  The view is kept across the batch's
+                # values of one size: it pins its buffer, private to this thread, whatever the seal does.
+                if landing is None:
+                    into = payload
+                elif payload.nbytes != landed or not isinstance(payload, memoryview):
+                    land = landing(payload)
+                    into = payload if land is None else land[:payload.nbytes]
+                    landed = payload.nbytes if land is not None else -1
                 try:
                     size, checksum, hlen = read(path, header, into, direct, hashed)
                     if size is None and (linked := self._holds.path(key)) is not None:
@@ -819,7 +826,8 @@ class LocalDiskBackend(StorageBackend):
                 elif isinstance(size, str):
                     out.append(f"{path} is {size}")  # corrupt: counted and deleted by get_into
                 else:
-                    why = check(key, size, header[:hlen], payload, layout_id, checksum, land)  # the size too
+                    why = check(key, size, header if hlen == header.nbytes else header[:hlen], payload, layout_id,
+                                checksum, land)  # the size too
                     if why is None:
                         verified.append((key, size))
                         out.append(True)
