@@ -19,9 +19,15 @@ from pathlib import Path
 from typing import Any
 
 #: Tokens per block vLLM gives the GDN model on CPU at its default head dim of 64 (vLLM raises the attention
-#: block size until one attention page holds a state page: 96 here whatever block size is asked for; 64 at
-#: head dim 128).
+#: block size, in steps of 32, until one attention page holds a state page: 96 here whatever block size is
+#: asked for; 64 at head dim 128).  That holds with the SSM state in float32, which the drivers ask for
+#: (``mamba_ssm_cache_dtype``): vLLM keeps it in float32 anyway on a CPU with AVX-512 BF16 (its accelerated
+#: GDN path) and in the model's dtype on others, so the page, and the block size, would differ by machine
+#: (160 tokens on the former with four value heads).  Two value heads: a float32 state page of 34 KiB
+#: still fits one 96-token attention page (48 KiB) and not a 64-token one.
 GDN_BLOCK_SIZE = 96
+#: The SSM state's dtype every driver asks vLLM for (see GDN_BLOCK_SIZE).
+GDN_STATE_DTYPE = "float32"
 SWA_WINDOW = 128
 
 
@@ -57,7 +63,7 @@ def build_gdn_model(out: str | Path, *, layers: int = 4, head_dim: int = 64, kv_
     cfg = Qwen3NextConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim,
                           max_position_embeddings=16384, layer_types=kinds,
-                          linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+                          linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=64,
                           linear_value_head_dim=64, linear_conv_kernel_dim=4,
                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                           shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],

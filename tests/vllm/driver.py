@@ -29,6 +29,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.testing.hybrid_models import GDN_STATE_DTYPE
+
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
 
@@ -107,7 +109,8 @@ def main() -> None:
                                   "endpoint": f"tcp://127.0.0.1:{events.port}"}
     llm = LLM(model=a.model, skip_tokenizer_init=True, enforce_eager=True, block_size=a.block_size,
               dtype="bfloat16", max_model_len=a.max_model_len, enable_prefix_caching=True,
-              prefix_caching_hash_algo=a.hash_algo, seed=0, tensor_parallel_size=a.tp, **kw)
+              prefix_caching_hash_algo=a.hash_algo, seed=0, tensor_parallel_size=a.tp,
+              mamba_ssm_cache_dtype=GDN_STATE_DTYPE, **kw)
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=2, detokenize=False)
     with open(a.prompts) as f:

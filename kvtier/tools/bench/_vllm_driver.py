@@ -41,6 +41,8 @@ def main(spec_path: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    from ...testing.hybrid_models import GDN_STATE_DTYPE
+
     # None is EngineArgs' own default: no connector, exactly as when the argument is left out.
     kv_transfer = KVTransferConfig(**spec["kv_transfer"]) if spec.get("kv_transfer") else None
     # Only the optional keys the spec names reach LLM(...): the others keep vLLM's defaults.
@@ -48,7 +50,8 @@ def main(spec_path: str) -> None:
                           if spec.get(k) is not None}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=spec.get("block_size", 32),
               dtype="bfloat16", max_model_len=spec.get("max_model_len", 8192), enable_prefix_caching=True,
-              prefix_caching_hash_algo="sha256_cbor", seed=0, kv_transfer_config=kv_transfer, **kw)
+              prefix_caching_hash_algo="sha256_cbor", seed=0, kv_transfer_config=kv_transfer,
+              mamba_ssm_cache_dtype=GDN_STATE_DTYPE, **kw)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     prompts, rows = spec["prompts"], []
     for step in spec["steps"]:
