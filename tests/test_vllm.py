@@ -374,8 +374,9 @@ def test_request_aborted_while_its_blocks_load(model_dir, stored_on_disk, warm, 
     shutil.copytree(stored_on_disk, d)
     victim = damage_block(d, vllm_block_hashes(A)[3]) if damaged else None
     # In the background (async; the default, auto, loads in the step when nothing else runs).
-    # idle_wait_ms 0: vLLM computes nothing in the step that starts B's load, and B's 5 small blocks load
-    # within the worker's default wait in that step: the abort would come after the load ended.
+    # The driver holds the worker's disk reads until it has aborted B and checked its blocks are still in
+    # use (on a fast CPU B's 5 small blocks loaded within the step that started the load, before any
+    # abort).  idle_wait_ms 0: that step computes nothing and need not wait on the held load.
     got = run_vllm(model_dir, tmp_path, "kv_consumer", [B, A], kv_config(disk(d)), abort_first=True, idle_wait_ms=0,
                    load_mode="async")
     assert got["abort"]["in_use_after_abort"], "the abort did not meet a load in flight"

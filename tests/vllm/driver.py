@@ -27,12 +27,14 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.testing.hybrid_models import GDN_STATE_DTYPE
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
+
+    from kvtier.integrations.vllm.connector import KvtierConnector
 
 # At import, not in main(): vLLM's worker processes are spawned and import this module without running
 # main(), and the tests read what kvtier logs there.
@@ -218,11 +220,25 @@ def _abort_while_loading(llm, prompt: list[int], params) -> dict[str, Any]:
     and the load starts in the background), abort it, then wait until every KV block is free again.
     vLLM keeps an aborted request's blocks until the connector reports its load ended, so a prefix-cache
     reset (refused while any block is in use) right after the abort says whether the load was still
-    running then; one that never succeeds means the blocks leaked."""
+    running then; one that never succeeds means the blocks leaked.
+
+    The worker's storage reads wait behind a gate (the same backend, held) until the abort has been
+    checked: without it a fast CPU read B's few small blocks within the step that started the load, the
+    scheduler heard of its end before the abort, and the test raced the machine."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
     from vllm.v1.request import RequestStatus
+
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.testing.faults import FaultyBackend
 
     eng = llm.llm_engine
     scheduler = eng.engine_core.engine_core.scheduler
+    worker = cast("KvtierConnector", get_kv_transfer_group())._worker  # in process (no multiprocessing)
+    assert isinstance(worker, WorkerSide)  # the test model has one KV cache group
+    backends = worker.stack.planner.backends.backends
+    held = FaultyBackend(backends[0])
+    backends[0] = held
+    gate = held.gate("get", max_wait=120)
     eng.add_request("aborted", {"prompt_token_ids": prompt}, params)
     # The connector answers "ask again" while its backend probe is in flight: step until the load starts,
     # bounded by time, not by a count of steps (an idle step takes microseconds, a probe on a busy machine
@@ -235,8 +251,11 @@ def _abort_while_loading(llm, prompt: list[int], params) -> dict[str, Any]:
             break
         if time.perf_counter() > deadline:
             raise RuntimeError("the connector never started a load for the prompt (60 s)")
+    if not gate.entered.wait(60):
+        raise RuntimeError("the load never read its storage (60 s)")
     eng.abort_request(["aborted"])
     in_use_after_abort = not llm.reset_prefix_cache()
+    gate.release()
     t0, steps = time.perf_counter(), 0
     while not llm.reset_prefix_cache():
         if time.perf_counter() - t0 > 60:
