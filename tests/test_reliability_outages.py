@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from kvtier.backends.s3 import S3Backend
 
 STEP_TIMEOUT = 30.0  # bound on one P/D request in these tests (a hang fails the test)
+# Thread hand-offs on a busy 2-core machine (the whole suite beside the test: a 0.25 s slack failed there).
+# Still far below the 3 s a slow backend answers in, so a deadline that is not honoured fails the test.
+HANDOFF_SLACK = 0.75
 REDIS_TIMEOUT = 0.5  # timeout_s of the redis backend
 
 
@@ -495,10 +498,10 @@ def test_prefetch_policies_honour_deadlines_on_slow_s3(moto_server_private, figu
     figures(f"prefetch {policy} on slow s3: job ended after the wait returned (s)", round(job_left, 3))
     if capped is not None:
         figures("prefetch wait_complete on slow s3: wait(timeout=0.2) returned after (s)", round(capped, 3))
-        assert 0.15 <= capped <= 0.2 + 0.25, capped
+        assert 0.15 <= capped <= 0.2 + HANDOFF_SLACK, capped
     assert ph.done() and n == 0
-    assert waited <= limit + 0.25, waited  # thread hand-offs on a busy 2-core machine
+    assert waited <= limit + HANDOFF_SLACK, waited
     if policy == "timeout":
         assert waited >= deadline - 0.05, waited  # it did wait for its deadline
-    assert job_left <= budget + 0.5, job_left
+    assert job_left <= budget + 2 * HANDOFF_SLACK, job_left
     assert st["index"]["pinned"] == 0 and st["host"]["writing"] == 0 and st["index"]["writing_down"] == 0, st
