@@ -113,6 +113,7 @@ class ValueReader:
                             out[i] = Step(Source.HOST, slot)  # already there (a store, another read)
                         else:
                             missing.append(i)
+                            out[i] = None  # until read
                 if missing:
                     todo.append(_Value(g, [None] * k))
                     need.append(missing)
@@ -122,9 +123,6 @@ class ValueReader:
                     out[i] = None
         if not todo:
             return out
-        for missing in need:
-            for i in missing:
-                out[i] = None  # until read
         keys = p.namespace.keys([hashes[groups[v.g][1]] for v in todo])
         # Held while room is made and the values read: a write-back making that room never evicts them.
         p.backends.hold(keys)
