@@ -22,6 +22,11 @@ Invariants:
   bug, and a miss would hide it.
 * A backend given a quota (``limit``) keeps each namespace it writes within it after every put, by
   deleting that namespace's own least recently used blocks (``kvtier.quota``); a put never fails for it.
+* A put's payload may be one buffer or :class:`kvtier.format.blockformat.Segments` (one payload in several
+  buffers, in order: a value of several engine blocks put from the host slots that hold them).  Either
+  way the stored value is the same bytes: the header (checksum or seal over the payload's bytes back to
+  back), then the payload.  Only a backend that ``writes_segments`` is handed segments; for any other
+  ``put`` joins them into one buffer first (the one copy it cannot avoid for that backend).
 * All public methods are thread-safe if the hooks are.
 """
 
@@ -126,8 +131,9 @@ class BackendStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def frame(key: str, payload: memoryview, layout_id: int) -> bytes:
-    """The stored header for ``payload`` under ``key``; thread-safe, hashes the payload without copying."""
+def frame(key: str, payload: memoryview | blockformat.Segments, layout_id: int) -> bytes:
+    """The stored header for ``payload`` (one buffer, or segments: the same header as for their bytes
+    joined) under ``key``; thread-safe, hashes the payload without copying."""
     ns, h = split_key(key)
     return blockformat.encode_header(ns, h, layout_id, payload)
 
@@ -141,6 +147,14 @@ def verify(key: str, size: int, header: bytes | bytearray | memoryview, payload:
         return f"stored value is {size} bytes, expected {expected}"
     ns, h = split_key(key)
     return blockformat.check_block(header, payload, ns, h, layout_id)
+
+
+def _put_view(payload: Any, segments: bool) -> memoryview | blockformat.Segments:
+    """``payload`` as a put's hooks take it: a byte view of a buffer; segments as they are when the backend
+    writes segments, else joined into one buffer (one part needs no copy: it is that part)."""
+    if isinstance(payload, blockformat.Segments):
+        return payload if segments and len(payload.parts) > 1 else payload.joined()
+    return memoryview(payload).cast("B")
 
 
 def _header_nbytes(header: bytes | bytearray | memoryview) -> int:
@@ -173,6 +187,13 @@ class StorageBackend(ABC):
     #: takes segments too).  Then ``get_into`` may be handed segments, and a CPU engine's blocks are read
     #: straight into its KV tensors, with no copy through host memory.
     reads_segments: ClassVar[bool] = False
+    #: Whether ``_put_blocks`` (and ``_write``, which the default ``_put_blocks`` calls) takes a
+    #: :class:`kvtier.format.blockformat.Segments` in place of a payload buffer: one payload in several
+    #: buffers, to be stored as their bytes back to back after the header (``os.writev``, a scatter-gather
+    #: send), so a value of several engine blocks goes down from the host slots that hold them with no
+    #: joined copy.  Otherwise ``put`` joins a value's segments into one buffer before any hook sees it,
+    #: and a backend's hooks only ever get single buffers.
+    writes_segments: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel | dict[str, Any] | None = None, *, name: str | None = None):
         # A subclass declares ``options: <its Options>`` for the precise type (backends/s3.py does).
@@ -213,9 +234,11 @@ class StorageBackend(ABC):
         count against a capacity.  A backend that frames values its own way says so here."""
         return (blockformat.SEALED_HEADER_SIZE if sealed else blockformat.HEADER_SIZE) + payload_nbytes
 
-    def _frame(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]:
+    def _frame(self, key: str, payload: memoryview | blockformat.Segments,
+               layout_id: int) -> tuple[bytes, memoryview | blockformat.Segments]:
         """(header, stored payload) for ``payload`` under ``key`` in this backend's mode; thread-safe.  The
-        stored payload is ``payload`` itself except when encrypting."""
+        stored payload is ``payload`` itself (segments stay segments) except when encrypting (then one
+        new buffer of ciphertext)."""
         if self.seal is None:
             return frame(key, payload, layout_id), payload
         return self.seal.seal(key, payload, layout_id)
@@ -242,7 +265,9 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        """Store each ``(header, payload)`` as one value, replacing any old one atomically."""
+        """Store each ``(header, payload)`` as one value (the header's bytes, then the payload's), replacing
+        any old one atomically.  In a backend that ``writes_segments`` a payload may be a
+        :class:`kvtier.format.blockformat.Segments`: its parts' bytes back to back are the payload."""
 
     @abstractmethod
     def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
@@ -280,8 +305,12 @@ class StorageBackend(ABC):
         """Frame and store each payload; per-key success.  The default encodes every header here, in the
         calling thread, then calls ``_write`` once.  A backend may override this to frame inside its own
         workers (checksumming a payload while it is hot in cache); it must store exactly
-        ``self._frame(key, payload, layout_id)``'s header and payload, atomically per key."""
-        return self._write(keys, [self._frame(k, p, layout_id) for k, p in zip(keys, payloads)])
+        ``self._frame(key, payload, layout_id)``'s header and payload, atomically per key.  A payload is
+        :class:`kvtier.format.blockformat.Segments` only in a backend that ``writes_segments``."""
+        # Typed for the ordinary backend's ``_write`` (one buffer); segments reach only one that
+        # ``writes_segments``, whose ``_write`` takes them (see there).
+        return self._write(keys, [self._frame(k, p, layout_id)  # type: ignore[misc]
+                                  for k, p in zip(keys, payloads)])
 
     def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
                     layout_id: int) -> list[bool | str]:
@@ -396,13 +425,16 @@ class StorageBackend(ABC):
         return list(self._call(self._exists, keys))
 
     def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int) -> list[bool]:
-        """Store each payload (any contiguous buffer) as a verified block; per-key success."""
+        """Store each payload (any contiguous buffer, or :class:`kvtier.format.blockformat.Segments`: one
+        payload in several buffers, stored as their bytes back to back) as a verified block; per-key
+        success.  Segments reach the hooks only of a backend that ``writes_segments``; for any other they
+        are joined here, one copy per value, so its hooks see one buffer as always."""
         if len(keys) != len(payloads):
             raise ValueError(f"put: {len(keys)} keys but {len(payloads)} payloads")
         if not keys:
             return []
         self._refuse_invalid(keys)
-        views = [memoryview(p).cast("B") for p in payloads]
+        views = [_put_view(p, self.writes_segments) for p in payloads]
         t0 = time.perf_counter()
         try:
             ok = list(self._call(self._put_blocks, keys, views, layout_id))
