@@ -70,6 +70,9 @@ def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview | blockformat
     return tmp
 
 
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # writev's limit per call
+
+
 def _write_all(fd: int, bufs: list[memoryview]) -> None:
     """Write ``bufs`` in order at the file's offset: one ``writev`` (of at most ``_IOV_MAX`` buffers) for
     what the kernel takes whole, the rest of a short write (rare on files) finished from where it ended."""
@@ -77,15 +80,12 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
         batch = bufs[:_IOV_MAX]
         n = os.writev(fd, batch)
         rest = bufs[len(batch):]
-        for i, b in enumerate(batch):  # what did not go out: the tail of the buffer it stopped in, and on
+        for i, b in enumerate(batch):  # short: keep the rest of the buffer it stopped in and all after it
             if n < b.nbytes:
                 rest = [b[n:], *batch[i + 1:], *rest]
                 break
             n -= b.nbytes
         bufs = rest
-
-
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # writev's limit per call
 
 
 class DirectReads:

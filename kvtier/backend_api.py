@@ -8,6 +8,11 @@ the metrics and the error typing once, for every backend; a backend implements t
 Invariants:
 * ``get_into`` never reports ok for a value whose header or checksum does not match what was asked
   for; such a value is counted as corrupt and deleted.
+* A put's payload may be one buffer or :class:`kvtier.format.blockformat.Segments` (one payload in several
+  buffers, in order: a value of several engine blocks put from the host slots that hold them).  Either
+  way the stored value is the same bytes: the header (checksum or seal over the payload's bytes back to
+  back), then the payload.  Only a backend that ``writes_segments`` is handed segments; for any other
+  ``put`` joins them into one buffer first (the one copy it cannot avoid for that backend).
 * A backend given a seal (``secure``: security mode ``authenticate`` / ``encrypt``, ``kvtier.security``)
   writes only sealed values (format version 2) and serves only values its seal opens; one it does not
   is counted as ``forged`` (or corrupt, when its framing is damaged) and deleted.  Hooks frame and check
@@ -22,11 +27,6 @@ Invariants:
   bug, and a miss would hide it.
 * A backend given a quota (``limit``) keeps each namespace it writes within it after every put, by
   deleting that namespace's own least recently used blocks (``kvtier.quota``); a put never fails for it.
-* A put's payload may be one buffer or :class:`kvtier.format.blockformat.Segments` (one payload in several
-  buffers, in order: a value of several engine blocks put from the host slots that hold them).  Either
-  way the stored value is the same bytes: the header (checksum or seal over the payload's bytes back to
-  back), then the payload.  Only a backend that ``writes_segments`` is handed segments; for any other
-  ``put`` joins them into one buffer first (the one copy it cannot avoid for that backend).
 * All public methods are thread-safe if the hooks are.
 """
 
@@ -150,8 +150,11 @@ def verify(key: str, size: int, header: bytes | bytearray | memoryview, payload:
 
 
 def _put_view(payload: Any, segments: bool) -> memoryview | blockformat.Segments:
-    """``payload`` as a put's hooks take it: a byte view of a buffer; segments as they are when the backend
-    writes segments, else joined into one buffer (one part needs no copy: it is that part)."""
+    """A payload handed to ``StorageBackend.put`` (any contiguous buffer, or
+    :class:`kvtier.format.blockformat.Segments`: one payload in several buffers, stored as their bytes
+    back to back) as the put's hooks take it: a byte view of a buffer; segments as they are when the
+    backend ``writes_segments``, else joined into one buffer, one copy per value, so its hooks see one
+    buffer as always (one part needs no copy: it is that part)."""
     if isinstance(payload, blockformat.Segments):
         return payload if segments and len(payload.parts) > 1 else payload.joined()
     return memoryview(payload).cast("B")
@@ -182,11 +185,6 @@ class StorageBackend(ABC):
     #: that key's buffer holds verified bytes (in its own reading thread).  Otherwise ``get_into``
     #: reports the verified keys once the whole batch has been read.
     streams_verified: ClassVar[bool] = False
-    #: Whether ``_get_blocks`` takes a :class:`kvtier.format.blockformat.Segments` in place of a payload buffer
-    #: (one payload in several buffers: read it into them in order, verify it with ``check_block``, which
-    #: takes segments too).  Then ``get_into`` may be handed segments, and a CPU engine's blocks are read
-    #: straight into its KV tensors, with no copy through host memory.
-    reads_segments: ClassVar[bool] = False
     #: Whether ``_put_blocks`` (and ``_write``, which the default ``_put_blocks`` calls) takes a
     #: :class:`kvtier.format.blockformat.Segments` in place of a payload buffer: one payload in several
     #: buffers, to be stored as their bytes back to back after the header (``os.writev``, a scatter-gather
@@ -194,6 +192,11 @@ class StorageBackend(ABC):
     #: joined copy.  Otherwise ``put`` joins a value's segments into one buffer before any hook sees it,
     #: and a backend's hooks only ever get single buffers.
     writes_segments: ClassVar[bool] = False
+    #: Whether ``_get_blocks`` takes a :class:`kvtier.format.blockformat.Segments` in place of a payload buffer
+    #: (one payload in several buffers: read it into them in order, verify it with ``check_block``, which
+    #: takes segments too).  Then ``get_into`` may be handed segments, and a CPU engine's blocks are read
+    #: straight into its KV tensors, with no copy through host memory.
+    reads_segments: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel | dict[str, Any] | None = None, *, name: str | None = None):
         # A subclass declares ``options: <its Options>`` for the precise type (backends/s3.py does).
@@ -425,10 +428,7 @@ class StorageBackend(ABC):
         return list(self._call(self._exists, keys))
 
     def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int) -> list[bool]:
-        """Store each payload (any contiguous buffer, or :class:`kvtier.format.blockformat.Segments`: one
-        payload in several buffers, stored as their bytes back to back) as a verified block; per-key
-        success.  Segments reach the hooks only of a backend that ``writes_segments``; for any other they
-        are joined here, one copy per value, so its hooks see one buffer as always."""
+        """Store each payload (any contiguous buffer) as a verified block; per-key success."""
         if len(keys) != len(payloads):
             raise ValueError(f"put: {len(keys)} keys but {len(payloads)} payloads")
         if not keys:

@@ -9,9 +9,9 @@ Invariants:
 * a value is written from host memory only whole (every block of it claimed by
   ``claim_groups_locked``, and so kept from eviction, for the whole put; released exactly once), under its
   last block's key;
-* no lock is held during the I/O; a backend fault is a refused value (``BackendSet.put`` never raises);
 * no payload is copied here: a group from host memory goes down as its slots' views (``Segments``), a
-  value from the device as its row of the one buffer the device read filled.
+  value from the device as its row of the one buffer the device read filled;
+* no lock is held during the I/O; a backend fault is a refused value (``BackendSet.put`` never raises).
 """
 
 from __future__ import annotations
