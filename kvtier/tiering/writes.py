@@ -6,11 +6,11 @@ Invariants:
 * the planner hears of every put before it starts and after it returns (``begin_put_locked`` /
   ``put_done_locked``), so a value the backend evicted during its own write is never marked there, and a
   value a backend took is marked for each of its blocks;
+* no payload is copied here: a group from host memory goes down as its slots' views (``Segments``), a
+  value from the device as its row of the one buffer the device read filled;
 * a value is written from host memory only whole (every block of it claimed by
   ``claim_groups_locked``, and so kept from eviction, for the whole put; released exactly once), under its
   last block's key;
-* no payload is copied here: a group from host memory goes down as its slots' views (``Segments``), a
-  value from the device as its row of the one buffer the device read filled;
 * no lock is held during the I/O; a backend fault is a refused value (``BackendSet.put`` never raises).
 """
 
