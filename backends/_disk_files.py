@@ -4,7 +4,9 @@ the capacity, and calls these with its root and options.
 
 A block's file is ``<root>/<namespace>/<hash[:2]>/<hash>``; a temp file is
 ``.<hash>.<host tag>.<pid>.<n>.tmp`` beside it (a dot first: never read as a block).  A value's file is
-its header (88 bytes, or 4096 for an aligned value) and payload; ``read_file`` tells which from the size
+its header (88 bytes, or 4096 for an aligned value) and payload, written by ``write_tmp`` in ``writev``
+calls straight from the caller's buffers (a payload in segments included: never joined first);
+``read_file`` tells which from the size
 and reads an aligned cold one with ``O_DIRECT`` (``DirectReads``: off once the filesystem refuses it).  The listing of the
 whole directory (``shards`` / ``scan_shard``) serves only an index rebuild.
 """
@@ -44,9 +46,11 @@ def tmp_name(d: str, path: str, seq: int) -> str:
     return f"{d}/.{path[len(d) + 1:]}.{HOST_TAG}.{os.getpid()}.{seq}.tmp"
 
 
-def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview, fsync: bool) -> str:
+def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview | blockformat.Segments, fsync: bool) -> str:
     """Write the value to the new temp file ``tmp`` in directory ``d`` (``tmp_name``; with ``fsync``,
-    synced before it is closed); its name (removed again on any error)."""
+    synced before it is closed); its name (removed again on any error).  ``payload`` may be segments (a
+    value of several blocks, each in its own host slot): header and parts go down in one ``writev``,
+    never joined in memory first."""
     try:
         fd = os.open(tmp, WFLAGS, 0o666)
     except FileNotFoundError:  # first block of this shard: create it, once, lazily
@@ -54,11 +58,8 @@ def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview, fsync: bool)
         fd = os.open(tmp, WFLAGS, 0o666)
     try:
         try:
-            n = os.writev(fd, [header, payload])
-            if n < len(header) + payload.nbytes:  # a short write (rare on files): finish it
-                for rest in (memoryview(header)[min(n, len(header)):], payload[max(0, n - len(header)):]):
-                    while rest.nbytes:
-                        rest = rest[os.write(fd, rest):]
+            _write_all(fd, [memoryview(header), *(payload.parts if isinstance(payload, blockformat.Segments)
+                                                   else [payload])])
             if fsync:
                 os.fsync(fd)
         finally:
@@ -67,6 +68,24 @@ def write_tmp(d: str, tmp: str, header: bytes, payload: memoryview, fsync: bool)
         unlink(tmp)
         raise
     return tmp
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # writev's limit per call
+
+
+def _write_all(fd: int, bufs: list[memoryview]) -> None:
+    """Write ``bufs`` in order at the file's offset: one ``writev`` (of at most ``_IOV_MAX`` buffers) for
+    what the kernel takes whole, the rest of a short write (rare on files) finished from where it ended."""
+    while bufs:
+        batch = bufs[:_IOV_MAX]
+        n = os.writev(fd, batch)
+        rest = bufs[len(batch):]
+        for i, b in enumerate(batch):  # short: keep the rest of the buffer it stopped in and all after it
+            if n < b.nbytes:
+                rest = [b[n:], *batch[i + 1:], *rest]
+                break
+            n -= b.nbytes
+        bufs = rest
 
 
 class DirectReads:

@@ -141,6 +141,7 @@ class LocalDiskBackend(StorageBackend):
 
     streams_verified = True  # _get_blocks reports each block as it verifies it (StorageBackend.get_into)
     reads_segments = True  # a payload may be Segments: preadv takes the parts as they are
+    writes_segments = True  # and on a put: one writev of the header and the parts (``_disk_files.write_tmp``)
 
     class Options(BackendOptions):
         path: str = Field("~/.cache/kvtier/blocks", description="root directory; ~ and $VARS are expanded")
@@ -657,7 +658,7 @@ class LocalDiskBackend(StorageBackend):
     # ------------------------------------------------------------------ one file
 
     def _store(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],
-               value: Callable[[int], tuple[bytes, memoryview]], what: str) -> list[bool]:
+               value: Callable[[int], tuple[bytes, memoryview | blockformat.Segments]], what: str) -> list[bool]:
         """Store a batch: reserve room for all of it, write each granted ``value(i)`` (header, payload) to a
         temp file (in the pool's threads), then rename them into place under one lock; per key whether
         stored.  Two ledger sessions per batch, not per block."""
@@ -736,7 +737,8 @@ class LocalDiskBackend(StorageBackend):
             raise errors[0]
         log.warning("local_disk %s: %d of %d keys failed, first: %s", what, len(errors), n, errors[0])
 
-    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview | blockformat.Segments],
+                    layout_id: int) -> list[bool]:
         where = self._check_keys(keys)
         sizes = [self.stored_size(p.nbytes) for p in payloads]
         # Framed in the workers: each payload is checksummed right before it is written.
@@ -756,7 +758,8 @@ class LocalDiskBackend(StorageBackend):
             return blockformat.ALIGNED_HEADER_SIZE + payload_nbytes
         return super().stored_value_nbytes(options, payload_nbytes, sealed)
 
-    def _frame(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]:
+    def _frame(self, key: str, payload: memoryview | blockformat.Segments,
+               layout_id: int) -> tuple[bytes, memoryview | blockformat.Segments]:
         """The base class's framing, except a payload stored aligned gets the 4096-byte header (the same
         fields, the length field saying 4096, zeros to the page end: ``kvtier.blockformat``)."""
         if not self._aligned(payload.nbytes):
@@ -764,7 +767,8 @@ class LocalDiskBackend(StorageBackend):
         ns, h = split_key(key)
         return blockformat.encode_header(ns, h, layout_id, payload, aligned=True), payload
 
-    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+    def _write(self, keys: Sequence[str],
+               values: Sequence[tuple[bytes, memoryview | blockformat.Segments]]) -> list[bool]:
         where = self._check_keys(keys)
         return self._store(keys, where, [len(h) + p.nbytes for h, p in values], values.__getitem__, "write")
 

@@ -10,7 +10,9 @@ place that sees the password; redis-py's MGET builds a bytes object per value an
 
 Invariants:
 * One value per block, written by one SET: Redis replaces a key atomically, so a reader sees the old
-  value, the new value or nothing, never a mix; header and payload can never be evicted separately.
+  value, the new value or nothing, never a mix; header and payload can never be evicted separately.  A
+  payload in segments (a grouped value, ``writes_segments``) is still one bulk string of one SET, its
+  length stated up front and its bytes sent from the parts in order, never joined in memory.
 * Every socket wait is bounded by ``timeout_s`` (connect, each send / receive without progress, a free
   pooled connection): a hung server fails a call after about ``timeout_s`` with TimeoutError
   (-> BackendTimeout), a dead one at once with ConnectionError (-> BackendUnavailable).  A batch that
@@ -137,6 +139,7 @@ class RedisBackend(StorageBackend):
 
     streams_verified = True  # _get_blocks reports each block as it verifies it (StorageBackend.get_into)
     reads_segments = True  # a payload may be Segments: its GET reply is received into the parts in order
+    writes_segments = True  # and a SET's value is sent from the parts as they are (scatter-gather)
 
     Options = RedisOptions
 
@@ -231,15 +234,19 @@ class RedisBackend(StorageBackend):
 
     # ------------------------------------------------------------------ the data path
 
-    def _set(self, keys: Sequence[str], value_of: Callable[[int], tuple[bytes, memoryview]]) -> list[bool]:
-        """SET each key to ``value_of(i)`` (header, payload), built just before it is sent."""
+    def _set(self, keys: Sequence[str], value_of: Callable[[int], tuple[bytes, memoryview | Segments]]) -> list[bool]:
+        """SET each key to ``value_of(i)`` (header, payload), built just before it is sent.  A payload in
+        segments is one bulk string too: RESP states its whole length up front, and its bytes go out from
+        the parts in order (``sendv``), never joined."""
         rkeys, argc, tail = self._rkeys(keys), self._set_argc, self._set_tail
 
         def build(i: int) -> tuple[list[Buf], int]:
             k, (header, payload) = rkeys[i], value_of(i)
             n = len(header) + payload.nbytes
             head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(k), k, n) + header
-            return ([head, payload, tail] if n > len(header) else [head, tail]), 5
+            parts: list[Buf] = [p for p in payload.parts if p.nbytes] if isinstance(payload, Segments) else (
+                [payload] if payload.nbytes else [])
+            return [head, *parts, tail], 5
         return [r == b"OK" for r in self._pipelined(rkeys, build, lambda c, i: c.read_reply(), False, self._stripes)]
 
     def _get(self, keys: Sequence[str], headers: Sequence[memoryview], payloads: Sequence[memoryview | Segments],
@@ -263,14 +270,16 @@ class RedisBackend(StorageBackend):
             return size
         return [r if isinstance(r, int) else None for r in self._pipelined(rkeys, build, read, None, self._stripes)]
 
-    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        return self._set(keys, lambda i: (values[i][0], memoryview(values[i][1]).cast("B")))
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview | Segments]]) -> list[bool]:
+        return self._set(keys, lambda i: (values[i][0], v if isinstance(v := values[i][1], Segments)
+                                          else memoryview(v).cast("B")))
 
     def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
                    payloads: Sequence[memoryview]) -> list[int | None]:
         return self._get(keys, headers, payloads)
 
-    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview | Segments],
+                    layout_id: int) -> list[bool]:
         """Frame each block just before its SET is sent, not the whole batch up front: the server is
         still draining the socket buffer while the next checksum runs, and the payload is then in
         cache for the kernel's copy."""

@@ -3,7 +3,9 @@
 Invariants:
 * One object per block, ``<prefix>/<namespace id>/<block hash hex>``; a PUT replaces it atomically, so a
   reader sees the old block or the new one, never a mix.  A missing object is a miss (None), never an error.
-* Puts stream the caller's header and payload memoryviews to the socket (no joined copy); gets read the
+* Puts stream the caller's header and payload memoryviews to the socket (no joined copy; a payload in
+  segments, ``writes_segments``, is streamed from its parts in order: botocore takes a file-like body, so
+  one body never needs one buffer); gets read the
   response body straight into the caller's header and payload buffers (no intermediate bytes object).
 * Every hook returns within ``call_budget_s = (retries + 1) * timeout_s + backoff`` (backoff is botocore's
   jittered exponential, at most ``sum(min(2**i, 20) for i < retries)`` s): each request has connect/read
@@ -17,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import itertools
@@ -32,6 +35,7 @@ from pydantic import ConfigDict, Field, SecretStr
 
 from kvtier import threads as kvthreads
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
+from kvtier.format.blockformat import Segments
 from kvtier.keys import invalid_key, key_problem
 
 log = logging.getLogger("kvtier.backends.s3")
@@ -108,13 +112,15 @@ class _ReadGuard:
 
 
 class _TwoPartBody:
-    """A seekable file-like body over (header, payload) memoryviews: botocore hashes and sends it
-    without a joined copy.  ``read`` returns memoryview slices, whole parts at a time when asked for less,
-    so urllib3's 16 KiB reads become one ``sendall`` per part."""
+    """A seekable file-like body over (header, payload) memoryviews, the payload possibly in segments
+    (each a part of the body, in order): botocore hashes and sends it without a joined copy.  ``read``
+    returns memoryview slices, whole parts at a time when asked for less, so urllib3's 16 KiB reads become
+    one ``sendall`` per part."""
 
-    def __init__(self, header: bytes, payload: memoryview, guard: _ReadGuard):
-        self._parts = [memoryview(header), payload]
-        self._len = len(header) + payload.nbytes
+    def __init__(self, header: bytes, payload: memoryview | Segments, guard: _ReadGuard):
+        self._parts = [memoryview(header), *(payload.parts if isinstance(payload, Segments) else [payload])]
+        self._starts = list(itertools.accumulate((p.nbytes for p in self._parts), initial=0))
+        self._len = self._starts[-1]
         self._pos = 0
         self._guard = guard
 
@@ -146,9 +152,8 @@ class _TwoPartBody:
     def read(self, n: int = -1) -> memoryview:
         if self._guard.cancelled:  # the batch gave up: stop reading the caller's buffer
             raise _Cancelled
-        hlen = self._parts[0].nbytes
-        part, off = (self._parts[0], self._pos) if self._pos < hlen else (self._parts[1], self._pos - hlen)
-        chunk = part[off:]
+        i = min(bisect.bisect_right(self._starts, self._pos), len(self._parts)) - 1  # the part holding _pos
+        chunk = self._parts[i][self._pos - self._starts[i]:]
         if n is not None and n >= 0:
             chunk = chunk[: max(n, 1 << 24)]
         self._pos += chunk.nbytes
@@ -191,6 +196,7 @@ class S3Backend(StorageBackend):
 
     Options = S3Options
     prefix_probe = "bisect"  # each HEAD is a request: probe O(log n) keys of a chain, not all of them
+    writes_segments = True  # a put's body streams a payload's segments in order (_TwoPartBody)
     options: S3Options
 
     def __init__(self, options: S3Options | dict[str, Any] | None = None, *, name: str | None = None):
@@ -238,7 +244,8 @@ class S3Backend(StorageBackend):
 
     # ------------------------------------------------------------------ hooks
 
-    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview], layout_id: int) -> list[bool]:
+    def _put_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview | Segments],
+                    layout_id: int) -> list[bool]:
         # Frame in the workers: each payload is checksummed right before it is sent, in parallel.
         guard = _ReadGuard()
         return self._batch(keys, lambda i: self._put_one(
@@ -255,7 +262,7 @@ class S3Backend(StorageBackend):
 
         return self._batch(keys, one, guard)
 
-    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+    def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview | Segments]]) -> list[bool]:
         guard = _ReadGuard()
         return self._batch(keys, lambda i: self._put_one(keys[i], values[i], guard), guard, writes=True)
 
@@ -341,7 +348,7 @@ class S3Backend(StorageBackend):
 
     # ------------------------------------------------------------------ one request each
 
-    def _put_one(self, key: str, value: tuple[bytes, memoryview], guard: _ReadGuard) -> bool:
+    def _put_one(self, key: str, value: tuple[bytes, memoryview | Segments], guard: _ReadGuard) -> bool:
         body = _TwoPartBody(value[0], value[1], guard)
         self._client.put_object(Bucket=self._bucket, Key=self._prefix + key, Body=body,
                                 ContentLength=len(body))

@@ -8,6 +8,11 @@ the metrics and the error typing once, for every backend; a backend implements t
 Invariants:
 * ``get_into`` never reports ok for a value whose header or checksum does not match what was asked
   for; such a value is counted as corrupt and deleted.
+* A put's payload may be one buffer or :class:`kvtier.format.blockformat.Segments` (one payload in several
+  buffers, in order: a value of several engine blocks put from the host slots that hold them).  Either
+  way the stored value is the same bytes: the header (checksum or seal over the payload's bytes back to
+  back), then the payload.  Only a backend that ``writes_segments`` is handed segments; for any other
+  ``put`` joins them into one buffer first (the one copy it cannot avoid for that backend).
 * A backend given a seal (``secure``: security mode ``authenticate`` / ``encrypt``, ``kvtier.security``)
   writes only sealed values (format version 2) and serves only values its seal opens; one it does not
   is counted as ``forged`` (or corrupt, when its framing is damaged) and deleted.  Hooks frame and check
@@ -126,8 +131,9 @@ class BackendStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def frame(key: str, payload: memoryview, layout_id: int) -> bytes:
-    """The stored header for ``payload`` under ``key``; thread-safe, hashes the payload without copying."""
+def frame(key: str, payload: memoryview | blockformat.Segments, layout_id: int) -> bytes:
+    """The stored header for ``payload`` (one buffer, or segments: the same header as for their bytes
+    joined) under ``key``; thread-safe, hashes the payload without copying."""
     ns, h = split_key(key)
     return blockformat.encode_header(ns, h, layout_id, payload)
 
@@ -141,6 +147,17 @@ def verify(key: str, size: int, header: bytes | bytearray | memoryview, payload:
         return f"stored value is {size} bytes, expected {expected}"
     ns, h = split_key(key)
     return blockformat.check_block(header, payload, ns, h, layout_id)
+
+
+def _put_view(payload: Any, segments: bool) -> memoryview | blockformat.Segments:
+    """A payload handed to ``StorageBackend.put`` (any contiguous buffer, or
+    :class:`kvtier.format.blockformat.Segments`: one payload in several buffers, stored as their bytes
+    back to back) as the put's hooks take it: a byte view of a buffer; segments as they are when the
+    backend ``writes_segments``, else joined into one buffer, one copy per value, so its hooks see one
+    buffer as always (one part needs no copy: it is that part)."""
+    if isinstance(payload, blockformat.Segments):
+        return payload if segments and len(payload.parts) > 1 else payload.joined()
+    return memoryview(payload).cast("B")
 
 
 def _header_nbytes(header: bytes | bytearray | memoryview) -> int:
@@ -168,6 +185,13 @@ class StorageBackend(ABC):
     #: that key's buffer holds verified bytes (in its own reading thread).  Otherwise ``get_into``
     #: reports the verified keys once the whole batch has been read.
     streams_verified: ClassVar[bool] = False
+    #: Whether ``_put_blocks`` (and ``_write``, which the default ``_put_blocks`` calls) takes a
+    #: :class:`kvtier.format.blockformat.Segments` in place of a payload buffer: one payload in several
+    #: buffers, to be stored as their bytes back to back after the header (``os.writev``, a scatter-gather
+    #: send), so a value of several engine blocks goes down from the host slots that hold them with no
+    #: joined copy.  Otherwise ``put`` joins a value's segments into one buffer before any hook sees it,
+    #: and a backend's hooks only ever get single buffers.
+    writes_segments: ClassVar[bool] = False
     #: Whether ``_get_blocks`` takes a :class:`kvtier.format.blockformat.Segments` in place of a payload buffer
     #: (one payload in several buffers: read it into them in order, verify it with ``check_block``, which
     #: takes segments too).  Then ``get_into`` may be handed segments, and a CPU engine's blocks are read
@@ -213,9 +237,11 @@ class StorageBackend(ABC):
         count against a capacity.  A backend that frames values its own way says so here."""
         return (blockformat.SEALED_HEADER_SIZE if sealed else blockformat.HEADER_SIZE) + payload_nbytes
 
-    def _frame(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]:
+    def _frame(self, key: str, payload: memoryview | blockformat.Segments,
+               layout_id: int) -> tuple[bytes, memoryview | blockformat.Segments]:
         """(header, stored payload) for ``payload`` under ``key`` in this backend's mode; thread-safe.  The
-        stored payload is ``payload`` itself except when encrypting."""
+        stored payload is ``payload`` itself (segments stay segments) except when encrypting (then one
+        new buffer of ciphertext)."""
         if self.seal is None:
             return frame(key, payload, layout_id), payload
         return self.seal.seal(key, payload, layout_id)
@@ -242,7 +268,9 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def _write(self, keys: Sequence[str], values: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        """Store each ``(header, payload)`` as one value, replacing any old one atomically."""
+        """Store each ``(header, payload)`` as one value (the header's bytes, then the payload's), replacing
+        any old one atomically.  In a backend that ``writes_segments`` a payload may be a
+        :class:`kvtier.format.blockformat.Segments`: its parts' bytes back to back are the payload."""
 
     @abstractmethod
     def _read_into(self, keys: Sequence[str], headers: Sequence[memoryview],
@@ -280,8 +308,12 @@ class StorageBackend(ABC):
         """Frame and store each payload; per-key success.  The default encodes every header here, in the
         calling thread, then calls ``_write`` once.  A backend may override this to frame inside its own
         workers (checksumming a payload while it is hot in cache); it must store exactly
-        ``self._frame(key, payload, layout_id)``'s header and payload, atomically per key."""
-        return self._write(keys, [self._frame(k, p, layout_id) for k, p in zip(keys, payloads)])
+        ``self._frame(key, payload, layout_id)``'s header and payload, atomically per key.  A payload is
+        :class:`kvtier.format.blockformat.Segments` only in a backend that ``writes_segments``."""
+        # Typed for the ordinary backend's ``_write`` (one buffer); segments reach only one that
+        # ``writes_segments``, whose ``_write`` takes them (see there).
+        return self._write(keys, [self._frame(k, p, layout_id)  # type: ignore[misc]
+                                  for k, p in zip(keys, payloads)])
 
     def _get_blocks(self, keys: Sequence[str], payloads: Sequence[memoryview],
                     layout_id: int) -> list[bool | str]:
@@ -402,7 +434,7 @@ class StorageBackend(ABC):
         if not keys:
             return []
         self._refuse_invalid(keys)
-        views = [memoryview(p).cast("B") for p in payloads]
+        views = [_put_view(p, self.writes_segments) for p in payloads]
         t0 = time.perf_counter()
         try:
             ok = list(self._call(self._put_blocks, keys, views, layout_id))

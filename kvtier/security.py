@@ -26,6 +26,9 @@ Invariants:
 * Key objects are made once per (key id, mode, namespace) and kept in the ring: the ``AESGCM`` object
   (which keeps its initialised cipher context: a one-shot call costs about 2 us) and ``algorithms.AES``
   (for the streamed path, which still needs a ``Cipher`` per nonce).
+* A value put as segments (``blockformat.Segments``: a group of engine blocks in separate host slots) is
+  sealed without joining them: streamed over the parts, the same tag and ciphertext as over their bytes
+  joined, so the stored value does not depend on how the payload lay in memory.
 * A landing buffer (:meth:`Seal.landing`) is private to the reading thread and holds ciphertext only; the
   plaintext is written into the caller's buffer by one decryption that checks the tag.
 """
@@ -37,7 +40,7 @@ import hmac
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .format import blockformat as bf
 from .keys import split_key
@@ -50,6 +53,7 @@ MODE_CODES: dict[str, int] = {"authenticate": bf.MODE_AUTHENTICATE, "encrypt": b
 _MODE_NAMES = {v: k for k, v in MODE_CODES.items()}
 MIN_KEY_BYTES = 32
 _NONCE = 12
+_GCM_SPARE = 15  # a block less a byte: the room cryptography's update_into wants beyond its input
 _SEALED_PREFIX = bf.MAGIC + bf.FORMAT_VERSION_SEALED.to_bytes(2, "little")  # a version 2 header's first bytes
 
 
@@ -202,21 +206,58 @@ class Seal:
     def __repr__(self) -> str:
         return f"Seal(mode={self.mode!r}, keys={list(self.keyring.ids)}, write_key={self.keyring.write_id})"
 
-    def seal(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]:
-        """(header, stored payload) for ``payload`` under ``key``: the payload itself when authenticating, a
-        new buffer of ciphertext when encrypting (the caller's buffer is never changed)."""
+    @overload
+    def seal(self, key: str, payload: memoryview, layout_id: int) -> tuple[bytes, memoryview]: ...
+
+    @overload
+    def seal(self, key: str, payload: bf.Segments, layout_id: int) -> tuple[bytes, memoryview | bf.Segments]: ...
+
+    def seal(self, key: str, payload: memoryview | bf.Segments,
+             layout_id: int) -> tuple[bytes, memoryview | bf.Segments]:
+        """(header, stored payload) for ``payload`` under ``key``: the payload itself when authenticating
+        (segments stay segments), a new buffer of ciphertext when encrypting (the caller's buffers are
+        never changed)."""
         ns, h = split_key(key)
         ring = self.keyring
-        aead, _ = ring.value_key(ring.write_id, self.code, ns)  # type: ignore[misc]  # write_id is held
+        aead, aes = ring.value_key(ring.write_id, self.code, ns)  # type: ignore[misc]  # write_id is held
         nonce = os.urandom(_NONCE)
         n = payload.nbytes
         aad = bf.encode_sealed_aad(ns, h, layout_id, n, self.code, ring.write_id, nonce)
+        if isinstance(payload, bf.Segments):
+            if len(payload.parts) > 1:
+                return self._seal_parts(aes, nonce, aad, payload)
+            payload = payload.parts[0]
         if self.code == bf.MODE_AUTHENTICATE:
             return bf.finish_sealed_header(aad, aead.encrypt(nonce, aad, payload)[-bf.TAG_SIZE:]), payload
         out = bytearray(n + bf.TAG_SIZE)
         aead.encrypt_into(nonce, payload, aad, out)
         view = memoryview(out)
         return bf.finish_sealed_header(aad, view[n:]), view[:n]
+
+    def _seal_parts(self, aes: Any, nonce: bytes, aad: bytes,
+                    payload: bf.Segments) -> tuple[bytes, memoryview | bf.Segments]:
+        """``seal`` of a payload in several buffers, streamed over them: GCM is a stream, so the tag (and
+        the ciphertext) are those of the parts' bytes joined, without joining them.  Measured at 4 parts
+        of 256 KiB (one 1 MiB grouped value, 2 cores): authenticate 428 us streamed against 523 us for a
+        join then the one-shot call; encrypt 759 us streamed into the ciphertext buffer against 3.2 ms
+        for a join then ``encrypt_into`` (two fresh 1 MiB buffers, both faulted in).  So no join here."""
+        if self.code == bf.MODE_AUTHENTICATE:
+            enc = self._cipher(aes, self._gcm(nonce)).encryptor()
+            for part in payload.parts:
+                enc.authenticate_additional_data(part)
+            enc.update(aad)
+            enc.finalize()
+            return bf.finish_sealed_header(aad, enc.tag), payload
+        n = payload.nbytes
+        # update_into wants room for a block more than it is given (cryptography's contract): 15 spare bytes.
+        out = memoryview(bytearray(n + _GCM_SPARE))
+        enc = self._cipher(aes, self._gcm(nonce)).encryptor()
+        enc.authenticate_additional_data(aad)
+        at = 0
+        for part in payload.parts:
+            at += enc.update_into(part, out[at:])
+        enc.finalize()
+        return bf.finish_sealed_header(aad, enc.tag), out[:n]
 
     def landing(self, payload: memoryview | bf.Segments) -> memoryview | None:
         """Where a reader should put the stored payload of a value to be opened into ``payload``: in mode

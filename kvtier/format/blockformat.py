@@ -144,14 +144,19 @@ def payload_checksum(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload: Buffer,
+def encode_header(namespace_digest: bytes, block_hash: bytes, layout_id: int, payload: Buffer | Segments,
                   aligned: bool = False) -> bytes:
-    """The 88-byte header for ``payload`` (any buffer; it is only hashed, never copied), or with
-    ``aligned`` the 4096-byte one (header length 4096, zeros after byte 88: the payload starts on a page)."""
-    mv = memoryview(payload).cast("B")
+    """The 88-byte header for ``payload`` (any buffer, or :class:`Segments`: one payload in several buffers;
+    it is only hashed, never copied), or with ``aligned`` the 4096-byte one (header length 4096, zeros
+    after byte 88: the payload starts on a page)."""
+    if isinstance(payload, Segments):
+        nbytes, checksum = payload.nbytes, payload.checksum()
+    else:
+        mv = memoryview(payload).cast("B")
+        nbytes, checksum = mv.nbytes, payload_checksum(mv)
     hlen = ALIGNED_HEADER_SIZE if aligned else HEADER_SIZE
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, hlen, mv.nbytes, namespace_digest,
-                        len(block_hash), block_hash, layout_id, payload_checksum(mv))
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, hlen, nbytes, namespace_digest,
+                        len(block_hash), block_hash, layout_id, checksum)
     head += _HCHECK.pack(xxhash.xxh3_64_intdigest(head))
     return head + _PADDING if aligned else head
 
@@ -201,10 +206,12 @@ def stored_checksum(header: Buffer) -> int:
 
 
 class Segments:
-    """One payload that lies in several buffers, in order (``parts``: writable byte memoryviews): a
-    block read straight into an engine's KV tensors, whose layers are apart in memory.  Only a backend
-    that says it reads them (``StorageBackend.reads_segments``) is ever handed one in place of a buffer.
-    The stored value is the same: the header, then the parts' bytes back to back."""
+    """One payload that lies in several buffers, in order (``parts``: byte memoryviews).  Read: a block
+    read straight into an engine's KV tensors, whose layers are apart in memory (the parts writable).
+    Written: a value of several engine blocks (``kvtier.format.groups``) put from the host slots that
+    hold them, which need not be adjacent.  Only a backend that says it reads (``reads_segments``) or
+    writes (``writes_segments``) them is ever handed one in place of a buffer (``StorageBackend``).
+    The stored value is the same either way: the header, then the parts' bytes back to back."""
 
     __slots__ = ("nbytes", "parts")
 
@@ -235,10 +242,25 @@ class Segments:
 
     def checksum(self) -> int:
         """xxh3-64 of the parts' bytes back to back: the payload's checksum."""
+        if len(self.parts) == 1:
+            return xxhash.xxh3_64_intdigest(self.parts[0])
         h = xxhash.xxh3_64()
         for p in self.parts:
             h.update(p)
         return h.intdigest()
+
+    def joined(self) -> memoryview:
+        """The parts' bytes as one buffer: the only part itself, else one copy of them all back to back
+        (for a writer that needs one buffer: ``StorageBackend.put`` for a backend that does not write
+        segments)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        out = bytearray(self.nbytes)
+        view, at = memoryview(out), 0
+        for p in self.parts:
+            view[at:at + p.nbytes] = p
+            at += p.nbytes
+        return view
 
 
 # A reader that hashes as it reads (read_hashed) reads this many payload bytes at a time into segments:

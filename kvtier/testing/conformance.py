@@ -207,6 +207,23 @@ class BackendConformance:
         assert b"".join(parts[0]) == data[0]
         assert kv.stats().corrupt == 1
 
+    @pytest.mark.parametrize("size", [SIZE, 256 << 10])
+    def test_segmented_put_stores_the_value_of_the_joined_payload(self, kv: StorageBackend, size: int) -> None:
+        """A payload put as :class:`~kvtier.format.blockformat.Segments` (one payload in several buffers:
+        a value of several engine blocks) is stored byte for byte as the same payload in one buffer: same
+        header, same checksum, read back whole.  Any backend: one that does not say ``writes_segments``
+        gets the parts joined by the base class."""
+        k, other = keys(NS_A, 2)
+        data = rand(size)
+        cuts = [0, 0, 7, size // 4, size // 4, size // 2 + 1, size]  # an empty part, odd lengths
+        segs = blockformat.Segments([memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:])])
+        assert kv.put([k, other], [segs, blockformat.Segments([memoryview(data)])], NS_A.layout_id) == [True] * 2
+        assert self.get1(kv, k, size) == data and self.get1(kv, other, size) == data
+        as_segments = self.read_raw(kv, k)
+        self.put1(kv, k, data)
+        assert as_segments is not None and as_segments == self.read_raw(kv, k)
+        assert kv.stats().put_bytes == 3 * size
+
     def test_contains_prefix_and_exists(self, kv: StorageBackend) -> None:
         chain = keys(NS_A, 6)
         assert kv.put(chain[:3] + chain[4:], [rand(64) for _ in range(5)], NS_A.layout_id) == [True] * 5

@@ -6,6 +6,8 @@ Invariants:
 * the planner hears of every put before it starts and after it returns (``begin_put_locked`` /
   ``put_done_locked``), so a value the backend evicted during its own write is never marked there, and a
   value a backend took is marked for each of its blocks;
+* no payload is copied here: a group from host memory goes down as its slots' views (``Segments``), a
+  value from the device as its row of the one buffer the device read filled;
 * a value is written from host memory only whole (every block of it claimed by
   ``claim_groups_locked``, and so kept from eviction, for the whole put; released exactly once), under its
   last block's key;
@@ -17,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from ..format.blockformat import Segments
 from .parts import StackParts
 from .planner import GroupWrite
 
@@ -92,10 +94,12 @@ class BackendWriter:
             if not part:
                 continue
             host = p.host_tier()
-            # A one-block value is its slot's bytes as they are (no copy); a group's blocks sit in slots
-            # that need not be adjacent, so they are joined into one payload.
+            # A one-block value is its slot's bytes as they are (no copy).  A group's blocks sit in slots
+            # that need not be adjacent: its payload is their views as segments, in chain order, which
+            # a backend that writes segments stores with no joined copy (the base class joins them,
+            # once, for one that does not: StorageBackend.put).
             payloads = [host.slot_view(c.slots[0]) if len(c.slots) == 1
-                        else np.concatenate([host.slot_view(slot) for slot in c.slots]) for c in part]
+                        else Segments(host.slot_views(c.slots)) for c in part]
             ok = self.put_values(b, [c.members for c in part], payloads)
             p.metrics.add("host", bytes_out=sum(len(c.members) for c, good in zip(part, ok) if good)
                           * p.layout.block_nbytes)

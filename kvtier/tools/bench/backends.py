@@ -14,6 +14,10 @@ and 256 KiB.
 ``--security authenticate,encrypt``: each backend's put / get in those security modes beside mode none and
 beside the raw primitive's speed over the same bytes on the same threads, in the same run
 (``kvtier.tools.bench._security``), and the candidate MACs' and ciphers' raw speed.
+
+``--grouped K``: puts of values of K blocks (``storage.block_tokens``) on disk and Redis, as segments (the
+way down now) and joined first (the way before), beside the same values already in one buffer
+(``kvtier.tools.bench._grouped``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 import traceback
 from typing import Any
 
-from ..args import out_file, positive_int, positive_size, positive_sizes
+from ..args import int_at_least, out_file, positive_int, positive_size, positive_sizes
 from ..output import print_table, write_json
 
 HELP = "storage backends put/get GiB/s beside each one's ceiling (disk: raw files; redis: wire; s3: boto3)"
@@ -54,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--security", default="", metavar="MODES",
                    help="comma-separated security modes (authenticate, encrypt) to measure on every backend "
                         "beside mode none and the raw primitive (default: none)")
+    p.add_argument("--grouped", type=int_at_least(2), default=0, metavar="K",
+                   help="also put values of K >= 2 blocks each (storage.block_tokens) on disk and redis: as segments, "
+                        "joined first, and already in one buffer (default 0: not measured)")
     p.add_argument("--json", type=out_file, metavar="PATH", help="write the figures as JSON")
 
 
@@ -87,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: {len(got)} cases in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
             continue
         print(f"SKIP {name}: {skipped[name]}")
+    if getattr(args, "grouped", 0) > 1:
+        from . import _grouped as grouped
+
+        rows.extend(grouped.run_cases(wanted, args.grouped, sizes, total, args.repeats, skipped))
     if modes:
         from . import _security as security
 
