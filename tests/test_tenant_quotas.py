@@ -27,7 +27,7 @@ SALT_A, SALT_B = "salt-of-tenant-a", "salt-of-tenant-b"
 TAG_A, TAG_B = tenant_tag(SALT_A), tenant_tag(SALT_B)
 
 
-def make_stack(backend: dict[str, Any], quota: int | None = QUOTA) -> TierStack:
+def make_stack(backend: dict[str, Any], quota: int | None = QUOTA, write: str = "write_through") -> TierStack:
     data = {
         "model": {"id": "test/tenants", "kv_dtype": "float32", "num_layers": LAYERS, "num_kv_heads": HEADS,
                   "head_dim": HEAD_DIM, "block_size": BLOCK},
@@ -35,7 +35,7 @@ def make_stack(backend: dict[str, Any], quota: int | None = QUOTA) -> TierStack:
         "device": {"kind": "cpu", "num_blocks": 8, "layout": "flash_attn"},
         "host": {"capacity": 4 * PAYLOAD, "pinned": False},
         "backends": [{**backend, **({"quota": quota} if quota is not None else {})}],
-        "policies": {"write": {"name": "write_through"}},
+        "policies": {"write": {"name": write}},
         "transfer": {"threads": 1},
     }
     return TierStack(parse_config(data))
@@ -209,3 +209,48 @@ def test_a_tenant_must_be_a_tag(tmp_path):
             backend.put([f"{'a' * 32}/{'b' * 64}"], [b"x" * 8], 1, tenants=["Tenant"])
     finally:
         stack.close()
+
+
+def test_a_block_written_back_long_after_its_store_is_charged_to_its_tenant(tmp_path):
+    """write_back: a block reaches the backend only when host memory evicts it, many stores later.  The
+    planner kept its tenant until then, so A's blocks are A's share, and the unsalted ones that pushed
+    them out are the namespace's."""
+    stack = make_stack(disk(tmp_path), quota=None, write="write_back")
+    req = Requests(stack)
+    try:
+        keys_a = req.serve(SALT_A, 3)
+        assert stack.backends[0].exists(keys_a) == [False] * 3  # still only in host memory
+        plain = req.serve(None, 7)  # 4 host slots: A's blocks are written back as these come in
+        ns = stack.namespace.id
+        backend = stack.backends[0]
+        assert [b.key for b in backend._share_blocks(Share(ns, TAG_A))] == keys_a
+        assert set(b.key for b in backend._share_blocks(Share(ns))) <= set(plain)
+        with stack.planner.lock:
+            stack.planner.check_locked()  # no tenant record outlives its host block
+    finally:
+        stack.close()
+
+
+def test_s3_charges_tenants_to_their_namespace_and_says_so(moto_server, s3_bucket, caplog):
+    """S3 cannot list whose a block is: a tenant's puts are stored and charged to the namespace's quota
+    (never refused), and the log says so once."""
+    import logging
+
+    stack = make_stack({"name": "shared", "type": "s3",
+                        "options": {"endpoint_url": moto_server.endpoint_url, "bucket": s3_bucket, "prefix": "kv/"}})
+    req = Requests(stack)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtier.backend_api"):
+            keys_a = req.serve(SALT_A, 3)
+            keys_b = req.serve(SALT_B, 3)
+        said = [r for r in caplog.records if "cannot list a cache_salt tenant's blocks" in r.getMessage()]
+        assert len(said) == 1 and "salt" not in said[0].getMessage().replace("cache_salt", "")
+        held = req.held(keys_a + keys_b)
+        assert 0 < len(held) * STORED <= QUOTA  # one share: the namespace's
+        assert backend_blocks(stack) == sorted(held)
+    finally:
+        stack.close()
+
+
+def backend_blocks(stack: TierStack) -> list[str]:
+    return sorted(b.key for b in stack.backends[0].scan(stack.namespace.id))
