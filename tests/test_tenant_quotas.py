@@ -254,3 +254,32 @@ def test_s3_charges_tenants_to_their_namespace_and_says_so(moto_server, s3_bucke
 
 def backend_blocks(stack: TierStack) -> list[str]:
     return sorted(b.key for b in stack.backends[0].scan(stack.namespace.id))
+
+
+def test_kvtier_runs_engine_charges_each_salted_request_to_its_tenant(tmp_path):
+    """``kvtier run`` / the Python API (``CachedEngine.run_request(..., cache_salt=)``): one engine serving
+    requests of two salts and an unsalted one stores each request's blocks in its own share."""
+    from kvtier.integrations.engine import CachedEngine
+
+    data = {
+        "model": {"id": "test/tenants", "kv_dtype": "float32", "num_layers": LAYERS, "num_kv_heads": HEADS,
+                  "head_dim": HEAD_DIM, "block_size": BLOCK},
+        "device": {"kind": "cpu", "num_blocks": 16, "layout": "flash_attn"},
+        "host": {"capacity": 8 * PAYLOAD, "pinned": False},
+        "backends": [{**disk(tmp_path), "quota": QUOTA}],
+        "policies": {"write": {"name": "write_through"}},
+        "transfer": {"threads": 1},
+    }
+    engine = CachedEngine.from_config(parse_config(data))
+    try:
+        prompt = list(range(3 * BLOCK + 1))  # 3 full blocks, each request's own keys (salted or not)
+        for salt in (SALT_A, SALT_B, None):
+            engine.run_request(prompt, cache_salt=salt, max_new_tokens=1)
+        engine.flush(10.0)
+        stack, hasher = engine.stack, engine.stack.namespace.hasher()
+        ns, backend = stack.namespace, stack.backends[0]
+        for share, salt in ((Share(ns.id, TAG_A), SALT_A), (Share(ns.id, TAG_B), SALT_B), (Share(ns.id), None)):
+            want = ns.keys(hasher.hash_blocks(prompt, cache_salt=salt))
+            assert sorted(b.key for b in backend._share_blocks(share)) == sorted(want)
+    finally:
+        engine.close()
