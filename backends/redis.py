@@ -153,7 +153,7 @@ class RedisBackend(StorageBackend):
     Options = RedisOptions
 
     options: RedisOptions
-    counts_tenants = True  # a set of block hashes per tenant (see the module docstring)
+    counts_tenants = True  # a sorted set of block hashes per tenant (see the module docstring)
 
     def __init__(self, options: RedisOptions | dict[str, Any] | None = None, *, name: str | None = None):
         super().__init__(options, name=name or "redis")

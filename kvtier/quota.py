@@ -29,7 +29,7 @@ Invariants:
   quota); in Redis (``maxmemory``) and S3 (no eviction, or lifecycle rules) they protect by keeping every
   deployment and tenant that has one within it: size them so their sum fits the store.
 * A backend counts tenants only if it can list a tenant's blocks (``StorageBackend.counts_tenants``):
-  ``local_disk`` (a tenant column in its index) and ``redis`` (a set of block hashes per tenant) do.  The
+  ``local_disk`` (a tenant column in its index) and ``redis`` (a sorted set of block hashes per tenant) do.  The
   stored blocks, their keys and the namespace digest are the same with or without a tenant: the tenant
   is bookkeeping beside them, which ``local_disk`` loses when its index is rebuilt from the files (the
   blocks then count as untenanted) and Redis when a tenant's set is evicted.  ``s3`` lists no object
