@@ -14,12 +14,14 @@ manifests and the usage ledger only, as tools and operators expect.  The ledger 
 generation it goes with (``index``), so an index left from an earlier directory at the same path is never
 trusted.
 
-Tables: ``blocks(key, size, used, mtime)`` (key: namespace digest + block hash, bytes; ``used``: a clock in
-microseconds, the LRU order; ``mtime``: the file's modification time as written, in microseconds, so a
-tool can tell a file whose times were set by hand since, NULL when unknown), ``intents(writer, key, size, tmp)`` (what each writer is about to change on disk: a put's
+Tables: ``blocks(key, size, used, mtime, tenant)`` (key: namespace digest + block hash, bytes; ``used``: a
+clock in microseconds, the LRU order; ``mtime``: the file's modification time as written, in
+microseconds, so a tool can tell a file whose times were set by hand since, NULL when unknown;
+``tenant``: the ``cache_salt`` tenant tag the put charged the block to, ``kvtier.quota``, NULL for its
+namespace), ``intents(writer, key, size, tmp)`` (what each writer is about to change on disk: a put's
 reservation with its temp file, or an unlink), ``meta`` (``id``, ``bytes``, ``blocks``, ``clock``,
-``complete``, ``rebuilder``, ``ctrim``, and ``quota:<namespace id>`` per namespace a writer gave a
-quota), ``changes(id, key, listed)`` (the change log: one row per insert into or delete from ``blocks`` of a
+``complete``, ``rebuilder``, ``ctrim``, ``schema``, and ``quota:<namespace id>`` per namespace a writer
+gave a quota, ``quota:<namespace id>:<tenant tag>`` per tenant), ``changes(id, key, listed)`` (the change log: one row per insert into or delete from ``blocks`` of a
 complete index, written by SQLite triggers whoever the writer; ``id`` from AUTOINCREMENT, so in commit
 order and never reused).
 
@@ -32,6 +34,10 @@ Invariants:
 * ``bytes`` / ``blocks`` are the sums over ``blocks``, kept by deltas (counting 5 million rows is not
   free); ``complete`` is 1 once a rebuild from the files finished: until then puts are refused;
 * a connection is never used across ``fork``: a child opens its own;
+* schema ``SCHEMA`` (``meta.schema``): 2 added ``blocks.tenant``, by ``ALTER TABLE`` at the first open by
+  a build that knows it, so an index of an earlier build keeps opening with every row untenanted (NULL);
+  a writer of an earlier build names its columns, so its rows are untenanted too, as they are.  A rebuild
+  from the files records no tenant (nothing stored says it: keys and values are the same whoever's);
 * ``lookup``'s answers are remembered per process (``_known``) only as of one ``PRAGMA data_version`` of
   the read connection, taken in the same read transaction as the query that filled them: any commit by
   any other connection (this process's writer, another process) changes it, and the next lookup forgets
@@ -61,11 +67,12 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from kvtier.backends import _disk_snapshot as snapshots
+from kvtier.quota import Share
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v) WITHOUT ROWID;
@@ -102,6 +109,18 @@ _IN_MAX = 30_000  # keys bound in one IN (...) query (SQLite's limit on paramete
 _REBUILD_MIN = 65_536
 _REBUILD_FRACTION = 16  # ... or a sixteenth of the snapshot's keys, if more
 _WANT_EVERY_S = 1.0  # a process asks for a build at most this often
+
+
+SCHEMA = 2  # 2: blocks.tenant (see the invariants)
+
+
+def _add_column(c: sqlite3.Connection, column: str, kind: str) -> None:
+    """Add a nullable column to ``blocks``; another process opening the index may have added it first."""
+    try:
+        c.execute(f"ALTER TABLE blocks ADD COLUMN {column} {kind}")
+    except sqlite3.OperationalError as e:
+        if "duplicate column" not in str(e):
+            raise
 
 
 def blob(key: str) -> bytes:
@@ -161,8 +180,12 @@ class DiskIndex:
             # the last transactions, which the next rebuild-free start treats like a killed writer's
             c.execute(f"PRAGMA cache_size=-{_CACHE_KIB}")
             c.executescript(f"{_SCHEMA}{_ADDED};{_DROPPED};{_LOG_ADDED};{_LOG_DROPPED};")
-            if "mtime" not in {r[1] for r in c.execute("PRAGMA table_info(blocks)")}:  # an index of an earlier
-                c.execute("ALTER TABLE blocks ADD COLUMN mtime INTEGER")  # build: its rows' mtimes unknown
+            columns = {r[1] for r in c.execute("PRAGMA table_info(blocks)")}
+            for column, kind in (("mtime", "INTEGER"), ("tenant", "TEXT")):  # an index of an earlier build:
+                if column not in columns:  # its rows' mtimes unknown, its blocks untenanted
+                    _add_column(c, column, kind)
+            if int(self.meta(c, "schema", 1) or 1) < SCHEMA:
+                self.set_meta(c, "schema", SCHEMA)
             self._conn, self._pid = c, os.getpid()
             side = self.path[: -len(".sqlite")] + ".root"
             if not os.path.exists(side):  # which directory it indexes: prune_indexes removes orphans
@@ -457,18 +480,19 @@ class DiskIndex:
                 out[unblob(k)] = n
         return out
 
-    def lru(self, c: sqlite3.Connection | None = None) -> Iterator[tuple[str, int]]:
-        """Every block, least recently used first, read in pages (a 5-million-row answer is never held)."""
+    def lru(self, c: sqlite3.Connection | None = None) -> Iterator[tuple[str, int, str | None]]:
+        """Every block as (key, size, tenant), least recently used first, read in pages (a 5-million-row
+        answer is never held)."""
         after: tuple[int, bytes] = (-1, b"")
         while True:
             with contextlib.nullcontext() if c is not None else self._rlock:
                 cc = c or self.rconn()
-                rows = cc.execute("SELECT key, size, used FROM blocks WHERE (used, key) > (?, ?) "
+                rows = cc.execute("SELECT key, size, used, tenant FROM blocks WHERE (used, key) > (?, ?) "
                                   "ORDER BY used, key LIMIT 512", after).fetchall()
             if not rows:
                 return
-            for k, n, _ in rows:
-                yield unblob(k), n
+            for k, n, _, t in rows:
+                yield unblob(k), n, t
             after = (rows[-1][2], rows[-1][0])
 
     def rows(self) -> Iterator[tuple[str, int, int, int | None]]:
@@ -534,22 +558,26 @@ class DiskIndex:
         return first
 
     def put(self, c: sqlite3.Connection, entries: Sequence[tuple[str, int]], first_use: int | None = None,
-            keep_use: bool = False, mtimes: dict[str, int] | None = None) -> int:
+            keep_use: bool = False, mtimes: dict[str, int] | None = None,
+            tenants: Mapping[str, str] | None = None) -> int:
         """Record blocks (key, size) now on disk, most recent last; the change in bytes.  ``keep_use``: a
-        key already known keeps its place (a rebuild's rows never overtake newer puts)."""
+        key already known keeps its place (a rebuild's rows never overtake newer puts).  ``tenants``: the
+        tenant each tenant's key is charged to (the others: untenanted)."""
         if not entries:
             return 0
         t = self.tick(c, len(entries)) if first_use is None else first_use
         old = self.sizes(c, [k for k, _ in entries])
-        m = mtimes or {}
-        rows = [(blob(k), n, t + i, m.get(k)) for i, (k, n) in enumerate(entries)]
+        m, tt = mtimes or {}, tenants or {}
+        rows = [(blob(k), n, t + i, m.get(k), tt.get(k)) for i, (k, n) in enumerate(entries)]
         if keep_use:
-            c.executemany("INSERT OR IGNORE INTO blocks(key, size, used, mtime) VALUES (?, ?, ?, ?)", rows)
+            c.executemany("INSERT OR IGNORE INTO blocks(key, size, used, mtime, tenant) VALUES (?, ?, ?, ?, ?)",
+                          rows)
             new = [(k, n) for k, n in entries if k not in old]
             delta = sum(n for _, n in new)
             self._add(c, len(new), delta)
             return delta
-        c.executemany("INSERT OR REPLACE INTO blocks(key, size, used, mtime) VALUES (?, ?, ?, ?)", rows)
+        c.executemany("INSERT OR REPLACE INTO blocks(key, size, used, mtime, tenant) VALUES (?, ?, ?, ?, ?)",
+                      rows)
         last = dict(entries)  # a key twice: its last size counts
         delta = sum(n for n in last.values()) - sum(old.values())
         self._add(c, len(last) - len(old), delta)
@@ -577,21 +605,27 @@ class DiskIndex:
         return nbytes, int(held)
 
 
-    # ------------------------------------------------------------------ quotas per namespace (kvtier.quota)
-    # Recorded in ``meta`` as ``quota:<namespace id>`` by the writers that have one, so every process's
-    # capacity eviction knows them; a writer without one clears its namespace's.
+    # ------------------------------------------------------------------ quotas per share (kvtier.quota)
+    # Recorded in ``meta`` as ``quota:<namespace id>`` (a namespace's untenanted blocks) or
+    # ``quota:<namespace id>:<tenant tag>`` by the writers that have one, so every process's capacity
+    # eviction knows them; a writer without one clears its shares'.
 
     @staticmethod
-    def quotas(c: sqlite3.Connection) -> dict[str, int]:
-        """Namespace id -> quota bytes, of every namespace some writer recorded one for."""
-        return {k[6:]: int(v) for k, v in c.execute("SELECT k, v FROM meta WHERE k >= 'quota:' AND k < 'quota;'")
-                if v is not None}
+    def quotas(c: sqlite3.Connection) -> dict[Share, int]:
+        """Quota bytes of every share some writer recorded one for."""
+        out: dict[Share, int] = {}
+        for k, v in c.execute("SELECT k, v FROM meta WHERE k >= 'quota:' AND k < 'quota;'"):
+            if v is not None:
+                ns, _, tenant = str(k)[6:].partition(":")
+                out[Share(ns, tenant or None)] = int(v)
+        return out
 
-    def set_quota(self, c: sqlite3.Connection, namespace_id: str, quota: int | None) -> None:
+    def set_quota(self, c: sqlite3.Connection, share: Share, quota: int | None) -> None:
+        k = f"quota:{share.namespace}" + ("" if share.tenant is None else f":{share.tenant}")
         if quota is None:
-            c.execute("DELETE FROM meta WHERE k=?", (f"quota:{namespace_id}",))
+            c.execute("DELETE FROM meta WHERE k=?", (k,))
         else:
-            self.set_meta(c, f"quota:{namespace_id}", quota)
+            self.set_meta(c, k, quota)
 
     @staticmethod
     def _ns_range(namespace_id: str) -> tuple[bytes, bytes]:
@@ -599,20 +633,21 @@ class DiskIndex:
         lo = bytes.fromhex(namespace_id)
         return lo, lo + b"\xff" * 33
 
-    def ns_bytes(self, c: sqlite3.Connection, namespace_id: str) -> int:
-        """Bytes of one namespace's blocks (a range of the key B-tree: its rows only)."""
-        lo, hi = self._ns_range(namespace_id)
-        return int(c.execute("SELECT coalesce(sum(size), 0) FROM blocks WHERE key >= ? AND key < ?",
-                             (lo, hi)).fetchone()[0])
+    def ns_bytes(self, c: sqlite3.Connection, share: Share) -> int:
+        """Bytes of one share's blocks (a range of the key B-tree: its namespace's rows only)."""
+        lo, hi = self._ns_range(share.namespace)
+        return int(c.execute("SELECT coalesce(sum(size), 0) FROM blocks WHERE key >= ? AND key < ? AND tenant IS ?",
+                             (lo, hi, share.tenant)).fetchone()[0])
 
-    def ns_lru(self, namespace_id: str) -> list[tuple[str, int]]:
-        """One namespace's blocks (key, size), least recently used first."""
-        lo, hi = self._ns_range(namespace_id)
+    def ns_lru(self, share: Share) -> list[tuple[str, int]]:
+        """One share's blocks (key, size), least recently used first."""
+        lo, hi = self._ns_range(share.namespace)
         c = self.rconn()
         with self._rlock:
-            rows = c.execute("SELECT key, size FROM blocks WHERE key >= ? AND key < ? ORDER BY used, key",
-                             (lo, hi)).fetchall()
+            rows = c.execute("SELECT key, size FROM blocks WHERE key >= ? AND key < ? AND tenant IS ? "
+                             "ORDER BY used, key", (lo, hi, share.tenant)).fetchall()
         return [(unblob(k), n) for k, n in rows]
+
 
 class _Stopped(Exception):
     """The backend closed while its lookup snapshot was being built."""

@@ -55,11 +55,15 @@ Invariants:
   listener (the stack, the KV event stream) forgets only what it knew.  A poll costs the journal lines
   written since the last one and one index lookup of their keys: it walks neither the directory nor the
   index.
-* A namespace with a quota (``backends[i].quota``, ``kvtier.quota``) is recorded in the index by its
-  writers, in every put session; a capacity eviction, by any process, skips the blocks of a namespace
-  within its quota (counting the bytes the put brings it; its bytes as the index had them at most
-  ``NS_BYTES_TTL_S`` ago), so a deployment's puts never evict another's blocks within its share.  A namespace over its quota is trimmed, its own least recently used first,
-  after the put (the base class), except blocks held for a load.
+* A share with a quota (``backends[i].quota``, ``kvtier.quota``: a namespace's untenanted blocks, or one
+  ``cache_salt`` tenant's blocks in it) is recorded in the index by its writers, in every put session,
+  and each block's row names the tenant its put charged it to (``blocks.tenant``, in the session that
+  records the block; NULL: its namespace's); a capacity eviction, by any process, skips the blocks of a
+  share within its quota (counting the bytes the put brings it; its bytes as the index had them at most
+  ``NS_BYTES_TTL_S`` ago), so a deployment's or tenant's puts never evict another's blocks within its
+  share.  A share over its quota is trimmed, its own least recently used first, after the put (the base
+  class), except blocks held for a load.  The tenant lives in the index only: a rebuild from the files
+  makes every block untenanted (its namespace's).
 * A held block (``hold``: a load will read it) is evicted by no process sharing the directory until its
   holder releases it or dies: this process counts its holds, other processes see them as hard links
   (``_disk_holds``); a put that finds only held blocks in its way is refused.
@@ -110,6 +114,7 @@ from kvtier.backends._disk_removals import JOURNAL_NAME as JOURNAL_NAME  # publi
 from kvtier.backends._disk_removals import RemovalFeed, append_removals
 from kvtier.format import blockformat
 from kvtier.keys import MANIFEST_NAME, invalid_key, show_key, split_key
+from kvtier.quota import Share
 from kvtier.units import ByteSize
 
 log = logging.getLogger("kvtier.backends.local_disk")
@@ -132,12 +137,14 @@ def _stores_aligned(options: Any, nbytes: int, sealed: bool) -> bool:
 
 _PAGE = blockformat.ALIGNED_HEADER_SIZE
 _FLUSH_S = 5.0
-# How old a namespace's byte count may be when a capacity eviction checks it against its quota.
+# How old a share's byte count may be when a capacity eviction checks it against its quota.
 NS_BYTES_TTL_S = 1.0
 
 
 class LocalDiskBackend(StorageBackend):
     """Blocks as files in a (possibly shared) directory, bounded by ``capacity`` bytes with LRU eviction."""
+
+    counts_tenants = True  # the index's blocks.tenant
 
     streams_verified = True  # _get_blocks reports each block as it verifies it (StorageBackend.get_into)
     reads_segments = True  # a payload may be Segments: preadv takes the parts as they are
@@ -198,8 +205,8 @@ class LocalDiskBackend(StorageBackend):
         self._pool_lock = threading.Lock()  # its own: the pool is first needed under other locks
         self._closed = False
         self._verified_dirs: set[str] = set()  # shard directories checked not to be symlinks
-        self._quota_cleared: set[str] = set()  # namespaces whose quota record this writer (without one) cleared
-        self._ns_bytes_seen: dict[str, tuple[float, int]] = {}  # namespace -> (when, bytes): see _ns_bytes
+        self._quota_cleared: set[Share] = set()  # shares whose quota record this writer (without one) cleared
+        self._ns_bytes_seen: dict[Share, tuple[float, int]] = {}  # share -> (when, bytes): see _ns_bytes
         self._direct = DirectReads(o.direct_io)  # off for good once the filesystem refuses O_DIRECT
         self._instance = uuid.uuid4().hex[:8]  # this backend among the removal journal's writers
         os.makedirs(self.root, exist_ok=True)
@@ -472,13 +479,13 @@ class LocalDiskBackend(StorageBackend):
         return total
 
     def _make_room(self, c: sqlite3.Connection, need: int, victims: list[str], unlinked: list[str],
-                   incoming: dict[str, int] | None = None) -> bool:
+                   incoming: dict[Share, int] | None = None) -> bool:
         """Unlink least recently used blocks until ``need`` more bytes fit in the directory; False if
         in-flight writes, holds and quotas keep the room.  Called in a session; the keys evicted are added
         to ``victims``, those whose file this call unlinked (not found gone already) to ``unlinked`` (the
         session's journal lines).  Victims are announced (one commit) before they are unlinked.  A
-        namespace with a quota recorded (``kvtier.quota``) within it, counting the bytes ``incoming`` to
-        it (this put's), loses no block here: only what it holds beyond its quota is evictable."""
+        share with a quota recorded (``kvtier.quota``) within it, counting the bytes ``incoming`` to it
+        (this put's), loses no block here: only what it holds beyond its quota is evictable."""
         excess = self._total(c) + need - self.capacity
         if excess <= 0:
             return True
@@ -494,21 +501,22 @@ class LocalDiskBackend(StorageBackend):
         dropped_holders = False
         picked: list[str] = []
         quotas = self._idx.quotas(c)
-        beyond: dict[str, int] = {}  # namespace with a quota -> its bytes beyond it, as picking goes
-        for key, size in self._idx.lru(c):
+        beyond: dict[Share, int] = {}  # share with a quota -> its bytes beyond it, as picking goes
+        for key, size, tenant in self._idx.lru(c):
             if excess <= 0:
                 break
             with self._idx_lock:
                 if key in self._inflight:
                     continue
-            ns = key[:32]
-            if ns in quotas:
-                if ns not in beyond:
-                    beyond[ns] = self._ns_bytes(c, ns) + (incoming or {}).get(ns, 0) - quotas[ns]
-                if beyond[ns] <= 0:
-                    continue  # within its quota: another namespace's put does not evict it
-                beyond[ns] -= size
-                self._ns_bytes_seen[ns] = (self._ns_bytes_seen[ns][0], self._ns_bytes_seen[ns][1] - size)
+            share = Share(key[:32], tenant)
+            if share in quotas:
+                if share not in beyond:
+                    beyond[share] = self._ns_bytes(c, share) + (incoming or {}).get(share, 0) - quotas[share]
+                if beyond[share] <= 0:
+                    continue  # within its quota: another share's put does not evict it
+                beyond[share] -= size
+                seen = self._ns_bytes_seen[share]
+                self._ns_bytes_seen[share] = (seen[0], seen[1] - size)
             if held_elsewhere(self._where(key, checked=True)[1]):
                 if not dropped_holders:  # a holder that died would pin its blocks for good
                     drop_dead_holders(self.root, self.options.tmp_max_age_s)
@@ -553,7 +561,7 @@ class LocalDiskBackend(StorageBackend):
             self._record_quota(c, keys)
             rows: list[tuple[str, int, str | None]] = []
             reserved = 0  # this batch's reservations so far (entered as intents at the end)
-            incoming: dict[str, int] = {}  # per namespace: this batch's reservations, this key's included
+            incoming: dict[Share, int] = {}  # per share: this batch's reservations, this key's included
             total = self._total(c)  # the directory's account, kept here while nothing is evicted
             for i, (key, size) in enumerate(zip(keys, sizes)):
                 if key.endswith(MANIFEST_NAME):
@@ -561,7 +569,8 @@ class LocalDiskBackend(StorageBackend):
                     continue
                 if size > self.capacity or not self._complete:
                     continue
-                incoming[key[:32]] = incoming.get(key[:32], 0) + size
+                share = Share(key[:32], self._put_tenant(key))
+                incoming[share] = incoming.get(share, 0) + size
                 if total + reserved + size > self.capacity:
                     if not self._make_room(c, reserved + size, evicted, unlinked, incoming):
                         break  # the room is in flight: the rest of the batch would only look again
@@ -572,34 +581,35 @@ class LocalDiskBackend(StorageBackend):
                     self._inflight[key] = self._inflight.get(key, 0) + 1
                 granted[i] = True
             self._idx.intend(c, self._writer(), rows)
-            for key, size, _ in rows:  # this writer's own puts keep its counts of namespaces current
-                seen = self._ns_bytes_seen.get(key[:32])
+            for key, size, _ in rows:  # this writer's own puts keep its counts of shares current
+                share = Share(key[:32], self._put_tenant(key))
+                seen = self._ns_bytes_seen.get(share)
                 if seen is not None:
-                    self._ns_bytes_seen[key[:32]] = (seen[0], seen[1] + size)
+                    self._ns_bytes_seen[share] = (seen[0], seen[1] + size)
         self._evicted(evicted)  # outside the directory's lock: the listener takes the stack's
         return granted
 
-    def _ns_bytes(self, c: sqlite3.Connection, ns: str) -> int:
-        """A namespace's bytes as the index had them at most ``NS_BYTES_TTL_S`` ago (a sum over its rows:
-        ~60 ms per 100,000 blocks, too slow for every eviction of a full directory)."""
+    def _ns_bytes(self, c: sqlite3.Connection, share: Share) -> int:
+        """A share's bytes as the index had them at most ``NS_BYTES_TTL_S`` ago (a sum over its
+        namespace's rows: ~60 ms per 100,000 blocks, too slow for every eviction of a full directory)."""
         now = time.monotonic()
-        seen = self._ns_bytes_seen.get(ns)
+        seen = self._ns_bytes_seen.get(share)
         if seen is None or now - seen[0] > NS_BYTES_TTL_S:
-            seen = self._ns_bytes_seen[ns] = (now, self._idx.ns_bytes(c, ns))
+            seen = self._ns_bytes_seen[share] = (now, self._idx.ns_bytes(c, share))
         return seen[1]
 
     def _record_quota(self, c: sqlite3.Connection, keys: Sequence[str]) -> None:
-        """Record this writer's quota (``backends[i].quota``) for the namespaces it puts, in every session
-        (a rebuild empties the index's records), so every process's ``_make_room`` knows it; a writer
-        without one clears its namespaces' records, once each."""
-        spaces = {k[:32] for k in keys if not k.endswith(MANIFEST_NAME)}
+        """Record this writer's quota (``backends[i].quota``) for the shares it puts (their namespaces, or
+        their tenants in them), in every session (a rebuild empties the index's records), so every
+        process's ``_make_room`` knows it; a writer without one clears its shares' records, once each."""
+        shares = {Share(k[:32], self._put_tenant(k)) for k in keys if not k.endswith(MANIFEST_NAME)}
         if self.quota is not None:
-            for ns in spaces:
-                self._idx.set_quota(c, ns, self.quota.limit)
+            for share in shares:
+                self._idx.set_quota(c, share, self.quota.limit)
         else:
-            for ns in spaces - self._quota_cleared:
-                self._idx.set_quota(c, ns, None)
-            self._quota_cleared |= spaces
+            for share in shares - self._quota_cleared:
+                self._idx.set_quota(c, share, None)
+            self._quota_cleared |= shares
 
     def _settle(self, keys: Sequence[str], where: Sequence[tuple[str, str]], sizes: Sequence[int],
                 granted: Sequence[bool], tmps: Sequence[str | None],
@@ -651,7 +661,9 @@ class LocalDiskBackend(StorageBackend):
                 stored[i] = True
                 if not keys[i].endswith(MANIFEST_NAME):
                     entries.append((keys[i], sizes[i]))
-            self._idx.put(c, entries, mtimes=mtimes)
+            # Each block's tenant in the session that records it: no other process ever sees it untenanted.
+            self._idx.put(c, entries, mtimes=mtimes,
+                          tenants={k: t for k, _ in entries if (t := self._put_tenant(k)) is not None})
             self._idx.done(c, self._writer(), mine)
         return stored, errors
 
@@ -991,15 +1003,15 @@ class LocalDiskBackend(StorageBackend):
         for key in last:
             self._holds.release(key)
 
-    def _namespace_blocks(self, namespace_id: str) -> list[StoredBlock]:
-        """One namespace's blocks, least recently used first, from the index (``kvtier.quota``); this
-        process's in-flight writes and holds left out."""
+    def _share_blocks(self, share: Share) -> list[StoredBlock]:
+        """One share's blocks (a namespace's untenanted ones, or a tenant's), least recently used first, from
+        the index (``kvtier.quota``); this process's in-flight writes and holds left out."""
         with self._idx_lock:
             inflight = set(self._inflight)
-        return [StoredBlock(k, n) for k, n in self._idx.ns_lru(namespace_id) if k not in inflight]
+        return [StoredBlock(k, n) for k, n in self._idx.ns_lru(share) if k not in inflight]
 
     def _trim(self, keys: list[str]) -> None:
-        """A namespace over its quota loses ``keys``, except those another process holds for a load."""
+        """A share over its quota loses ``keys``, except those another process holds for a load."""
         free = [k for k in keys if not held_elsewhere(self._where(k, checked=True)[1])]
         if free:
             super()._trim(free)

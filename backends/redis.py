@@ -27,6 +27,15 @@ Invariants:
   backend says so (``note_restarted``) and the stack writes again what it still holds.
 * The password never appears in ``repr``, logs or exception messages: it is moved out of the URL into
   a ``SecretStr`` at validation time, and only ``Connection`` ever sends it.
+* Quotas per ``cache_salt`` tenant (``kvtier.quota``): a writer with a quota records each tenant's blocks
+  after its put, as block hashes in a sorted set ``<key_prefix>tenants/<namespace id>/<tenant tag>``
+  scored by the put's time (in ms: ties of ``OBJECT IDLETIME``, which counts seconds, go oldest written
+  first), and the tenant's tag in a set ``<key_prefix>tenants/<namespace id>``; a key, a value and the
+  namespace are the same with or without a tenant.  A tenant's listing is its sorted set, less the members
+  no longer stored (evicted, deleted, expired: removed as the listing finds them); a namespace's listing
+  leaves out every block in one of its tenants' sets.  With ``ttl_s`` a set expires ``ttl_s`` after its last put.
+  Neither is a block (no tool lists them); a set evicted by ``maxmemory`` makes its tenant's blocks
+  count as the namespace's until they are written again.
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 from urllib.parse import quote, unquote, urlsplit
 
@@ -42,6 +52,8 @@ from pydantic import Field, SecretStr, model_validator
 
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 from kvtier.format.blockformat import Segments
+from kvtier.keys import invalid_key
+from kvtier.quota import Share
 
 from ._redis_events import EvictionEvents, EvictionListener
 from ._resp import (
@@ -144,6 +156,7 @@ class RedisBackend(StorageBackend):
     Options = RedisOptions
 
     options: RedisOptions
+    counts_tenants = True  # a sorted set of block hashes per tenant (see the module docstring)
 
     def __init__(self, options: RedisOptions | dict[str, Any] | None = None, *, name: str | None = None):
         super().__init__(options, name=name or "redis")
@@ -338,10 +351,13 @@ class RedisBackend(StorageBackend):
                     break
 
     def _namespace_blocks(self, namespace_id: str) -> list[StoredBlock]:
-        """One namespace's blocks, least recently used first (``kvtier.quota``): OBJECT IDLETIME per key,
-        pipelined; a server whose maxmemory-policy is LFU answers it with an error, and then the keys keep
-        their listing order."""
-        blocks = list(self.scan(namespace_id))
+        """One namespace's blocks (its tenants' included), least recently used first."""
+        return self._by_use(list(self.scan(namespace_id)))
+
+    def _by_use(self, blocks: list[StoredBlock]) -> list[StoredBlock]:
+        """``blocks``, least recently used first (``kvtier.quota``): OBJECT IDLETIME per key, pipelined; a
+        server whose maxmemory-policy is LFU answers it with an error, and then the keys keep their order
+        (as do keys idle for as many seconds)."""
         rkeys = self._rkeys([b.key for b in blocks])
         idle = self._pipelined(
             rkeys, lambda i: ([b"*3\r\n$6\r\nOBJECT\r\n$8\r\nIDLETIME\r\n$%d\r\n%s\r\n" % (len(rkeys[i]), rkeys[i])],
@@ -349,6 +365,64 @@ class RedisBackend(StorageBackend):
             lambda c, i: c.read_reply(), None)
         order = [(-(t if isinstance(t, int) else 0), i) for i, t in enumerate(idle)]
         return [blocks[i] for _, i in sorted(order)]
+
+    # ------------------------------------------------------------------ tenants (kvtier.quota)
+
+    def _tenant_rkey(self, share: Share) -> bytes:
+        """The set of a tenant share's block hashes; with no tenant, the set of the namespace's tenant tags."""
+        tail = "" if share.tenant is None else f"/{share.tenant}"
+        return self._prefix + f"tenants/{share.namespace}{tail}".encode()
+
+    def _commands(self, rkeys: list[bytes], argvs: list[tuple[bytes | str | int, ...]]) -> list[object]:
+        """One small command per entry, routed by its key ``rkeys[i]``, pipelined; replies in order (None:
+        its node did not answer)."""
+        return self._pipelined(rkeys, lambda i: ([command(*argvs[i])], 16), lambda c, i: c.read_reply(), None)
+
+    def _members(self, rkey: bytes, written_order: bool = False) -> list[bytes]:
+        """A tenant record's members: a namespace's tenant tags, or (``written_order``) a tenant's block
+        hashes, oldest put first."""
+        argv: tuple[bytes | str | int, ...] = ("ZRANGE", rkey, 0, -1) if written_order else ("SMEMBERS", rkey)
+        reply = self._commands([rkey], [argv])[0]
+        if not isinstance(reply, list):
+            raise ConnectionError(f"redis: {argv[0]!r} of a tenant record answered {type(reply).__name__}")
+        return [m for m in reply if isinstance(m, bytes)]
+
+    def _record_tenants(self, stored: Mapping[Share, list[str]]) -> None:
+        rkeys: list[bytes] = []
+        argvs: list[tuple[bytes | str | int, ...]] = []
+        ttl = self.options.ttl_s
+        now = time.time_ns() // 1_000_000  # a score per put (ms): the order of a tenant's blocks by age
+        for share, keys in stored.items():
+            rk, tags = self._tenant_rkey(share), self._tenant_rkey(Share(share.namespace))
+            rkeys += [rk, tags]
+            scored = [x for k in keys for x in (now, k.partition("/")[2])]
+            argvs += [("ZADD", rk, *scored), ("SADD", tags, str(share.tenant))]
+            if ttl is not None:  # the record lives as long as the last block put under it
+                rkeys.append(rk)
+                argvs.append(("PEXPIRE", rk, max(1, round(ttl * 1000))))
+        failed = [r for r in self._commands(rkeys, argvs) if not isinstance(r, int)]
+        if failed:
+            raise ConnectionError(f"redis: {len(failed)} of {len(argvs)} tenant record commands failed")
+
+    def _share_blocks(self, share: Share) -> list[StoredBlock]:
+        """A tenant's blocks (its set's members still stored; the others are dropped from it), or a
+        namespace's untenanted blocks (its listing less every tenant set's members), least recently used
+        first."""
+        ns = share.namespace
+        if share.tenant is None:
+            tagged: set[str] = set()
+            for tag in self._members(self._tenant_rkey(share)):
+                tenant = Share(ns, tag.decode(errors="replace"))
+                tagged.update(f"{ns}/{h.decode(errors='replace')}" for h in self._members(self._tenant_rkey(tenant), True))
+            return self._by_use([b for b in self.scan(ns) if b.key not in tagged])
+        rk = self._tenant_rkey(share)
+        keys = [f"{ns}/{h.decode(errors='replace')}" for h in self._members(rk, True)]
+        keys = [k for k in keys if invalid_key([k]) is None]
+        sizes = self._simple(keys, b"STRLEN", None) if keys else []  # (None: its node did not answer)
+        gone = [k for k, n in zip(keys, sizes) if n == 0]
+        if gone:  # stale members (evicted, deleted, expired, trimmed): the set shrinks as it is listed
+            self._commands([rk], [("ZREM", rk, *(k.partition("/")[2] for k in gone))])
+        return self._by_use([StoredBlock(k, n) for k, n in zip(keys, sizes) if isinstance(n, int) and n])
 
     def _usage(self) -> dict[str, int]:
         """Keys (all of the database, not only kvtier's) and used memory summed over the masters."""

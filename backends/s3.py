@@ -13,6 +13,10 @@ Invariants:
   abandoned at the budget is stopped before the hook returns (its socket is shut down), so no byte reaches a
   caller's buffer after the call.  An abandoned put may still finish later; it then stores either the whole
   block or bytes whose checksum fails on read (a miss), never a wrong block.
+* Quotas bound namespaces only (``kvtier.quota``): a listing of a prefix carries no object metadata, so
+  no listing can say which ``cache_salt`` tenant a block was put for; a put's ``tenants`` are charged to
+  their namespace here (said once in the log; ``counts_tenants`` is false).  A tenant that needs a quota
+  of its own in S3 takes a namespace of its own (``security.tenant_namespace``).
 * Credentials come from boto3's standard chain unless given as options (``SecretStr``); they never appear
   in ``repr``, exception messages or log records (botocore's DEBUG output is scrubbed of them).
 """

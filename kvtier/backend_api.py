@@ -25,8 +25,11 @@ Invariants:
   refuses the whole call with ``InvalidKey`` (a ``BackendError`` and a ``ValueError``) naming the backend
   and the key; nothing is read, written, counted or treated as a miss.  A malformed key is the caller's
   bug, and a miss would hide it.
-* A backend given a quota (``limit``) keeps each namespace it writes within it after every put, by
-  deleting that namespace's own least recently used blocks (``kvtier.quota``); a put never fails for it.
+* A backend given a quota (``limit``) keeps each share it writes within it after every put (a namespace's
+  untenanted blocks, or one ``cache_salt`` tenant's: ``put(..., tenants=)``), by deleting that share's own
+  least recently used blocks (``kvtier.quota``); a put never fails for it.  A put's tenants change no
+  key and no stored byte: a hook that records them (``counts_tenants``) reads them with ``_put_tenant``
+  in the thread that called ``put``, beside the write, never in it.
 * All public methods are thread-safe if the hooks are.
 """
 
@@ -41,7 +44,8 @@ import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
@@ -50,7 +54,7 @@ from pydantic import BaseModel, ConfigDict
 from .format import blockformat
 from .keys import MANIFEST_NAME, invalid_key, show_key, split_key
 from .plugins import strict_options
-from .quota import QuotaKeeper
+from .quota import QuotaKeeper, Share, tenant_problem
 from .security import Forged, Seal
 
 if TYPE_CHECKING:
@@ -60,6 +64,9 @@ T = TypeVar("T")
 log = logging.getLogger("kvtier.backend_api")
 
 _BISECT_MIN = 8  # shorter chains are probed whole: a few parallel requests beat a sequential search
+# The tenant each key of the put running in this thread (or task) is charged to (``StorageBackend.put``'s
+# ``tenants``): a context variable, so the write hooks' signatures stay what they are.
+_PUT_TENANTS: ContextVar[Mapping[str, str] | None] = ContextVar("kvtier_put_tenants", default=None)
 
 
 class BackendError(Exception):
@@ -197,6 +204,10 @@ class StorageBackend(ABC):
     #: takes segments too).  Then ``get_into`` may be handed segments, and a CPU engine's blocks are read
     #: straight into its KV tensors, with no copy through host memory.
     reads_segments: ClassVar[bool] = False
+    #: Whether the backend can list one ``cache_salt`` tenant's blocks of a namespace (``_share_blocks``),
+    #: so a quota bounds each tenant separately (``kvtier.quota``).  A backend that cannot charges a
+    #: tenant's blocks to its namespace, and says so once in the log.
+    counts_tenants: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel | dict[str, Any] | None = None, *, name: str | None = None):
         # A subclass declares ``options: <its Options>`` for the precise type (backends/s3.py does).
@@ -207,12 +218,13 @@ class StorageBackend(ABC):
         self._lock = threading.Lock()
         self.seal: Seal | None = None
         self.quota: QuotaKeeper | None = None
+        self._said_tenants = False  # logged once: this backend charges tenants to their namespaces
 
     def limit(self, quota_bytes: int | None) -> None:
         """Keep each namespace this instance writes within ``quota_bytes`` (``backends[i].quota``; None: no
         quota): see ``kvtier.quota``.  Set once, before the first put (the builders in ``kvtier.config``)."""
         self.quota = None if quota_bytes is None else QuotaKeeper(
-            quota_bytes, lambda ns: ((b.key, b.size) for b in self._call(lambda: list(self._namespace_blocks(ns)))),
+            quota_bytes, lambda share: ((b.key, b.size) for b in self._call(lambda: list(self._share_blocks(share)))),
             self._trim)
 
     def _trim(self, keys: list[str]) -> None:
@@ -354,6 +366,26 @@ class StorageBackend(ABC):
         quota loses them in (``kvtier.quota``).  Optional; the default lists them in scan order."""
         return self.scan(namespace_id)
 
+    def _share_blocks(self, share: Share) -> Iterable[StoredBlock]:
+        """One share's blocks (``kvtier.quota``), least recently used (or oldest) first: a namespace's
+        untenanted blocks (``share.tenant`` None), or one tenant's.  The default, for a backend that does
+        not count tenants, lists the whole namespace (``_namespace_blocks``); one that ``counts_tenants``
+        overrides it, and then a namespace's listing leaves its tenants' blocks out."""
+        if share.tenant is not None:
+            raise NotImplementedError(f"backend {self.name!r} lists no tenant's blocks (counts_tenants is false)")
+        return self._namespace_blocks(share.namespace)
+
+    def _record_tenants(self, stored: Mapping[Share, list[str]]) -> None:  # noqa: B027 - optional hook
+        """After a put by a backend with a quota: ``stored`` are the keys it stored per tenant share, for
+        a backend that ``counts_tenants`` and keeps its tenants' listings apart from the write (Redis).
+        Optional; a backend that records a key's tenant with the key itself reads ``_put_tenant``."""
+
+    def _put_tenant(self, key: str) -> str | None:
+        """In a write hook, on the thread that called ``put``: the tenant tag the put charges ``key`` to
+        (None: its namespace)."""
+        charged = _PUT_TENANTS.get()
+        return None if charged is None else charged.get(key)
+
     def _eviction_order(self) -> Iterable[StoredBlock]:
         """Every stored block (not manifests), least recently used first: the order ``evict_to`` removes
         them in.  Optional; the default knows nothing of use and lists them in scan order."""
@@ -427,21 +459,30 @@ class StorageBackend(ABC):
         self._refuse_invalid(keys)
         return list(self._call(self._exists, keys))
 
-    def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int) -> list[bool]:
-        """Store each payload (any contiguous buffer) as a verified block; per-key success."""
+    def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int, *,
+            tenants: Sequence[str | None] | None = None) -> list[bool]:
+        """Store each payload (any contiguous buffer) as a verified block; per-key success.  ``tenants``:
+        per key the ``cache_salt`` tenant (its tag, ``kvtier.keys.tenant_tag``) whose quota the block is
+        charged to, None for its namespace's (``kvtier.quota``); it changes no key and no stored byte."""
         if len(keys) != len(payloads):
             raise ValueError(f"put: {len(keys)} keys but {len(payloads)} payloads")
+        if tenants is not None and len(tenants) != len(keys):
+            raise ValueError(f"put: {len(keys)} keys but {len(tenants)} tenants")
         if not keys:
             return []
         self._refuse_invalid(keys)
+        charged = self._charges(keys, tenants)
         views = [_put_view(p, self.writes_segments) for p in payloads]
         t0 = time.perf_counter()
+        mark = _PUT_TENANTS.set(charged or None)
         try:
             ok = list(self._call(self._put_blocks, keys, views, layout_id))
         except BackendError:
             with self._lock:
                 self._stats.put_failures += len(keys)
             raise
+        finally:
+            _PUT_TENANTS.reset(mark)
         nbytes = sum(v.nbytes for v, good in zip(views, ok) if good)
         with self._lock:
             s = self._stats
@@ -451,8 +492,40 @@ class StorageBackend(ABC):
             s.put_seconds += time.perf_counter() - t0
         if self.quota is not None and nbytes:
             hsize = self.header_size
-            self.quota.wrote([(k, hsize + v.nbytes) for k, v, good in zip(keys, views, ok) if good])
+            if charged:
+                self._tenants_stored(charged, [k for k, good in zip(keys, ok) if good])
+            self.quota.wrote([(k, hsize + v.nbytes) for k, v, good in zip(keys, views, ok) if good], charged)
         return ok
+
+    def _charges(self, keys: Sequence[str], tenants: Sequence[str | None] | None) -> dict[str, str]:
+        """key -> tenant tag of a put's tenants' keys (checked); empty when the backend counts no tenants
+        (said once: their blocks are charged to their namespaces)."""
+        if tenants is None:
+            return {}
+        for i, t in enumerate(tenants):
+            if t is not None and (why := tenant_problem(t)) is not None:
+                raise ValueError(f"put: tenants[{i}] (key {show_key(keys[i])}): {why}")
+        charged = {k: t for k, t in zip(keys, tenants) if t is not None}
+        if charged and not self.counts_tenants:
+            if not self._said_tenants and self.quota is not None:
+                self._said_tenants = True
+                log.info("backend %r cannot list a cache_salt tenant's blocks: tenants' blocks are charged to "
+                         "their namespace's quota here (kvtier.quota)", self.name)
+            return {}
+        return charged
+
+    def _tenants_stored(self, charged: Mapping[str, str], stored: Sequence[str]) -> None:
+        """Hand the tenants of a put's stored keys to ``_record_tenants``; never fails the put."""
+        per: dict[Share, list[str]] = {}
+        for k in stored:
+            if (t := charged.get(k)) is not None:
+                per.setdefault(Share(k.partition("/")[0], t), []).append(k)
+        if not per:
+            return
+        try:
+            self._call(self._record_tenants, per)
+        except BackendError as e:  # the next count lists the share without them: within, not a failed put
+            log.warning("backend %r: could not record the tenants of a put (%s)", self.name, type(e).__name__)
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int, *,
                  on_verified: Callable[[int], None] | None = None) -> list[bool]:

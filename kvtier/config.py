@@ -192,8 +192,10 @@ class BackendConfig(_Section):
     write: bool = Field(True, description="false = read-only use (e.g. a decode instance that never stores).")
     quota: ByteSize | None = Field(
         None, description='Bytes each namespace this deployment writes may hold in this backend, e.g. "20GiB" '
-                          "(null: no quota).  Over it, the namespace's own least recently used blocks go, never "
-                          "another's: for a store several deployments share (a local_disk directory, a Redis "
+                          "(null: no quota), and each cache_salt tenant within it (local_disk, redis; in s3 "
+                          "tenants count as their namespace).  Over it, the namespace's (or tenant's) own least "
+                          "recently used blocks go, never another's: for a store several deployments or "
+                          "tenants share (a local_disk directory, a Redis "
                           "key_prefix, an S3 prefix).  local_disk's capacity evictions also skip the blocks "
                           "of a namespace within its quota; in Redis and S3, give every sharing deployment "
                           "one, their sum within maxmemory / the bucket's budget.")

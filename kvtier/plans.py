@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .index import Tier
+from .quota import tenant_problem
 
 
 class LookupState(enum.Enum):
@@ -80,9 +81,17 @@ class LoadPlan(_BlockPlan):
 
 @dataclass(frozen=True)
 class StorePlan(_BlockPlan):
-    """Store device blocks ``block_ids`` (holding ``hashes``, already computed this step) for ``req_id``."""
+    """Store device blocks ``block_ids`` (holding ``hashes``, already computed this step) for ``req_id``.
+    ``tenant``: the tag of the request's ``cache_salt`` (``kvtier.keys.tenant_tag``; None: unsalted), whose
+    quota the stored blocks are charged to in the backends (``kvtier.quota``)."""
 
     KIND: ClassVar[str] = "store"
+    tenant: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tenant is not None and (why := tenant_problem(self.tenant)) is not None:
+            raise ValueError(f"store plan for {self.req_id!r}: tenant: {why}")
 
 
 @dataclass

@@ -60,6 +60,7 @@ from .memory.transfer import TransferEngine
 from .metrics import StackMetrics
 from .plans import WorkerReport
 from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
+from .quota import tenant_problem
 from .tiering.backend_set import BackendSet
 from .tiering.load_path import Upward
 from .tiering.manager import TierManager
@@ -276,13 +277,18 @@ class TierStack:
             raise ValueError(f"block ids: a load needs distinct destination blocks, got duplicates {dup}")
         return self._up.load(hashes, ids, layerwise, _start(start))
 
-    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> StoreHandle:
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0,
+              tenant: str | None = None) -> StoreHandle:
         """Copy device blocks ``block_ids`` holding ``hashes`` into host memory (allocating slots; when
         full, evicting unpinned blocks as the eviction policy says, or skipping and counting); then the
         write policy decides which go down to the backends, and when (asynchronously).  The engine may
-        reuse the device blocks once ``handle.wait()`` has returned."""
+        reuse the device blocks once ``handle.wait()`` has returned.  ``tenant``: the tag of the request's
+        ``cache_salt`` (``kvtier.keys.tenant_tag``): the blocks it stores are charged to that tenant's quota
+        in the backends, whenever they are written (``kvtier.quota``); None: the namespace's."""
         hashes = self.manager.check_hashes(hashes)
-        return self._down.store(hashes, self._check_ids(block_ids, len(hashes)), _start(start))
+        if tenant is not None and (why := tenant_problem(tenant)) is not None:
+            raise ValueError(f"store: tenant: {why}")
+        return self._down.store(hashes, self._check_ids(block_ids, len(hashes)), _start(start), tenant)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every store in flight and every pending backend write has finished; False if

@@ -340,14 +340,14 @@ def test_quota_counts_at_most_once_per_sixteenth_written():
     goes over, then not again before quota / 16 bytes more are written here, even while something else
     keeps removing the namespace's blocks (so a count may find it just within); the namespace exceeds
     its quota by at most that 1/16."""
-    from kvtier.quota import SLACK, QuotaKeeper
+    from kvtier.quota import SLACK, QuotaKeeper, Share
 
     stored: dict[str, int] = {}
     counts = []
 
-    def blocks(ns: str) -> list[tuple[str, int]]:
-        counts.append(ns)
-        return [(k, n) for k, n in stored.items() if k.startswith(ns)]
+    def blocks(share: Share) -> list[tuple[str, int]]:
+        counts.append(share)
+        return [(k, n) for k, n in stored.items() if k.startswith(share.namespace)]
 
     def remove(keys: list[str]) -> None:
         for k in keys:

@@ -436,6 +436,45 @@ def test_the_scheduler_stores_again_what_a_load_did_not_deliver():
 
 
 
+def test_a_salted_requests_store_plans_carry_its_tenant_and_the_worker_charges_it(tmp_path):
+    """Quotas per cache_salt tenant (kvtier.quota): the scheduler's StorePlans of a salted request name the
+    tag of its salt (never the salt), an unsalted request's name none; the worker stores them so, and its
+    local_disk records each block's tenant beside it (the share its quota counts)."""
+    from kvtier.keys import tenant_tag
+    from kvtier.quota import Share
+
+    cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
+    side = SchedulerSide(cfg, load=False, store=True, vllm_hash_algo=None)
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3],) if req_id == "a"
+                                                  else ([4, 5, 6],))
+    prompt = list(range(1, 2 * BS + 2))  # 2 full blocks and a token
+    salted = _request("a", prompt)
+    salted.cache_salt = "tenant-a-salt"
+    plain = _request("b", prompt)
+    for req in (salted, plain):
+        assert side.matched_tokens(req, 0) == (0, False)
+    plan = _step(side, {"a": len(prompt), "b": len(prompt)})
+    by_req = {sp.req_id: sp for sp in plan.stores}
+    tag = tenant_tag("tenant-a-salt")
+    assert by_req["a"].tenant == tag and by_req["b"].tenant is None
+    assert by_req["a"].hashes != by_req["b"].hashes  # the salt is in the keys, as before
+    with pytest.raises(ValueError, match="store plan for 'a': tenant: expected a tenant tag"):
+        StorePlan("a", by_req["a"].hashes, (1, 2), tenant="tenant-a-salt")
+
+    ws, _ = _worker(tmp_path)
+    try:
+        hashes = ws.stack.namespace.hasher().hash_blocks(list(range(2 * BLOCK)), cache_salt="tenant-a-salt")
+        others = ws.stack.namespace.hasher().hash_blocks(list(range(2 * BLOCK)))
+        ws.save(StepPlan(stores=[StorePlan("a", tuple(hashes), (0, 1), tenant=tag),
+                                 StorePlan("b", tuple(others), (2, 3))]))
+        assert ws.stack.flush(10)
+        backend, ns = ws.stack.backends[0], ws.stack.namespace
+        assert [b.key for b in backend._share_blocks(Share(ns.id, tag))] == ns.keys(hashes)
+        assert [b.key for b in backend._share_blocks(Share(ns.id))] == ns.keys(others)
+    finally:
+        ws.close()
+
+
 @pytest.fixture
 def bare_logging(monkeypatch):
     """Logging as vLLM leaves it in its server processes: a handler on ``vllm`` only (writing into a

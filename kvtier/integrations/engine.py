@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..format.layout import parse_dtype
+from ..keys import tenant_tag
 from ..memory.blockpool import BlockPool
 from .hf_llama import PagedLlama, TinyLlamaSpec
 
@@ -155,7 +156,9 @@ class CachedEngine:
                 # starts there (blocks before first_new are valid on the device too).
                 g = getattr(self.stack, "storage_blocks", 1)
                 s0 = first_new // g * g
-                self.stack.store(hashes[s0:], table[s0 : len(hashes)], start=s0).wait()
+                # A salted request's blocks are charged to its tenant's quota in the backends.
+                tenant = tenant_tag(cache_salt) if cache_salt else None
+                self.stack.store(hashes[s0:], table[s0 : len(hashes)], start=s0, tenant=tenant).wait()
                 res.store_s = time.perf_counter() - t3
                 res.stored_blocks = len(hashes) - first_new
                 if self.wait_writes:

@@ -147,9 +147,11 @@ class SimulatedStack:
         loaded = tuple(i < cut for i in range(len(hashes)))
         return _Done(LoadResult(tuple(ids), loaded, loaded, (), (), self.block_size))
 
-    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0,
+              tenant: str | None = None) -> _Done:
         """``store_path.Downward.store``: the planner's classification and slots, victims written back,
-        the new blocks committed (no copy), then what the write policy sends down."""
+        the new blocks committed (no copy), then what the write policy sends down.  ``tenant`` is taken
+        and not modelled: the ledgers bound capacities, not quotas."""
         p, hashes = self.planner, list(hashes)
         with p.lock:
             plan = p.start_store_locked(hashes, [int(b) for b in block_ids])

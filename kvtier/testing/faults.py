@@ -198,12 +198,15 @@ class FaultyBackend(StorageBackend):
         self._before("exists", keys)
         return self.inner.exists(keys)
 
-    def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int) -> list[bool]:
+    def put(self, keys: Sequence[str], payloads: Sequence[Any], layout_id: int, *,
+            tenants: Sequence[str | None] | None = None) -> list[bool]:
         drop = self._before("put", keys)
         if not drop:
-            return self.inner.put(keys, payloads, layout_id)
+            return self.inner.put(keys, payloads, layout_id, tenants=tenants)
         keep = [i for i, k in enumerate(keys) if k not in drop]
-        got = self.inner.put([keys[i] for i in keep], [payloads[i] for i in keep], layout_id) if keep else []
+        kept = None if tenants is None else [tenants[i] for i in keep]
+        got = self.inner.put([keys[i] for i in keep], [payloads[i] for i in keep], layout_id,
+                             tenants=kept) if keep else []
         out = [False] * len(keys)
         for i, ok in zip(keep, got):
             out[i] = ok

@@ -205,14 +205,18 @@ class BackendSet:
             where += [who] * best
         return where
 
-    def put(self, i: int, keys: Sequence[str], payloads: Sequence[Any]) -> list[bool]:
-        """Store payloads in backend ``i``; per key, whether it took the block (all False when it fails)."""
+    def put(self, i: int, keys: Sequence[str], payloads: Sequence[Any],
+            tenants: Sequence[str | None] | None = None) -> list[bool]:
+        """Store payloads in backend ``i``; per key, whether it took the block (all False when it fails).
+        ``tenants``: per key the ``cache_salt`` tenant tag its quota is charged to (``kvtier.quota``)."""
         if not keys:
             return []
         name = self.names[i]
         t0 = time.perf_counter()
+        # Only a put with a tenant names them: a backend overriding ``put`` without ``tenants`` still works.
+        more = {"tenants": tenants} if tenants is not None and any(t is not None for t in tenants) else {}
         try:
-            ok = [bool(x) for x in self.backends[i].put(keys, payloads, self.layout_id)]
+            ok = [bool(x) for x in self.backends[i].put(keys, payloads, self.layout_id, **more)]
             if len(ok) != len(keys):
                 raise BackendError(name, keys[0], f"put returned {len(ok)} results for {len(keys)} keys")
         except Exception as e:  # noqa: BLE001 - a backend fault is a skipped store

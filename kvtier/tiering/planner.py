@@ -18,9 +18,13 @@ Invariants (checked by :meth:`Planner.check_locked` in the tests, after every op
 * **One at a time.**  A block is in at most one store (``storing``) and at most one copy down
   (``writing``).
 * **Bounded.**  At most ``max_unwritten`` host blocks wait on a write-back that failed (beyond that the
-  next such victim is evicted unwritten, counted ``dropped``); ``owed`` and ``members`` only name blocks in
-  host memory (they leave with the block); backend-only index entries beyond ``max_index_entries`` are
-  forgotten oldest first.
+  next such victim is evicted unwritten, counted ``dropped``); ``owed``, ``members`` and ``tenants`` only
+  name blocks in host memory (they leave with the block); backend-only index entries beyond
+  ``max_index_entries`` are forgotten oldest first.
+* **Tenants.**  A host block stored for a ``cache_salt`` tenant (``store(..., tenant=)``) keeps its tag
+  until it leaves host memory, so every later write of its value (write-down, write-back, a write again
+  after an outage) is charged to that tenant's quota (``kvtier.quota``); the first store to commit a
+  block names its tenant.
 * **Reports.**  With a listener (``start_report``), every host-memory change and every backend mark is
   recorded for a manager in another process, once.
 """
@@ -64,6 +68,7 @@ class GroupWrite:
     slots: tuple[int, ...]       # their host slots
     targets: tuple[int, ...]     # the writable backends lacking it
     added: tuple[bytes, ...]     # the blocks this claim put in ``writing`` (released by it alone)
+    tenant: str | None = None    # the cache_salt tenant tag its quota is charged to (None: the namespace's)
 
 
 @dataclass
@@ -112,6 +117,8 @@ class Planner:
         self._owed: dict[bytes, None] = {}
         # Host blocks of whole stored-value groups (storage.block_tokens > 1): block -> its group's blocks.
         self._members: dict[bytes, tuple[bytes, ...]] = {}
+        # Host blocks stored for a cache_salt tenant: block -> its tenant tag (kvtier.quota).
+        self._tenants: dict[bytes, str] = {}
         # What host memory gained and lost since the last drain_report(): a manager in another process
         # (vLLM's scheduler) mirrors host residency from it.  None = nobody listens, nothing recorded.
         self._report: WorkerReport | None = None
@@ -158,6 +165,7 @@ class Planner:
         self._unwritten.pop(key, None)
         self._owed.pop(key, None)
         self._members.pop(key, None)
+        self._tenants.pop(key, None)
         if slot is not None:
             self.host_slots().free([slot])
             self.eviction_policy.on_remove(Tier.HOST, [key])
@@ -297,14 +305,16 @@ class Planner:
         return StoreStart(status, new, hits, slots, victims)
 
     def stored_locked(self, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
-                      ok: Sequence[bool], status: list[StoreStatus]) -> list[bytes]:
-        """The device -> host copies of a store landed (``ok`` per block): commit them, set ``status``, and
-        return the blocks the write policy sends down now."""
+                      ok: Sequence[bool], status: list[StoreStatus], tenant: str | None = None) -> list[bytes]:
+        """The device -> host copies of a store landed (``ok`` per block): commit them (charged to
+        ``tenant``, the store's), set ``status``, and return the blocks the write policy sends down now."""
         down: list[bytes] = []
         for i, key, slot, good in zip(take, keys, slots, ok):
             self._storing.discard(key)
             if good:
                 if self.commit_host_locked(key, slot) == slot:
+                    if tenant is not None:
+                        self._tenants[key] = tenant
                     status[i] = STORED
                     if self.write_policy.on_store(key):
                         down.append(key)
@@ -416,7 +426,7 @@ class Planner:
                 continue
             added = tuple(k for k in members if k not in self._writing)
             self._writing.update(added)
-            todo.append(GroupWrite(members, have, targets, added))
+            todo.append(GroupWrite(members, have, targets, added, self._tenants.get(members[-1])))
         return todo
 
     def release_groups(self, claims: Sequence[GroupWrite]) -> None:
@@ -531,7 +541,7 @@ class Planner:
                                  "still in flight")
         if len(self._unwritten) > self.max_unwritten + 1:
             raise AssertionError(f"planner: {len(self._unwritten)} unwritten blocks, bound {self.max_unwritten}")
-        for what, keys in (("owed", self._owed), ("members", self._members)):
+        for what, keys in (("owed", self._owed), ("members", self._members), ("tenants", self._tenants)):
             stray = [k for k in keys if self.index.host_slot(k) is None]
             if stray:
                 raise AssertionError(f"planner: {len(stray)} {what} block(s) not in host memory")

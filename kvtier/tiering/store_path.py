@@ -85,7 +85,7 @@ class Downward:
 
     # ------------------------------------------------------------------ store
 
-    def store(self, hashes: list[bytes], ids: np.ndarray, start: int = 0) -> StoreHandle:
+    def store(self, hashes: list[bytes], ids: np.ndarray, start: int = 0, tenant: str | None = None) -> StoreHandle:
         p, planner, workers = self.parts, self.parts.planner, self.parts.workers
         handle = StoreHandle(len(hashes))
         with planner.lock:
@@ -97,7 +97,7 @@ class Downward:
         if not new:
             self._finish(handle, status)
         elif p.host is None:
-            self._store_direct(handle, hashes, ids, new, status, start)
+            self._store_direct(handle, hashes, ids, new, status, start, tenant)
         elif plan.victims:
             # Write-back victims must reach a backend before their slots take new blocks: that I/O runs
             # in a worker, which then issues the copy after the work queued so far on this stream.
@@ -106,15 +106,15 @@ class Downward:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(p.device.device))
             if not workers.submit(workers.io, self._store_deferred, handle, hashes, ids, new, status, plan.slots,
-                                  plan.victims, ev, start):
+                                  plan.victims, ev, start, tenant):
                 self._abandon(handle, hashes, new, status, plan.slots, plan.victims)
         else:
-            self._store_submit(handle, hashes, ids, new, status, plan.slots, start)
+            self._store_submit(handle, hashes, ids, new, status, plan.slots, start, tenant)
         return handle
 
     def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
                         status: list[StoreStatus], slots: list[int], wb: list[CopyDown], ev: Any,
-                        start: int) -> None:
+                        start: int, tenant: str | None = None) -> None:
         try:
             more = self.room.write_back(wb)
             if ev is not None:
@@ -123,10 +123,11 @@ class Downward:
             log.exception("store: write-back failed")
             self._abandon(handle, hashes, new, status, slots, [])
             return
-        self._store_submit(handle, hashes, ids, new, status, slots + more, start)
+        self._store_submit(handle, hashes, ids, new, status, slots + more, start, tenant)
 
     def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                      status: list[StoreStatus], slots: list[int], start: int = 0) -> None:
+                      status: list[StoreStatus], slots: list[int], start: int = 0,
+                      tenant: str | None = None) -> None:
         p = self.parts
         take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
         if skip:
@@ -146,14 +147,15 @@ class Downward:
             p.planner.end_stores(keys)
             self._finish(handle, status)
             return
-        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status, hashes, start))
+        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status, hashes, start, tenant))
 
     def _on_stored(self, handle: StoreHandle, r: TransferResult, take: list[int], keys: list[bytes],
-                   status: list[StoreStatus], hashes: Sequence[bytes] = (), start: int = 0) -> None:
+                   status: list[StoreStatus], hashes: Sequence[bytes] = (), start: int = 0,
+                   tenant: str | None = None) -> None:
         p, planner = self.parts, self.parts.planner
         try:
             with planner.lock:
-                down = planner.stored_locked(take, keys, r.slots, r.ok, status)
+                down = planner.stored_locked(take, keys, r.slots, r.ok, status, tenant)
                 # Values of several blocks: a write of one of their blocks (now, or a write-back later)
                 # writes the whole value.
                 planner.remember_store_locked(hashes, start)
@@ -166,7 +168,7 @@ class Downward:
             self._finish(handle, status)
 
     def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                      status: list[StoreStatus], start: int) -> None:
+                      status: list[StoreStatus], start: int, tenant: str | None = None) -> None:
         """No host tier: copy the stored values' blocks out of the device now (this thread, so the copy is
         ordered after the engine's work), then write them to the writable backends in a worker.  With
         values of several blocks, a value is a whole group of the store holding a new block; a new block
@@ -195,7 +197,7 @@ class Downward:
 
         def write() -> None:
             try:
-                took = self.writer.put_rows([tuple(hashes[a:b + 1]) for a, b in spans], rows)
+                took = self.writer.put_rows([tuple(hashes[a:b + 1]) for a, b in spans], rows, tenant)
                 for (a, b), ok in zip(spans, took):
                     for i in range(a, b + 1):
                         if i in fresh:

@@ -11,7 +11,9 @@ Invariants:
 * a value is written from host memory only whole (every block of it claimed by
   ``claim_groups_locked``, and so kept from eviction, for the whole put; released exactly once), under its
   last block's key;
-* no lock is held during the I/O; a backend fault is a refused value (``BackendSet.put`` never raises).
+* no lock is held during the I/O; a backend fault is a refused value (``BackendSet.put`` never raises);
+* a value is charged to the ``cache_salt`` tenant its store named (``GroupWrite.tenant``, the planner's
+  record of its last block), whenever it is written, so a tenant's quota counts it (``kvtier.quota``).
 """
 
 from __future__ import annotations
@@ -32,25 +34,29 @@ class BackendWriter:
     def __init__(self, parts: StackParts):
         self.parts = parts
 
-    def put_values(self, b: int, values: Sequence[tuple[bytes, ...]], payloads: Sequence[Any]) -> list[bool]:
+    def put_values(self, b: int, values: Sequence[tuple[bytes, ...]], payloads: Sequence[Any],
+                   tenants: Sequence[str | None] | None = None) -> list[bool]:
         """Put stored values into backend ``b`` (each under its last block's key) and mark every block of
-        the values it took as stored there; per value whether it did."""
+        the values it took as stored there; per value whether it did.  ``tenants``: per value the tenant tag
+        its quota is charged to (None: the namespace's)."""
         p, planner = self.parts, self.parts.planner
         lasts = [v[-1] for v in values]
         with planner.lock:
             planner.begin_put_locked(b, lasts)
-        ok = p.backends.put(b, p.namespace.keys(lasts), payloads)  # never raises: a fault is all False
+        ok = p.backends.put(b, p.namespace.keys(lasts), payloads, tenants)  # never raises: a fault is all False
         with planner.lock:
             planner.put_done_locked(b, values, ok)
         return ok
 
-    def put_rows(self, values: Sequence[tuple[bytes, ...]], rows: torch.Tensor) -> list[bool]:
+    def put_rows(self, values: Sequence[tuple[bytes, ...]], rows: torch.Tensor,
+                 tenant: str | None = None) -> list[bool]:
         """Write stored values whose payloads are ``rows`` (``[values, bytes]``, read from the device) to
-        every writable backend; per value whether one took it."""
+        every writable backend, charged to ``tenant`` (a store's); per value whether one took it."""
         views = [rows[j].numpy() for j in range(len(values))]
         took = [False] * len(values)
+        tenants = None if tenant is None else [tenant] * len(values)
         for b in self.parts.backends.writable:
-            took = [t or good for t, good in zip(took, self.put_values(b, values, views))]
+            took = [t or good for t, good in zip(took, self.put_values(b, values, views, tenants))]
         return took
 
     # ------------------------------------------------------------------ from host memory
@@ -100,7 +106,7 @@ class BackendWriter:
             # once, for one that does not: StorageBackend.put).
             payloads = [host.slot_view(c.slots[0]) if len(c.slots) == 1
                         else Segments(host.slot_views(c.slots)) for c in part]
-            ok = self.put_values(b, [c.members for c in part], payloads)
+            ok = self.put_values(b, [c.members for c in part], payloads, [c.tenant for c in part])
             p.metrics.add("host", bytes_out=sum(len(c.members) for c, good in zip(part, ok) if good)
                           * p.layout.block_nbytes)
             written.update(c.members[-1] for c, good in zip(part, ok) if good)

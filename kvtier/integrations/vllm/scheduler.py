@@ -9,7 +9,8 @@ It lives in vLLM's EngineCore process and holds a :class:`~kvtier.tiering.manage
   ever waits on kvtier's I/O).
 * ``after_alloc``: records a :class:`~kvtier.plans.LoadPlan` for the blocks vLLM allocated.
 * ``build_plan``: the step's loads, and a :class:`~kvtier.plans.StorePlan` for every prompt block that
-  becomes fully computed in this step.  The worker copies those out before the step ends, so a finished
+  becomes fully computed in this step, naming the request's ``cache_salt`` tenant (its tag) when it has
+  one, so the worker's stack charges the blocks to that tenant's quota (``kvtier.quota``).  The worker copies those out before the step ends, so a finished
   request's blocks never need to outlive it (``request_finished`` frees at once).
 
 Keys are kvtier's own block hashes (from token ids, LoRA, multimodal items and the cache salt), so a
@@ -28,6 +29,7 @@ from functools import partial
 from typing import Any, cast
 
 from ...config import KvtierConfig
+from ...keys import tenant_tag
 from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 from ...tiering.manager import TierManager
 from .events import TierEvents
@@ -83,6 +85,8 @@ class _Request:
     external_tokens: int = 0
     sync: bool = False  # the offered hit is loaded in the step that schedules the request
     loaded_from: dict[str, int] = field(default_factory=dict)  # tier name -> tokens (for people: stats)
+    # The tag of the request's cache_salt (None: unsalted): its stores are charged to that tenant's quota.
+    tenant: str | None = None
 
 
 @dataclass
@@ -156,7 +160,8 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Request:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _Request(request, self._hash(request))
+            salt = getattr(request, "cache_salt", None)
+            st = _Request(request, self._hash(request), tenant=tenant_tag(salt) if salt else None)
             self._reqs[request.request_id] = st
         return st
 
@@ -303,7 +308,8 @@ class SchedulerSide:
                     if block_id != NULL_BLOCK and upto - 1 not in st.stored_states.setdefault(g, set()):
                         st.stored_states[g].add(upto - 1)
                         self._learn(st, upto - 1, upto)
-                        plan.stores.append(StorePlan(req_id, (st.hashes[upto - 1],), (block_id,), upto - 1, group=g))
+                        plan.stores.append(StorePlan(req_id, (st.hashes[upto - 1],), (block_id,), upto - 1, group=g,
+                                                     tenant=st.tenant))
         if self.state_streams:
             plan.stores.extend(self._state_stores(scheduler_output))
         return plan
@@ -327,7 +333,7 @@ class SchedulerSide:
                     continue
                 st.stored_states[g].add(i)
                 self._learn(st, i, i + 1)
-                out.append(StorePlan(req_id, (st.hashes[i],), (block_id,), i, group=g))
+                out.append(StorePlan(req_id, (st.hashes[i],), (block_id,), i, group=g, tenant=st.tenant))
         return out
 
     def _store_upto(self, st: _Request, s: Stream, upto: int, block_ids: Callable[[], list[int]]) -> StorePlan | None:
@@ -350,7 +356,8 @@ class SchedulerSide:
         if lo >= upto:
             return None
         self._learn(st, lo, upto)
-        return StorePlan(st.request.request_id, tuple(st.hashes[lo:upto]), tuple(ids[lo:upto]), lo, group=g)
+        return StorePlan(st.request.request_id, tuple(st.hashes[lo:upto]), tuple(ids[lo:upto]), lo, group=g,
+                         tenant=st.tenant)
 
     def _learn(self, st: _Request, lo: int, upto: int) -> None:
         """Tell the event stream the token ids and parents of blocks ``lo..upto`` of ``st`` (being stored)."""

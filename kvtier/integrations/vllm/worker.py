@@ -195,7 +195,8 @@ class WorkerSide:
                 if not sp.hashes:
                     continue
             try:
-                res = self.stack.store(list(sp.hashes), list(sp.block_ids), start=sp.start).wait(timeout=60)
+                res = self.stack.store(list(sp.hashes), list(sp.block_ids), start=sp.start,
+                                       tenant=sp.tenant).wait(timeout=60)
                 self.stats["stored_blocks"] += res.num_stored
                 log.debug("kvtier: request %s: blocks %d-%d copied out (%d new)", sp.req_id, sp.start,
                           sp.start + len(sp.hashes) - 1, res.num_stored)
