@@ -17,7 +17,7 @@ from kvtier.format.layout import KVLayout, LayoutError
 from kvtier.memory.blockpool import BlockPool, PoolExhausted
 from kvtier.memory.device import DeviceTier
 from kvtier.memory.host import HostTier, resolve_pin_memory
-from kvtier.memory.host_slots import FREE, READY, WRITING
+from kvtier.memory.host_slots import FREE, READY, WRITING, SlotTable
 from kvtier.memory.rows import to_payload
 
 
@@ -434,3 +434,24 @@ def test_cpu_copy_threads_are_serial_and_leave_torch_setting_alone():
     assert torch.get_num_threads() == before
     if before > 1 and rows_mod._omp_set_num_threads() is not None:
         assert all(n == 1 for n, _ in seen)  # copies run single-threaded in kvtier's pool
+
+
+def test_slot_reuse_hands_a_ready_slot_to_the_next_block_without_freeing_it():
+    """An evicted block's slot goes straight to the block planned to take its place: between the two it is
+    never free, so no other caller's allocation can take it."""
+    t = SlotTable(3)
+    slots = t.allocate(3).slots
+    t.commit(slots, ["a", "b", "c"])
+    t.reuse([1])
+    assert t.state(1) == WRITING and t.key(1) is None and t.num_free == 0
+    assert t.allocate(1).slots == []  # not on the free list
+    t.commit([1], ["d"])
+    assert t.holds([1], ["d"]) == [True]
+    c = t.counts()
+    assert (c.free, c.writing, c.ready, c.allocated) == (0, 0, 3, 4)
+    t.allocate(0)
+    t.free([2])
+    t.allocate(1)  # slot 2, WRITING
+    with pytest.raises(ValueError, match="reuse: slot 2 is writing, expected ready"):
+        t.reuse([0, 2])
+    assert t.state(0) == READY  # all or nothing

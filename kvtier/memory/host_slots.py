@@ -7,8 +7,12 @@ the worker's slab.
 Slot life cycle::
 
     FREE --allocate--> WRITING --commit--> READY --free--> FREE
-                          |                                  ^
+                          |  ^                  |            ^
+                          |  +------reuse-------+            |
                           +---------------free---------------+
+
+(``reuse``: the block a READY slot held is evicted and the slot handed straight to the block that takes its
+place, so a plan can name that slot before the eviction happens.)
 
 Invariants:
 * nothing here waits: ``allocate`` returns what it can at once (``skipped`` counts the rest), lowest slot
@@ -103,6 +107,19 @@ class SlotTable:
                 self._key[s] = None if keys is None else keys[i]
             self._n_writing -= len(slots)
             self._n_ready += len(slots)
+
+    def reuse(self, slots: Sequence[int]) -> None:
+        """READY -> WRITING: the blocks these slots held are gone (evicted), and each slot goes to the block
+        planned to take its place, never back to the free list where another caller could take it.
+        All or nothing."""
+        with self._lock:
+            self._expect(slots, (READY,), "reuse")
+            for s in slots:
+                self._state[s] = WRITING
+                self._key[s] = None
+            self._n_ready -= len(slots)
+            self._n_writing += len(slots)
+            self._allocated += len(slots)
 
     def free(self, slots: Sequence[int]) -> None:
         """Back to FREE (a failed or abandoned write, an evicted block, a dropped one).  Raises for a slot

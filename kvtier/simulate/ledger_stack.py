@@ -170,7 +170,7 @@ class SimulatedStack:
             p.end_stores([hashes[i] for i in skip])
         keys = [hashes[i] for i in take]
         with p.lock:
-            down = p.stored_locked(take, keys, slots, [True] * len(take), status)
+            down = p.stored_locked(plan, take, keys, slots, [True] * len(take))
             p.remember_store_locked(hashes, start)
         self._counters["host"].written += len(take)
         if down:

@@ -15,6 +15,10 @@ Invariants (checked by :meth:`Planner.check_locked` in the tests, after every op
   only pins: the slot table keeps states, no pin count of its own.
 * **Index = truth about memory.**  The index says a block is in host slot ``s`` iff slot ``s`` is READY
   or WRITING under this planner's commit (``commit_host_locked``); a slot is never in two blocks.
+* **Plans name their slots.**  A store's plan (:class:`StoreStart`) says at its start which host slot each
+  of its new blocks goes to (:meth:`StoreStart.room`); a slot a victim hands over goes from that victim
+  to the planned block without being free in between (``SlotTable.reuse``), so the same plan places the
+  same blocks in the same slots whenever its write-backs end.
 * **One at a time.**  A block is in at most one store (``storing``) and at most one copy down
   (``writing``).
 * **Bounded.**  At most ``max_unwritten`` host blocks wait on a write-back that failed (beyond that the
@@ -73,16 +77,24 @@ class GroupWrite:
 
 @dataclass
 class StoreStart:
-    """What a store does, decided at its start: per block its status so far; ``new``: positions to copy
-    (pinned, in ``storing``); ``hits``: blocks already held that the write policy sends down on this hit;
-    ``slots`` / ``victims``: host slots taken for the new blocks, and the write-back victims to copy down
-    before the rest of the slots exist."""
+    """What a store does, all decided at its start: per block its status so far; ``new``: positions to
+    copy (pinned, in ``storing``); ``hits``: blocks already held that the write policy sends down on this
+    hit; ``slots`` / ``victims``: the room for the new blocks (:meth:`room`); ``sends_down``: the new
+    blocks the write policy sends down once they are stored.  The executor runs it and reports what
+    happened; it asks nothing more."""
 
     status: list[StoreStatus]
     new: list[int]
     hits: list[bytes]
     slots: list[int]
     victims: list[CopyDown]
+    sends_down: frozenset[bytes] = frozenset()
+
+    def room(self) -> list[int]:
+        """The host slot each of the first new blocks goes to, in order: the slots taken now, then the
+        slots the write-back victims hand over once copied down (if one is not, the blocks from the
+        chain's head keep the usable slots and the last block finds none: it is skipped)."""
+        return [*self.slots, *(v.slot for v in self.victims)]
 
 
 class Planner:
@@ -159,21 +171,26 @@ class Planner:
             self._report.left_host.discard(key)
         return slot
 
-    def drop_host_locked(self, key: bytes) -> None:
-        """Evict ``key`` from host memory (unpinned): its slot becomes free."""
+    def drop_host_locked(self, key: bytes, *, hand_over: bool = False) -> int | None:
+        """Evict ``key`` from host memory (unpinned): its slot becomes free, or with ``hand_over`` WRITING
+        for the block planned to take its place (``SlotTable.reuse``).  Returns that slot."""
         slot = self.index.clear_host(key)
         self._unwritten.pop(key, None)
         self._owed.pop(key, None)
         self._members.pop(key, None)
         self._tenants.pop(key, None)
         if slot is not None:
-            self.host_slots().free([slot])
+            if hand_over:
+                self.host_slots().reuse([slot])
+            else:
+                self.host_slots().free([slot])
             self.eviction_policy.on_remove(Tier.HOST, [key])
             self.metrics.add("host", evictions=1)
             if self._report is not None:
                 self._report.in_host.pop(key, None)
                 self._report.left_host.add(key)
         self.index.discard_if_unused(key)
+        return slot
 
     def copying_locked(self, key: bytes) -> bool:
         """Whether a copy of ``key`` to a backend is in flight (it cannot be evicted now)."""
@@ -185,12 +202,15 @@ class Planner:
             self.host_slots().free(list(slots))
 
     def take_slots_locked(self, n: int) -> tuple[list[int], list[CopyDown]]:
-        """Up to ``n`` WRITING slots without I/O: free slots first, then the eviction policy's victims.
-        Victims the write policy wants written back first are returned held (an index reference,
-        ``writing``); :meth:`written_back_locked` turns them into slots once copied."""
+        """Room for up to ``n`` blocks, decided now and without I/O: WRITING slots (free slots first, then
+        the slots of victims the eviction policy drops), and the victims the write policy wants written
+        back first, held (an index reference, ``writing``), each naming the slot it hands over once copied
+        (:meth:`written_back_locked`).  The whole room is known here: ``slots`` then the victims' slots,
+        in that order, are the slots the first blocks of the caller's batch go to, whenever the
+        write-backs end."""
         table = self.host_slots()
         slots = table.allocate(min(n, table.num_free)).slots if n > 0 else []
-        need, dropped, wb = n - len(slots), 0, []
+        need, wb = n - len(slots), []
         if need > 0:
             self.manager.fold_evictions_locked()  # a write-back must not skip a backend that evicted the block
         seen: set[bytes] = set()
@@ -211,25 +231,32 @@ class Planner:
                 if targets and key in self._unwritten and len(self._unwritten) > self.max_unwritten:
                     # Its write-back already failed and too many blocks wait on failing writes: evict it
                     # unwritten (a future miss) rather than let a refusing backend hold host memory.
-                    self.drop_host_locked(key)
+                    slots.append(self._hand_over_locked(key))
                     self.metrics.add("host", dropped=1)
-                    dropped += 1
                 elif targets and self.write_policy.on_evict(key):
                     self.index.acquire(key)
                     self._writing.add(key)
                     wb.append(CopyDown(key, e.host, targets))
                 else:
-                    self.drop_host_locked(key)
-                    dropped += 1
+                    slots.append(self._hand_over_locked(key))
                 need -= 1
-        if dropped:
-            slots += table.allocate(dropped).slots
         return slots, wb
+
+    def _hand_over_locked(self, key: bytes) -> int:
+        """Evict host block ``key`` and hand its slot, WRITING, to the block taking its place."""
+        slot = self.drop_host_locked(key, hand_over=True)
+        if slot is None:
+            raise AssertionError(f"planner: victim {key.hex()[:16]} has no host slot to hand over")
+        return slot
 
     def written_back_locked(self, victims: Sequence[CopyDown], written: dict[bytes, bool]) -> list[int]:
         """Victims of ``take_slots_locked`` were copied down (``written``: per key, whether a backend took
-        it): free those a backend took and nobody referenced meanwhile; as many WRITING slots as freed."""
-        freed = 0
+        it): evict those a backend took and nobody referenced meanwhile, and return their own slots,
+        WRITING, in the victims' order (the room the plan named: never a slot another caller freed
+        meanwhile, so the same plan places the same blocks in the same slots whenever its write-backs
+        end).  A victim still dirty or referenced keeps its slot: the caller's batch has that much less
+        room (its chain's head keeps what there is)."""
+        handed: list[int] = []
         for v in victims:
             key, slot = v.key, v.slot
             self._writing.discard(key)
@@ -240,11 +267,10 @@ class Planner:
             elif e is not None and e.host == slot:
                 self._unwritten[key] = None  # still dirty in host memory: counts against the bound
             if written.get(key) and e is not None and e.refs == 0 and e.host == slot:
-                self.drop_host_locked(key)
-                freed += 1
+                handed.append(self._hand_over_locked(key))
             else:
                 self.index.discard_if_unused(key)
-        return self.host_slots().allocate(freed).slots if freed else []
+        return handed
 
     def abandon_victims(self, victims: Sequence[CopyDown]) -> None:
         """Victims that will not be copied after all (the store that wanted their slots was dropped)."""
@@ -302,12 +328,15 @@ class Planner:
         victims: list[CopyDown] = []
         if self.slots is not None and new:
             slots, victims = self.take_slots_locked(len(new))
-        return StoreStart(status, new, hits, slots, victims)
+        on_store = self.write_policy.on_store
+        down = frozenset(hashes[i] for i in new[:len(slots) + len(victims)] if on_store(hashes[i]))
+        return StoreStart(status, new, hits, slots, victims, down)
 
-    def stored_locked(self, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
-                      ok: Sequence[bool], status: list[StoreStatus], tenant: str | None = None) -> list[bytes]:
-        """The device -> host copies of a store landed (``ok`` per block): commit them (charged to
-        ``tenant``, the store's), set ``status``, and return the blocks the write policy sends down now."""
+    def stored_locked(self, plan: StoreStart, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
+                      ok: Sequence[bool], tenant: str | None = None) -> list[bytes]:
+        """The device -> host copies of store ``plan`` landed (``ok`` per block): commit them (charged to
+        ``tenant``, the store's), set the plan's ``status``, and return the blocks it sends down now."""
+        status = plan.status
         down: list[bytes] = []
         for i, key, slot, good in zip(take, keys, slots, ok):
             self._storing.discard(key)
@@ -316,7 +345,7 @@ class Planner:
                     if tenant is not None:
                         self._tenants[key] = tenant
                     status[i] = STORED
-                    if self.write_policy.on_store(key):
+                    if key in plan.sends_down:
                         down.append(key)
                 else:
                     status[i] = PRESENT

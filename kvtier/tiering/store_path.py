@@ -24,7 +24,7 @@ import torch
 
 from ..format.groups import whole_groups
 from .parts import StackParts
-from .planner import CopyDown
+from .planner import CopyDown, StoreStart
 from .results import FAILED, SKIPPED, STORED, StoreHandle, StoreResult, StoreStatus
 from .writes import BackendWriter
 
@@ -105,30 +105,29 @@ class Downward:
             if p.device.is_cuda:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(p.device.device))
-            if not workers.submit(workers.io, self._store_deferred, handle, hashes, ids, new, status, plan.slots,
-                                  plan.victims, ev, start, tenant):
+            if not workers.submit(workers.io, self._store_deferred, handle, hashes, ids, plan, ev, start, tenant):
                 self._abandon(handle, hashes, new, status, plan.slots, plan.victims)
         else:
-            self._store_submit(handle, hashes, ids, new, status, plan.slots, start, tenant)
+            self._store_submit(handle, hashes, ids, plan, plan.slots, start, tenant)
         return handle
 
-    def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                        status: list[StoreStatus], slots: list[int], wb: list[CopyDown], ev: Any,
-                        start: int, tenant: str | None = None) -> None:
+    def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, plan: StoreStart,
+                        ev: Any, start: int, tenant: str | None = None) -> None:
         try:
-            more = self.room.write_back(wb)
+            handed = self.room.write_back(plan.victims)  # the victims' own slots, those copied down
             if ev is not None:
                 torch.cuda.current_stream(self.parts.device.device).wait_event(ev)
         except Exception:  # noqa: BLE001 - the store is skipped, never lost track of
             log.exception("store: write-back failed")
-            self._abandon(handle, hashes, new, status, slots, [])
+            self._abandon(handle, hashes, plan.new, plan.status, plan.slots, [])
             return
-        self._store_submit(handle, hashes, ids, new, status, slots + more, start, tenant)
+        self._store_submit(handle, hashes, ids, plan, plan.slots + handed, start, tenant)
 
-    def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
-                      status: list[StoreStatus], slots: list[int], start: int = 0,
-                      tenant: str | None = None) -> None:
-        p = self.parts
+    def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, plan: StoreStart,
+                      slots: list[int], start: int = 0, tenant: str | None = None) -> None:
+        """Copy the plan's first new blocks into ``slots`` (its room, less the slots of victims that were
+        not copied down: the chain's head gets what there is)."""
+        p, new, status = self.parts, plan.new, plan.status
         take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
         if skip:
             p.metrics.add("host", stores_skipped=len(skip))
@@ -147,15 +146,16 @@ class Downward:
             p.planner.end_stores(keys)
             self._finish(handle, status)
             return
-        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, status, hashes, start, tenant))
+        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, plan, hashes, start, tenant))
 
     def _on_stored(self, handle: StoreHandle, r: TransferResult, take: list[int], keys: list[bytes],
-                   status: list[StoreStatus], hashes: Sequence[bytes] = (), start: int = 0,
+                   plan: StoreStart, hashes: Sequence[bytes] = (), start: int = 0,
                    tenant: str | None = None) -> None:
         p, planner = self.parts, self.parts.planner
+        status = plan.status
         try:
             with planner.lock:
-                down = planner.stored_locked(take, keys, r.slots, r.ok, status, tenant)
+                down = planner.stored_locked(plan, take, keys, r.slots, r.ok, tenant)
                 # Values of several blocks: a write of one of their blocks (now, or a write-back later)
                 # writes the whole value.
                 planner.remember_store_locked(hashes, start)
