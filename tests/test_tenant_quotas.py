@@ -372,3 +372,36 @@ def test_kvtier_runs_engine_charges_each_salted_request_to_its_tenant(tmp_path):
             assert sorted(b.key for b in backend._share_blocks(share)) == sorted(want)
     finally:
         engine.close()
+
+
+def test_redis_a_tenant_record_that_fails_leaves_the_put_standing(caplog):
+    """A redis-server that refuses the tenants' sorted sets (``rename-command ZADD ""``): a tenant's puts are
+    stored, the failure to record their tenant is logged (without a key) and counted, not as an outage,
+    and the blocks count as their namespace's."""
+    import logging
+
+    from kvtier.testing.redis_server import redis_available, start_redis
+
+    if (why := redis_available()) is not None:
+        pytest.skip(why)
+    srv = start_redis(extra_args=["--rename-command", "ZADD", ""])
+    stack = make_stack({"name": "shared", "type": "redis",
+                        "options": {"url": srv.url, "key_prefix": "team:", "eviction_events": "off"}})
+    req = Requests(stack)
+    backend = stack.backends[0]
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.backend_api"):
+            keys_a = req.serve(SALT_A, 3)
+        assert req.held(keys_a) == keys_a
+        said = [r.getMessage() for r in caplog.records if "could not record the tenants" in r.getMessage()]
+        assert len(said) == 3 and all(k.partition("/")[2] not in m for m in said for k in keys_a)
+        stats = backend.stats()
+        assert (stats.tenants_unrecorded, stats.put_failures, stats.unavailable) == (3, 0, 0)
+        ns = stack.namespace.id
+        assert list(backend._share_blocks(Share(ns, TAG_A))) == []
+        assert sorted(b.key for b in backend._share_blocks(Share(ns))) == sorted(keys_a)
+        plain = req.serve(None, 1)  # the namespace's share holds both now: 4 blocks, its whole quota
+        assert req.held(keys_a + plain) == keys_a + plain
+    finally:
+        stack.close()
+        srv.cleanup()
