@@ -432,6 +432,15 @@ class RedisBackend(StorageBackend):
             self._commands([rk], [("ZREM", rk, *(k.partition("/")[2] for k in gone))])
         return self._by_use([StoredBlock(k, n) for k, n in zip(keys, sizes) if isinstance(n, int) and n])
 
+    def _tenant_records(self, namespace_id: str) -> dict[str, str]:
+        """Every tenant set's members of the namespace (read only: stale members stay)."""
+        out: dict[str, str] = {}
+        for tag in self._members(self._tenant_rkey(Share(namespace_id))):
+            tenant = tag.decode(errors="replace")
+            for h in self._members(self._tenant_rkey(Share(namespace_id, tenant)), True):
+                out[f"{namespace_id}/{h.decode(errors='replace')}"] = tenant
+        return out
+
     def _usage(self) -> dict[str, int]:
         """Keys (all of the database, not only kvtier's) and used memory summed over the masters."""
         self._router.ensure()

@@ -339,6 +339,15 @@ class S3Backend(StorageBackend):
         self._batch(markers, lambda i: self._client.put_object(Bucket=self._bucket, Key=markers[i], Body=b""),
                     None)
 
+    def _tenant_records(self, namespace_id: str) -> dict[str, str]:
+        """The namespace's markers, as block key -> tenant tag (read only: stale markers stay)."""
+        root = f"{self._prefix}{_MARKERS}{namespace_id}/"
+        out: dict[str, str] = {}
+        for obj in self._list(root):
+            tag, _, h = obj["Key"][len(root):].partition("/")
+            out[f"{namespace_id}/{h}"] = tag
+        return out
+
     def _share_blocks(self, share: Share) -> list[StoredBlock]:
         """A tenant's blocks (those with its marker), or a namespace's untenanted blocks (those with no
         marker of any of its tenants), oldest written first.  The markers are listed before the blocks,

@@ -385,6 +385,12 @@ class StorageBackend(ABC):
             raise NotImplementedError(f"backend {self.name!r} lists no tenant's blocks (counts_tenants is false)")
         return self._namespace_blocks(share.namespace)
 
+    def _tenant_records(self, namespace_id: str) -> Mapping[str, str]:
+        """Block key -> tenant tag of every tenant block a namespace's records name (stored or not: the
+        caller joins them with a listing), read only (no stale record dropped).  A backend that
+        ``counts_tenants`` implements it; the default names none."""
+        return {}
+
     def _record_tenants(self, stored: Mapping[Share, list[str]]) -> None:  # noqa: B027 - optional hook
         """After a put by a backend with a quota: ``stored`` are the keys it stored per tenant share, for
         a backend that ``counts_tenants`` and keeps its tenants' listings apart from the write (Redis's sorted
@@ -617,6 +623,13 @@ class StorageBackend(ABC):
             raise
         except Exception as e:  # noqa: BLE001 - typed for the caller
             raise self._wrap(e, prefix or None) from e
+
+    def tenant_records(self, namespace_id: str) -> dict[str, str]:
+        """Block key -> ``cache_salt`` tenant tag of the namespace's blocks put for a tenant, as this
+        backend recorded them (``counts_tenants``; empty otherwise).  Read only; a record may name a block
+        no longer stored, so join it with ``scan(namespace_id)`` (``kvtier inspect`` does)."""
+        self._refuse_invalid([f"{namespace_id}/{MANIFEST_NAME}"], manifest=True)
+        return dict(self._call(self._tenant_records, namespace_id))
 
     def namespaces(self) -> list[str]:
         """Namespace ids that have a manifest or at least one block."""
