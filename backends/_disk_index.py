@@ -639,6 +639,15 @@ class DiskIndex:
         return int(c.execute("SELECT coalesce(sum(size), 0) FROM blocks WHERE key >= ? AND key < ? AND tenant IS ?",
                              (lo, hi, share.tenant)).fetchone()[0])
 
+    def ns_tenants(self, namespace_id: str) -> dict[str, str]:
+        """key -> tenant tag of a namespace's tenant blocks."""
+        lo, hi = self._ns_range(namespace_id)
+        c = self.rconn()
+        with self._rlock:
+            rows = c.execute("SELECT key, tenant FROM blocks WHERE key >= ? AND key < ? AND tenant IS NOT NULL",
+                             (lo, hi)).fetchall()
+        return {unblob(k): str(t) for k, t in rows}
+
     def ns_lru(self, share: Share) -> list[tuple[str, int]]:
         """One share's blocks (key, size), least recently used first."""
         lo, hi = self._ns_range(share.namespace)

@@ -1010,11 +1010,16 @@ class LocalDiskBackend(StorageBackend):
             inflight = set(self._inflight)
         return [StoredBlock(k, n) for k, n in self._idx.ns_lru(share) if k not in inflight]
 
-    def _trim(self, keys: list[str]) -> None:
+    def _tenant_records(self, namespace_id: str) -> dict[str, str]:
+        """From the index's ``blocks.tenant`` (read only)."""
+        records: dict[str, str] = self._idx.ns_tenants(namespace_id)
+        return records
+
+    def _trim(self, share: Share, keys: list[str]) -> None:
         """A share over its quota loses ``keys``, except those another process holds for a load."""
         free = [k for k in keys if not held_elsewhere(self._where(k, checked=True)[1])]
         if free:
-            super()._trim(free)
+            super()._trim(share, free)
 
     def _eviction_order(self) -> list[StoredBlock]:
         """Every block, least recently used first (``evict_to``: ``kvtier gc``), this process's in-flight

@@ -35,7 +35,9 @@ Invariants:
   no longer stored (evicted, deleted, expired: removed as the listing finds them); a namespace's listing
   leaves out every block in one of its tenants' sets.  With ``ttl_s`` a set expires ``ttl_s`` after its last put.
   Neither is a block (no tool lists them); a set evicted by ``maxmemory`` makes its tenant's blocks
-  count as the namespace's until they are written again.
+  count as the namespace's until they are written again, as does a record that failed after its put (the
+  put stands; logged and counted in ``stats().tenants_unrecorded``, and counted as keys ``unavailable``
+  only when a node did not answer, not when it refused a command).
 """
 
 from __future__ import annotations
@@ -400,9 +402,15 @@ class RedisBackend(StorageBackend):
             if ttl is not None:  # the record lives as long as the last block put under it
                 rkeys.append(rk)
                 argvs.append(("PEXPIRE", rk, max(1, round(ttl * 1000))))
-        failed = [r for r in self._commands(rkeys, argvs) if not isinstance(r, int)]
-        if failed:
-            raise ConnectionError(f"redis: {len(failed)} of {len(argvs)} tenant record commands failed")
+        replies = self._commands(rkeys, argvs)
+        if any(r is None for r in replies):  # a node did not answer (the router counted its keys unavailable)
+            raise ConnectionError(f"redis: {sum(r is None for r in replies)} of {len(argvs)} tenant record "
+                                  "commands unanswered")
+        refused = [r for r in replies if not isinstance(r, int)]
+        if refused:  # answered with an error (a renamed or refused command, OOM): no outage
+            first = refused[0].kind if isinstance(refused[0], ReplyError) else type(refused[0]).__name__
+            raise RuntimeError(f"redis: {len(refused)} of {len(argvs)} tenant record commands refused (first: "
+                               f"{first}; the reply names keys, so it is not repeated here)")
 
     def _share_blocks(self, share: Share) -> list[StoredBlock]:
         """A tenant's blocks (its set's members still stored; the others are dropped from it), or a
@@ -423,6 +431,15 @@ class RedisBackend(StorageBackend):
         if gone:  # stale members (evicted, deleted, expired, trimmed): the set shrinks as it is listed
             self._commands([rk], [("ZREM", rk, *(k.partition("/")[2] for k in gone))])
         return self._by_use([StoredBlock(k, n) for k, n in zip(keys, sizes) if isinstance(n, int) and n])
+
+    def _tenant_records(self, namespace_id: str) -> dict[str, str]:
+        """Every tenant set's members of the namespace (read only: stale members stay)."""
+        out: dict[str, str] = {}
+        for tag in self._members(self._tenant_rkey(Share(namespace_id))):
+            tenant = tag.decode(errors="replace")
+            for h in self._members(self._tenant_rkey(Share(namespace_id, tenant)), True):
+                out[f"{namespace_id}/{h.decode(errors='replace')}"] = tenant
+        return out
 
     def _usage(self) -> dict[str, int]:
         """Keys (all of the database, not only kvtier's) and used memory summed over the masters."""

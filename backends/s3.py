@@ -13,10 +13,20 @@ Invariants:
   abandoned at the budget is stopped before the hook returns (its socket is shut down), so no byte reaches a
   caller's buffer after the call.  An abandoned put may still finish later; it then stores either the whole
   block or bytes whose checksum fails on read (a miss), never a wrong block.
-* Quotas bound namespaces only (``kvtier.quota``): a listing of a prefix carries no object metadata, so
-  no listing can say which ``cache_salt`` tenant a block was put for; a put's ``tenants`` are charged to
-  their namespace here (said once in the log; ``counts_tenants`` is false).  A tenant that needs a quota
-  of its own in S3 takes a namespace of its own (``security.tenant_namespace``).
+* Quotas per ``cache_salt`` tenant (``kvtier.quota``): a listing carries no object metadata, so a writer
+  with a quota records each tenant block, after its own PUT succeeded, as a zero-byte marker object
+  ``<prefix>tenants/<namespace id>/<tenant tag>/<block hash hex>`` (through the same pool, timeouts and
+  call budget as the puts).  A key, a value and the namespace are the same with or without a tenant.  A
+  count lists the share's markers (all of the namespace's tenants' for its untenanted share), *then* the
+  namespace's blocks: a marker is written after its block, so one whose block that later listing lacks
+  is stale (the block was deleted) and is dropped, never one of a block not yet listed.  A tenant's share
+  is the listed blocks with a marker of its own, the untenanted share those with none; both oldest written
+  first (the block's LastModified).  A quota's trim of a tenant deletes its markers with its blocks, in
+  the same DeleteObjects request; other deletes (``kvtier gc``, a corrupt block) leave the marker to the
+  next count.  Markers are no blocks: every listing of blocks (``_scan``: ``scan``, ``namespaces``,
+  usage, the tools; ``_namespace_blocks``) stops where ``tenants/`` begins (namespace ids are hex, so
+  they all sort before it).  A marker lost (its PUT failed: logged and counted, the put stands) makes its
+  block count as the namespace's until it is written again with its tenant.
 * Credentials come from boto3's standard chain unless given as options (``SecretStr``); they never appear
   in ``repr``, exception messages or log records (botocore's DEBUG output is scrubbed of them).
 """
@@ -31,7 +41,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import wait
 from typing import Any, Literal
 
@@ -41,6 +51,7 @@ from kvtier import threads as kvthreads
 from kvtier.backend_api import BackendOptions, StorageBackend, StoredBlock
 from kvtier.format.blockformat import Segments
 from kvtier.keys import invalid_key, key_problem
+from kvtier.quota import Share
 
 log = logging.getLogger("kvtier.backends.s3")
 _MISSING = {"404", "NoSuchKey", "NotFound"}
@@ -50,6 +61,7 @@ _DENIED = {"403", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "Si
            "ExpiredToken", "InvalidToken", "AccountProblem"}
 _READ_CHUNK = 1 << 20  # bytes per socket read: the granularity at which an abandoned read can be stopped
 _DELETE_BATCH = 1000  # the DeleteObjects limit
+_MARKERS = "tenants/"  # under the prefix: the tenants' marker objects (sorts after every namespace id, hex)
 
 
 class S3Options(BackendOptions):
@@ -201,6 +213,7 @@ class S3Backend(StorageBackend):
     Options = S3Options
     prefix_probe = "bisect"  # each HEAD is a request: probe O(log n) keys of a chain, not all of them
     writes_segments = True  # a put's body streams a payload's segments in order (_TwoPartBody)
+    counts_tenants = True  # a marker object per tenant block (see the module docstring)
     options: S3Options
 
     def __init__(self, options: S3Options | dict[str, Any] | None = None, *, name: str | None = None):
@@ -280,28 +293,82 @@ class S3Backend(StorageBackend):
 
     def _delete(self, keys: Sequence[str]) -> int:
         present = [k for k, ok in zip(keys, self._exists(keys)) if ok]
-        groups = [present[i:i + _DELETE_BATCH] for i in range(0, len(present), _DELETE_BATCH)]
+        # A quota's trim of a tenant's share: its markers go in the same requests (absent ones are no error).
+        markers = [self._marker(Share(k.partition("/")[0], t), k) for k in keys if (t := self._put_tenant(k))]
+        objects = [self._prefix + k for k in present] + markers
+        groups = [objects[i:i + _DELETE_BATCH] for i in range(0, len(objects), _DELETE_BATCH)]
         self._batch(groups, lambda i: self._delete_group(groups[i]), None)
         return len(present)
 
     def _scan(self, prefix: str) -> Iterator[StoredBlock]:
-        pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self._bucket, Prefix=self._prefix + prefix)
+        """Every object under ``prefix`` up to the tenants' markers, which are no blocks: they sort after
+        every namespace (hex ids), so a whole-store listing stops at the first one instead of paging
+        through them all."""
         cut = len(self._prefix)
-        for page in pages:
-            for obj in page.get("Contents", ()):
-                yield StoredBlock(obj["Key"][cut:], obj["Size"])
+        markers = self._prefix + _MARKERS
+        for obj in self._list(self._prefix + prefix):
+            if obj["Key"] >= markers:
+                return
+            yield StoredBlock(obj["Key"][cut:], obj["Size"])
+
+    def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
+        """ListObjectsV2 entries under the object key ``prefix`` (the backend's prefix included), in key
+        order, one request per 1000."""
+        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix):
+            yield from page.get("Contents", ())
 
     def _namespace_blocks(self, namespace_id: str) -> list[StoredBlock]:
-        """One namespace's blocks, oldest written first (``kvtier.quota``: S3 records no reads, so a
-        namespace over its quota loses the blocks written longest ago)."""
-        pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self._bucket, Prefix=f"{self._prefix}{namespace_id}/")
+        """One namespace's blocks (its tenants' included), oldest written first (``kvtier.quota``: S3
+        records no reads, so a share over its quota loses the blocks written longest ago)."""
         cut = len(self._prefix)
-        listed = [(obj["LastModified"], obj["Key"][cut:], obj["Size"]) for page in pages
-                  for obj in page.get("Contents", ())]
+        listed = [(obj["LastModified"], obj["Key"][cut:], obj["Size"])
+                  for obj in self._list(f"{self._prefix}{namespace_id}/")]
         listed.sort()
         return [StoredBlock(k, n) for _, k, n in listed if invalid_key([k]) is None]
+
+    # ------------------------------------------------------------------ tenants (kvtier.quota)
+
+    def _marker(self, share: Share, key: str) -> str:
+        """The object key of a tenant block's marker."""
+        return f"{self._prefix}{_MARKERS}{share.namespace}/{share.tenant}/{key.partition('/')[2]}"
+
+    def _record_tenants(self, stored: Mapping[Share, list[str]]) -> None:
+        """A zero-byte marker per stored tenant block, on the pool, within the call budget; a failure of
+        any raises (the base class logs and counts it; the put stands)."""
+        markers = [self._marker(share, k) for share, keys in stored.items() for k in keys]
+        self._batch(markers, lambda i: self._client.put_object(Bucket=self._bucket, Key=markers[i], Body=b""),
+                    None)
+
+    def _tenant_records(self, namespace_id: str) -> dict[str, str]:
+        """The namespace's markers, as block key -> tenant tag (read only: stale markers stay)."""
+        root = f"{self._prefix}{_MARKERS}{namespace_id}/"
+        out: dict[str, str] = {}
+        for obj in self._list(root):
+            tag, _, h = obj["Key"][len(root):].partition("/")
+            out[f"{namespace_id}/{h}"] = tag
+        return out
+
+    def _share_blocks(self, share: Share) -> list[StoredBlock]:
+        """A tenant's blocks (those with its marker), or a namespace's untenanted blocks (those with no
+        marker of any of its tenants), oldest written first.  The markers are listed before the blocks,
+        so a marker whose block that listing lacks is stale: it is dropped (best effort)."""
+        root = f"{self._prefix}{_MARKERS}{share.namespace}/"
+        marked: dict[str, str] = {}  # block key -> its marker's object key
+        for obj in self._list(root if share.tenant is None else f"{root}{share.tenant}/"):
+            marked[f"{share.namespace}/{obj['Key'].rpartition('/')[2]}"] = obj["Key"]
+        blocks = self._namespace_blocks(share.namespace)
+        stored = {b.key for b in blocks}
+        stale = [m for k, m in marked.items() if k not in stored]
+        if stale:
+            try:
+                groups = [stale[i:i + _DELETE_BATCH] for i in range(0, len(stale), _DELETE_BATCH)]
+                self._batch(groups, lambda i: self._delete_group(groups[i]), None)
+            except Exception as e:  # noqa: BLE001 - the count stands; the next one drops them
+                log.info("backend %r: could not drop %d stale tenant marker(s) (%s)", self.name, len(stale),
+                         type(e).__name__)
+        if share.tenant is None:
+            return [b for b in blocks if b.key not in marked]
+        return [b for b in blocks if b.key in marked]
 
     def _get_object(self, key: str) -> dict[str, Any] | None:
         """GetObject's response, or None when the object does not exist (any other error raises)."""
@@ -397,9 +464,10 @@ class S3Backend(StorageBackend):
                 return False
             raise
 
-    def _delete_group(self, keys: list[str]) -> None:
+    def _delete_group(self, objects: list[str]) -> None:
+        """One DeleteObjects request for these object keys (the backend's prefix included)."""
         resp = self._client.delete_objects(Bucket=self._bucket, Delete={
-            "Objects": [{"Key": self._prefix + k} for k in keys], "Quiet": True})
+            "Objects": [{"Key": k} for k in objects], "Quiet": True})
         errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in _MISSING]
         if errors:
             raise OSError(f"DeleteObjects failed for {len(errors)} key(s), first "

@@ -29,7 +29,11 @@ Invariants:
   untenanted blocks, or one ``cache_salt`` tenant's: ``put(..., tenants=)``), by deleting that share's own
   least recently used blocks (``kvtier.quota``); a put never fails for it.  A put's tenants change no
   key and no stored byte: a hook that records them (``counts_tenants``) reads them with ``_put_tenant``
-  in the thread that called ``put``, beside the write, never in it.
+  in the thread that called ``put``, beside the write, never in it, or is handed them after the put
+  (``_record_tenants``); a record that fails is logged and counted (``stats().tenants_unrecorded``), and
+  the put stands (those blocks then count as their namespace's).  A trim of a tenant's share deletes
+  with its tenant readable the same way (``_put_tenant`` in ``_delete``), so a backend can drop its
+  record of those blocks in the same call.
 * All public methods are thread-safe if the hooks are.
 """
 
@@ -133,6 +137,7 @@ class BackendStats:
     permission_denied: int = 0  # errors: access refused (BackendPermissionDenied, or such a key)
     unavailable: int = 0  # keys not answered: the backend (or the node holding them) was down or timed out
     restarts: int = 0  # times the store behind it was found restarted (a Redis node with a new run_id)
+    tenants_unrecorded: int = 0  # stored keys whose cache_salt tenant a put could not record (_record_tenants)
     put_seconds: float = 0.0
     get_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -227,9 +232,14 @@ class StorageBackend(ABC):
             quota_bytes, lambda share: ((b.key, b.size) for b in self._call(lambda: list(self._share_blocks(share)))),
             self._trim)
 
-    def _trim(self, keys: list[str]) -> None:
-        """Remove blocks of a namespace over its quota: deleted, then told to the stack as an eviction."""
-        self.delete(keys)
+    def _trim(self, share: Share, keys: list[str]) -> None:
+        """Remove blocks of a share over its quota: deleted (a tenant's with their tenant readable by
+        ``_put_tenant`` in ``_delete``), then told to the stack as an eviction."""
+        mark = _PUT_TENANTS.set(None if share.tenant is None else dict.fromkeys(keys, share.tenant))
+        try:
+            self.delete(keys)
+        finally:
+            _PUT_TENANTS.reset(mark)
         self._evicted(keys)
 
     def secure(self, seal: Seal | None) -> None:
@@ -375,14 +385,22 @@ class StorageBackend(ABC):
             raise NotImplementedError(f"backend {self.name!r} lists no tenant's blocks (counts_tenants is false)")
         return self._namespace_blocks(share.namespace)
 
+    def _tenant_records(self, namespace_id: str) -> Mapping[str, str]:
+        """Block key -> tenant tag of every tenant block a namespace's records name (stored or not: the
+        caller joins them with a listing), read only (no stale record dropped).  A backend that
+        ``counts_tenants`` implements it; the default names none."""
+        return {}
+
     def _record_tenants(self, stored: Mapping[Share, list[str]]) -> None:  # noqa: B027 - optional hook
         """After a put by a backend with a quota: ``stored`` are the keys it stored per tenant share, for
-        a backend that ``counts_tenants`` and keeps its tenants' listings apart from the write (Redis).
+        a backend that ``counts_tenants`` and keeps its tenants' listings apart from the write (Redis's sorted
+        sets, S3's marker objects).  An exception is logged and counted, never a failed put.
         Optional; a backend that records a key's tenant with the key itself reads ``_put_tenant``."""
 
     def _put_tenant(self, key: str) -> str | None:
         """In a write hook, on the thread that called ``put``: the tenant tag the put charges ``key`` to
-        (None: its namespace)."""
+        (None: its namespace).  In ``_delete`` during a quota's trim of a tenant's share: that tenant (a
+        backend that keeps records beside the blocks drops theirs with them)."""
         charged = _PUT_TENANTS.get()
         return None if charged is None else charged.get(key)
 
@@ -525,7 +543,11 @@ class StorageBackend(ABC):
         try:
             self._call(self._record_tenants, per)
         except BackendError as e:  # the next count lists the share without them: within, not a failed put
-            log.warning("backend %r: could not record the tenants of a put (%s)", self.name, type(e).__name__)
+            n = sum(len(keys) for keys in per.values())
+            with self._lock:
+                self._stats.tenants_unrecorded += n
+            log.warning("backend %r: could not record the tenants of %d stored block(s) of a put (%s); they count "
+                        "as their namespace's", self.name, n, type(e).__name__)
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any], layout_id: int, *,
                  on_verified: Callable[[int], None] | None = None) -> list[bool]:
@@ -601,6 +623,13 @@ class StorageBackend(ABC):
             raise
         except Exception as e:  # noqa: BLE001 - typed for the caller
             raise self._wrap(e, prefix or None) from e
+
+    def tenant_records(self, namespace_id: str) -> dict[str, str]:
+        """Block key -> ``cache_salt`` tenant tag of the namespace's blocks put for a tenant, as this
+        backend recorded them (``counts_tenants``; empty otherwise).  Read only; a record may name a block
+        no longer stored, so join it with ``scan(namespace_id)`` (``kvtier inspect`` does)."""
+        self._refuse_invalid([f"{namespace_id}/{MANIFEST_NAME}"], manifest=True)
+        return dict(self._call(self._tenant_records, namespace_id))
 
     def namespaces(self) -> list[str]:
         """Namespace ids that have a manifest or at least one block."""

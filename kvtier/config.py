@@ -192,8 +192,8 @@ class BackendConfig(_Section):
     write: bool = Field(True, description="false = read-only use (e.g. a decode instance that never stores).")
     quota: ByteSize | None = Field(
         None, description='Bytes each namespace this deployment writes may hold in this backend, e.g. "20GiB" '
-                          "(null: no quota), and each cache_salt tenant within it (local_disk, redis; in s3 "
-                          "tenants count as their namespace).  Over it, the namespace's (or tenant's) own least "
+                          "(null: no quota), and each cache_salt tenant within it (local_disk, redis, s3).  "
+                          "Over it, the namespace's (or tenant's) own least "
                           "recently used blocks go, never another's: for a store several deployments or "
                           "tenants share (a local_disk directory, a Redis "
                           "key_prefix, an S3 prefix).  local_disk's capacity evictions also skip the blocks "

@@ -29,12 +29,13 @@ Invariants:
   quota); in Redis (``maxmemory``) and S3 (no eviction, or lifecycle rules) they protect by keeping every
   deployment and tenant that has one within it: size them so their sum fits the store.
 * A backend counts tenants only if it can list a tenant's blocks (``StorageBackend.counts_tenants``):
-  ``local_disk`` (a tenant column in its index) and ``redis`` (a sorted set of block hashes per tenant) do.  The
-  stored blocks, their keys and the namespace digest are the same with or without a tenant: the tenant
-  is bookkeeping beside them, which ``local_disk`` loses when its index is rebuilt from the files (the
-  blocks then count as untenanted) and Redis when a tenant's set is evicted.  ``s3`` lists no object
-  metadata, so it charges tenants' blocks to their namespace, as a backend that does not count tenants
-  does; it says so once in the log, never silently.
+  ``local_disk`` (a tenant column in its index), ``redis`` (a sorted set of block hashes per tenant) and
+  ``s3`` (a zero-byte marker object per tenant block) do.  The stored blocks, their keys and the namespace
+  digest are the same with or without a tenant: the tenant is bookkeeping beside them, which
+  ``local_disk`` loses when its index is rebuilt from the files (the blocks then count as untenanted),
+  Redis when a tenant's set is evicted, and Redis or S3 for the blocks whose record failed after their
+  put (logged and counted in ``stats().tenants_unrecorded``; the put stands).  A backend that does not
+  count tenants charges their blocks to their namespace, and says so once in the log, never silently.
 * A tenant of its own namespace (``security.tenant_namespace``: the tenant's tag is a field of the
   namespace digest) needs no tenant share: its namespace is its share.
 """
@@ -77,11 +78,12 @@ def tenant_problem(tenant: object) -> str | None:
 @dataclass
 class QuotaKeeper:
     """The quota of every share one backend instance writes.  ``blocks(share)`` lists a share's blocks as
-    (key, size), least recently used first; ``remove(keys)`` deletes them and tells the stack."""
+    (key, size), least recently used first; ``remove(share, keys)`` deletes those of its blocks and tells
+    the stack."""
 
     limit: int
     blocks: Callable[[Share], Iterable[tuple[str, int]]]
-    remove: Callable[[list[str]], None]
+    remove: Callable[[Share, list[str]], None]
     estimate: dict[Share, int] = field(default_factory=dict)  # bytes, per this process
     since: dict[Share, int] = field(default_factory=dict)  # bytes written here since its count
     counting: set[Share] = field(default_factory=set)
@@ -136,7 +138,7 @@ class QuotaKeeper:
                 victims.append(key)
                 total -= size
         if victims:
-            self.remove(victims)
+            self.remove(share, victims)
         with self.lock:
             self.estimate[share] = total
             self.since[share] = 0

@@ -1,6 +1,6 @@
 """Quotas per ``cache_salt`` tenant in one process (issue 45, section 3): one stack serving requests of two
-salts, and unsalted ones, over a shared ``local_disk`` directory (real files, its SQLite index) or a real
-redis-server.  Each salted request's blocks are charged to its tenant's own quota, so tenant B's puts
+salts, and unsalted ones, over a shared ``local_disk`` directory (real files, its SQLite index), a real
+redis-server or moto's S3 server over HTTP (a marker object per tenant block).  Each salted request's blocks are charged to its tenant's own quota, so tenant B's puts
 never evict tenant A's blocks within A's quota, each tenant is trimmed to its own share, and unsalted
 blocks are charged to the namespace as before.  Keys and stored bytes do not change with a tenant."""
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtier.backends.local_disk import LocalDiskBackend
+from kvtier.backends.s3 import S3Backend
 from kvtier.config import parse_config
 from kvtier.keys import tenant_tag
 from kvtier.quota import Share
@@ -70,10 +71,17 @@ def disk(tmp_path, capacity: int = 64 * STORED) -> dict[str, Any]:
     return {"name": "shared", "type": "local_disk", "options": {"path": str(tmp_path / "blocks"), "capacity": capacity}}
 
 
-@pytest.fixture(params=["local_disk", "redis"])
+def s3(moto_server, bucket: str) -> dict[str, Any]:
+    return {"name": "shared", "type": "s3",
+            "options": {"endpoint_url": moto_server.endpoint_url, "bucket": bucket, "prefix": "kv/"}}
+
+
+@pytest.fixture(params=["local_disk", "redis", "s3"])
 def shared(request, tmp_path) -> dict[str, Any]:
     if request.param == "local_disk":
         return disk(tmp_path)
+    if request.param == "s3":
+        return s3(request.getfixturevalue("moto_server"), request.getfixturevalue("s3_bucket"))
     srv = request.getfixturevalue("redis_server")
     return {"name": "shared", "type": "redis", "options": {"url": srv.url, "key_prefix": "team:",
                                                             "eviction_events": "off"}}
@@ -83,7 +91,8 @@ def test_each_tenant_is_trimmed_to_its_own_share(shared):
     """One stack, quota 4 blocks: A stores 4, three unsalted requests 3, then B 12.  B loses its own least
     recently used blocks down to its quota, never A's or the namespace's; then 8 more unsalted requests
     trim the namespace's untenanted share alone.  The keys are the ones an unsalted deployment computes
-    for the same salted prompts: no key or value changes with a tenant."""
+    for the same salted prompts: no key or value changes with a tenant.  (S3's age order is LastModified,
+    whole seconds: these puts share a few, so there only the counts and the shares' members are checked.)"""
     stack = make_stack(shared)
     req = Requests(stack)
     backend = stack.backends[0]
@@ -93,12 +102,17 @@ def test_each_tenant_is_trimmed_to_its_own_share(shared):
         keys_b = req.serve(SALT_B, 12)
         assert req.held(keys_a) == keys_a and req.held(plain) == plain
         held_b = req.held(keys_b)
-        assert held_b == keys_b[-len(held_b):] and 0 < len(held_b) * STORED <= QUOTA  # B kept its most recent
+        ordered = shared["type"] != "s3"
+        assert 0 < len(held_b) * STORED <= QUOTA
+        if ordered:
+            assert held_b == keys_b[-len(held_b):]  # B kept its most recent
         ns = stack.namespace.id
         listed = {share: [b.key for b in backend._share_blocks(share)]  # the quota's own listing
                   for share in (Share(ns, TAG_A), Share(ns, TAG_B), Share(ns))}
         # (A namespace's listing in Redis is in OBJECT IDLETIME order, seconds: these were put within one.)
-        assert listed[Share(ns, TAG_A)] == keys_a and listed[Share(ns, TAG_B)] == held_b
+        if ordered:
+            assert listed[Share(ns, TAG_A)] == keys_a and listed[Share(ns, TAG_B)] == held_b
+        assert sorted(listed[Share(ns, TAG_A)]) == sorted(keys_a) and sorted(listed[Share(ns, TAG_B)]) == sorted(held_b)
         assert sorted(listed[Share(ns)]) == sorted(plain)
         more = req.serve(None, 8)
         assert req.held(keys_a) == keys_a and req.held(keys_b) == held_b
@@ -231,25 +245,100 @@ def test_a_block_written_back_long_after_its_store_is_charged_to_its_tenant(tmp_
         stack.close()
 
 
-def test_s3_charges_tenants_to_their_namespace_and_says_so(moto_server, s3_bucket, caplog):
-    """S3 cannot list whose a block is: a tenant's puts are stored and charged to the namespace's quota
-    (never refused), and the log says so once."""
-    import logging
-
-    stack = make_stack({"name": "shared", "type": "s3",
-                        "options": {"endpoint_url": moto_server.endpoint_url, "bucket": s3_bucket, "prefix": "kv/"}})
+def test_s3_tenant_markers_beside_the_blocks(moto_server, s3_bucket):
+    """S3: each tenant block has a zero-byte marker ``<prefix>tenants/<ns>/<tag>/<hash>``; no listing of
+    blocks (scan, namespaces, usage, the tenant-less share) shows one; a quota's trim of a tenant deletes
+    its markers with its blocks; a block deleted otherwise leaves a stale marker, dropped when its tenant
+    is next counted."""
+    stack = make_stack(s3(moto_server, s3_bucket))
     req = Requests(stack)
+    client = moto_server.client()
+
+    def markers(tag: str = "") -> list[str]:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket, Prefix=f"kv/tenants/{ns}/{tag}")
+        objs = [o for page in pages for o in page.get("Contents", ())]
+        assert all(o["Size"] == 0 for o in objs)
+        return sorted(o["Key"].rpartition("/")[2] for o in objs)
+
+    def hashes(keys: list[str]) -> list[str]:
+        return sorted(k.partition("/")[2] for k in keys)
+
     try:
-        with caplog.at_level(logging.INFO, logger="kvtier.backend_api"):
-            keys_a = req.serve(SALT_A, 3)
-            keys_b = req.serve(SALT_B, 3)
-        said = [r for r in caplog.records if "cannot list a cache_salt tenant's blocks" in r.getMessage()]
-        assert len(said) == 1 and "salt" not in said[0].getMessage().replace("cache_salt", "")
-        held = req.held(keys_a + keys_b)
-        assert 0 < len(held) * STORED <= QUOTA  # one share: the namespace's
-        assert backend_blocks(stack) == sorted(held)
+        ns = stack.namespace.id
+        keys_a = req.serve(SALT_A, 3)
+        plain = req.serve(None, 2)
+        assert markers(TAG_A) == hashes(keys_a) and markers() == hashes(keys_a)
+        backend = stack.backends[0]
+        assert backend.namespaces() == [ns] and backend_blocks(stack) == sorted(keys_a + plain)
+        assert stack.backends[0].stats().extra["blocks"] == 5
+        assert sorted(b.key for b in backend._share_blocks(Share(ns))) == sorted(plain)
+        keys_b = req.serve(SALT_B, 9)  # over B's quota of 4: trimmed, markers and all
+        held_b = req.held(keys_b)
+        assert 0 < len(held_b) * STORED <= QUOTA and markers(TAG_B) == hashes(held_b)
+        assert req.held(keys_a) == keys_a and req.held(plain) == plain
+        backend.delete(keys_a[:1])  # not a trim: the marker stays until A is counted
+        assert markers(TAG_A) == hashes(keys_a)
+        assert sorted(b.key for b in backend._share_blocks(Share(ns, TAG_A))) == sorted(keys_a[1:])
+        assert markers(TAG_A) == hashes(keys_a[1:])
+        assert backend.stats().tenants_unrecorded == 0
     finally:
         stack.close()
+
+
+def test_s3_a_marker_that_fails_leaves_the_put_standing(moto_server, s3_bucket, caplog):
+    """A marker PUT refused (here by the client, before it is sent: a connection error) is logged without
+    a key and counted, the put stands and its blocks count as their namespace's."""
+    import logging
+
+    from botocore.exceptions import EndpointConnectionError
+
+    stack = make_stack(s3(moto_server, s3_bucket))
+    req = Requests(stack)
+    backend = stack.backends[0]
+
+    def refuse_markers(params: dict[str, Any], **_: Any) -> None:
+        if "/tenants/" in params.get("Key", ""):
+            raise EndpointConnectionError(endpoint_url=moto_server.endpoint_url)
+
+    assert isinstance(backend, S3Backend)
+    backend._client.meta.events.register("before-parameter-build.s3.PutObject", refuse_markers)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.backend_api"):
+            keys_a = req.serve(SALT_A, 2)
+        assert req.held(keys_a) == keys_a and backend.stats().put_failures == 0
+        said = [r.getMessage() for r in caplog.records if "could not record the tenants" in r.getMessage()]
+        assert len(said) == 2 and all(k.partition("/")[2] not in m for m in said for k in keys_a)
+        assert backend.stats().tenants_unrecorded == 2
+        ns = stack.namespace.id
+        assert list(backend._share_blocks(Share(ns, TAG_A))) == []
+        assert sorted(b.key for b in backend._share_blocks(Share(ns))) == sorted(keys_a)
+    finally:
+        stack.close()
+
+
+def test_a_backend_that_counts_no_tenants_charges_them_to_their_namespace_and_says_so(tmp_path, caplog):
+    """A backend that cannot list a tenant's blocks (``counts_tenants`` false: a third party's) stores a
+    tenant's puts, charges them to the namespace's quota (never refused), and the log says so once."""
+    import logging
+
+    class Untenanted(LocalDiskBackend):
+        counts_tenants = False
+
+    backend = Untenanted({"path": str(tmp_path / "blocks")}, name="plain")
+    backend.limit(QUOTA)
+    ns = "a" * 32
+    keys = [f"{ns}/{i:064x}" for i in range(6)]
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtier.backend_api"):
+            for i, k in enumerate(keys):
+                assert backend.put([k], [os.urandom(PAYLOAD)], 1, tenants=[(TAG_A, TAG_B)[i % 2]]) == [True]
+        said = [r for r in caplog.records if "cannot list a cache_salt tenant's blocks" in r.getMessage()]
+        assert len(said) == 1 and "salt" not in said[0].getMessage().replace("cache_salt", "")
+        held = [k for k, ok in zip(keys, backend.exists(keys)) if ok]
+        assert 0 < len(held) * STORED <= QUOTA  # one share: the namespace's
+        assert sorted(b.key for b in backend._share_blocks(Share(ns))) == held
+    finally:
+        backend.close()
 
 
 def backend_blocks(stack: TierStack) -> list[str]:
@@ -283,3 +372,36 @@ def test_kvtier_runs_engine_charges_each_salted_request_to_its_tenant(tmp_path):
             assert sorted(b.key for b in backend._share_blocks(share)) == sorted(want)
     finally:
         engine.close()
+
+
+def test_redis_a_tenant_record_that_fails_leaves_the_put_standing(caplog):
+    """A redis-server that refuses the tenants' sorted sets (``rename-command ZADD ""``): a tenant's puts are
+    stored, the failure to record their tenant is logged (without a key) and counted, not as an outage,
+    and the blocks count as their namespace's."""
+    import logging
+
+    from kvtier.testing.redis_server import redis_available, start_redis
+
+    if (why := redis_available()) is not None:
+        pytest.skip(why)
+    srv = start_redis(extra_args=["--rename-command", "ZADD", ""])
+    stack = make_stack({"name": "shared", "type": "redis",
+                        "options": {"url": srv.url, "key_prefix": "team:", "eviction_events": "off"}})
+    req = Requests(stack)
+    backend = stack.backends[0]
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.backend_api"):
+            keys_a = req.serve(SALT_A, 3)
+        assert req.held(keys_a) == keys_a
+        said = [r.getMessage() for r in caplog.records if "could not record the tenants" in r.getMessage()]
+        assert len(said) == 3 and all(k.partition("/")[2] not in m for m in said for k in keys_a)
+        stats = backend.stats()
+        assert (stats.tenants_unrecorded, stats.put_failures, stats.unavailable) == (3, 0, 0)
+        ns = stack.namespace.id
+        assert list(backend._share_blocks(Share(ns, TAG_A))) == []
+        assert sorted(b.key for b in backend._share_blocks(Share(ns))) == sorted(keys_a)
+        plain = req.serve(None, 1)  # the namespace's share holds both now: 4 blocks, its whole quota
+        assert req.held(keys_a + plain) == keys_a + plain
+    finally:
+        stack.close()
+        srv.cleanup()

@@ -349,7 +349,8 @@ def test_quota_counts_at_most_once_per_sixteenth_written():
         counts.append(share)
         return [(k, n) for k, n in stored.items() if k.startswith(share.namespace)]
 
-    def remove(keys: list[str]) -> None:
+    def remove(share: Share, keys: list[str]) -> None:
+        assert all(k.startswith(share.namespace) for k in keys)
         for k in keys:
             del stored[k]
 

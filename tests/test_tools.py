@@ -125,6 +125,59 @@ def test_inspect_local_disk(tmp_path, capsys, populated):
     assert "no manifest: what this namespace holds cannot be told" in out
 
 
+@pytest.mark.parametrize("kind", ["local_disk", "redis", "s3"])
+def test_inspect_shows_each_tenants_share(tmp_path, capsys, request, kind):
+    """Where a backend counts ``cache_salt`` tenants, inspect shows per namespace each tenant's blocks and
+    bytes (by tag) and the untenanted rest, each against the quota (every share has the whole quota).  A
+    record whose block is gone counts nothing, and inspect leaves it (read only)."""
+    from kvtier.keys import tenant_tag
+
+    conf: dict[str, Any]
+    if kind == "local_disk":
+        conf = disk(tmp_path)
+    elif kind == "redis":
+        srv = request.getfixturevalue("redis_server")
+        conf = {"name": "redis", "type": "redis", "options": {"url": srv.url, "key_prefix": "t:",
+                                                             "eviction_events": "off"}}
+    else:
+        moto = request.getfixturevalue("moto_server")
+        conf = {"name": "s3", "type": "s3", "options": {"bucket": request.getfixturevalue("s3_bucket"),
+                                                       "endpoint_url": moto.endpoint_url, "prefix": "kv/"}}
+    from kvtier.backends.redis import RedisBackend
+    from kvtier.backends.s3 import S3Backend
+
+    cls = {"local_disk": LocalDiskBackend, "redis": RedisBackend, "s3": S3Backend}[kind]
+    b = cls(conf["options"], name=conf["name"])
+    b.limit(1 << 30)  # (Redis and S3 record tenants only for a writer with a quota)
+    tag_a, tag_b = tenant_tag("salt-a"), tenant_tag("salt-b")
+    keys = NS.keys([os.urandom(32) for _ in range(9)])
+    tenants = [tag_a] * 3 + [tag_b] * 2 + [None] * 4
+    assert b.put(keys, [os.urandom(PAYLOAD) for _ in keys], NS.layout_id, tenants=tenants) == [True] * 9
+    put(b, OTHER, 2, 256)
+    b.delete(keys[:1])  # one of A's, its record left behind where records are beside the blocks
+    records = b.tenant_records(NS.id)
+    cfg = config(tmp_path, {**conf, "quota": 8 * STORED})
+    try:
+        rc, doc = cli_json(capsys, "inspect", "--config", cfg)
+        assert rc == 0
+        (ns,) = doc["backends"][0]["namespaces"]
+        assert (ns["blocks"], ns["bytes"]) == (8, 8 * STORED)
+        assert ns["tenants"] == [{"tenant": t, "blocks": n, "bytes": n * STORED}
+                                 for t, n in sorted({tag_a: 2, tag_b: 2}.items())]
+        assert ns["untenanted"] == {"blocks": 4, "bytes": 4 * STORED}
+        rc, out, _ = cli(capsys, "inspect", "--config", cfg)
+        assert rc == 0 and "salt-a" not in out
+        assert f"    tenant {tag_a}: 2 blocks, 2.2KiB (25.0% of quota)" in out
+        assert f"    tenant {tag_b}: 2 blocks, 2.2KiB (25.0% of quota)" in out
+        assert "    untenanted: 4 blocks, 4.3KiB (50.0% of quota)" in out
+        assert b.tenant_records(NS.id) == records  # nothing dropped
+        rc, doc = cli_json(capsys, "inspect", "--config", cfg, "--all-namespaces")
+        other = next(n for n in doc["backends"][0]["namespaces"] if n["id"] == OTHER.id)
+        assert other["tenants"] == [] and other["untenanted"] == {"blocks": 2, "bytes": 2 * 344}
+    finally:
+        b.close()
+
+
 def test_inspect_empty_and_manifest_only(tmp_path, capsys):
     b = LocalDiskBackend({"path": str(tmp_path / "blocks")})
     b.put_manifest(OTHER)

@@ -2,7 +2,9 @@
 
 For each backend: where it is, its configured capacity, and per namespace of this deployment the fields its
 manifest records (model, dtype, shape, TP/PP rank, hash algorithm and seed) with the number of blocks and
-their bytes.  Other deployments' namespaces in a shared store are only counted, never named, unless
+their bytes; where the backend counts ``cache_salt`` tenants (``local_disk``, ``redis``, ``s3``), also each
+tenant's blocks and bytes in that namespace (by tag, never the salt) and the untenanted rest: the shares a
+quota bounds one by one.  Other deployments' namespaces in a shared store are only counted, never named, unless
 ``--all-namespaces``.  A YAML whose model section an engine fills (``--engine``) has no namespace id of
 its own: the namespaces whose manifest matches the model fields it sets are shown.  Read-only: nothing is evicted, verified or deleted.  It needs no key: a backend in
 security mode authenticate or encrypt is listed and counted as any other (``kvtier verify`` checks tags).  Exit status 0, or 1 when a
@@ -14,7 +16,7 @@ import argparse
 from collections import defaultdict
 from typing import Any
 
-from ...backend_api import BackendError
+from ...backend_api import BackendError, StorageBackend
 from ...keys import Namespace
 from ...units import format_size
 from . import _storage_tools as st
@@ -48,7 +50,8 @@ def inspect_backend(ob: st.OpenedBackend, own_ns: str | None, scope: st.Scope) -
             n, nbytes = counts.get(ns_id, (0, 0))
             namespaces.append({"id": ns_id, "this_config": ns_id == own_ns, "blocks": n, "bytes": nbytes,
                                "manifest": info.manifest, "manifest_problem": info.problem,
-                               "layout_id": info.layout_id, "block_payload_bytes": info.payload_nbytes})
+                               "layout_id": info.layout_id, "block_payload_bytes": info.payload_nbytes,
+                               **_tenants(b, ns_id, n, nbytes)})
     except BackendError as e:
         entry["error"] = st.error_text(e)
         return entry
@@ -59,6 +62,24 @@ def inspect_backend(ob: st.OpenedBackend, own_ns: str | None, scope: st.Scope) -
     entry["store_blocks"] = sum(c[0] for c in counts.values())
     entry["store_bytes"] = sum(c[1] for c in counts.values())
     return entry
+
+
+def _tenants(b: StorageBackend, ns_id: str, blocks: int, nbytes: int) -> dict[str, Any]:
+    """A namespace's blocks and bytes per tenant tag (``tenants``, by tag) and the untenanted rest
+    (``untenanted``); both None where the backend counts no tenants.  Its records joined with a listing of the namespace (a stale record counts nothing),
+    listed again only when it has records."""
+    if not b.counts_tenants:
+        return {"tenants": None, "untenanted": None}
+    records = b.tenant_records(ns_id)
+    per: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    if records:
+        for blk in b.scan(ns_id):
+            if (tag := records.get(blk.key)) is not None:
+                per[tag][0] += 1
+                per[tag][1] += blk.size
+    tenants: list[dict[str, Any]] = [{"tenant": tag, "blocks": c[0], "bytes": c[1]} for tag, c in sorted(per.items())]
+    return {"tenants": tenants, "untenanted": {"blocks": blocks - sum(c[0] for c in per.values()),
+                                              "bytes": nbytes - sum(c[1] for c in per.values())}}
 
 
 def _fields(manifest: dict[str, Any] | None) -> list[str]:
@@ -105,6 +126,15 @@ def run(args: argparse.Namespace) -> int:
             share = f" of quota {format_size(quota)} ({100.0 * ns['bytes'] / quota:.1f}%)" \
                 if quota and not loaded.scope.all else ""
             lines.append(f"  namespace {ns['id']}{mark}: {ns['blocks']} blocks, {format_size(ns['bytes'])}{share}")
+            if ns["tenants"]:  # each share has the whole quota
+                def pct(n: int, quota: int | None = quota) -> str:
+                    return f" ({100.0 * n / quota:.1f}% of quota)" if quota and not loaded.scope.all else ""
+
+                for t in ns["tenants"]:
+                    lines.append(f"    tenant {t['tenant']}: {t['blocks']} blocks, {format_size(t['bytes'])}"
+                                 f"{pct(t['bytes'])}")
+                rest = ns["untenanted"]
+                lines.append(f"    untenanted: {rest['blocks']} blocks, {format_size(rest['bytes'])}{pct(rest['bytes'])}")
             lines += _fields(ns["manifest"])
             if ns["manifest_problem"] is None:
                 lines.append(f"      (layout id {ns['layout_id']:#010x}"
