@@ -12,10 +12,11 @@ we allow |diff| <= 1e-4 (observed: below 1e-6 on logits of magnitude ~1-10) and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,36 @@ def write_config(tmp_path: Path, role: str, backend: dict[str, Any],
     return path
 
 
-def kvtier(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
+def _forkserver() -> Any:
+    """tests/vllm/forkserver.py, the one test_vllm.py loads (by path: a ``vllm`` directory on sys.path would
+    shadow vLLM itself)."""
+    spec = importlib.util.spec_from_file_location("kvtier_vllm_forkserver", ROOT / "tests" / "vllm" / "forkserver.py")
+    assert spec is not None and spec.loader is not None
+    mod = sys.modules.get(spec.name)
+    if mod is None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def kvtier(tmp_path: Path, *args: str) -> None:
+    """``python -m kvtier ARGS`` as a process of its own.  On a CPU machine it is forked from the test fork
+    server (tests/vllm/forkserver.py), which imported torch and transformers once: each of this module's
+    seven runs is still its own process (its own engine, stack, backend connections), without the ~15 CPU
+    seconds of importing them again.  ``PYTHONHASHSEED`` 0 as the vLLM tests' runs, so the one server serves
+    them all (kvtier's keys do not depend on it: tests/test_keys.py).  With CUDA, a fresh interpreter (a
+    fork would share the parent's CUDA state)."""
+    log = tmp_path / f"kvtier-{args[0]}-{args[1]}-{time.monotonic_ns()}.log"
+    with open(log, "w") as f:
+        proc = _forkserver().popen(["-m", "kvtier", *args], {**os.environ, "PYTHONHASHSEED": "0"}, f,
+                                   fresh=torch.cuda.is_available())
+        try:
+            rc = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert rc == 0, log.read_text()[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +100,7 @@ def baseline(tmp_path_factory) -> tuple[list[dict[str, Any]], list[torch.Tensor]
     reqs_path = make_requests(tmp)
     dec = write_config(tmp, "decode", {"name": "shared", "type": "local_disk",
                                        "options": {"path": str(tmp / "kv"), "capacity": "1GiB"}})
-    kvtier("pd", "decode", "--config", str(dec), "--requests", str(reqs_path), "--no-cache",
+    kvtier(tmp, "pd", "decode", "--config", str(dec), "--requests", str(reqs_path), "--no-cache",
            "--out", str(tmp / "base.json"), "--logits", str(tmp / "base.pt"))
     return json.loads((tmp / "base.json").read_text()), torch.load(tmp / "base.pt")
 
@@ -85,8 +112,8 @@ def run_pair(tmp_path: Path, backend: dict[str, Any],
     reqs = [json.loads(x) for x in reqs_path.read_text().splitlines()]
     pre = write_config(tmp_path, "prefill", backend, security)
     dec = write_config(tmp_path, "decode", backend, security)
-    kvtier("pd", "prefill", "--config", str(pre), "--requests", str(reqs_path))
-    kvtier("pd", "decode", "--config", str(dec), "--requests", str(reqs_path),
+    kvtier(tmp_path, "pd", "prefill", "--config", str(pre), "--requests", str(reqs_path))
+    kvtier(tmp_path, "pd", "decode", "--config", str(dec), "--requests", str(reqs_path),
            "--out", str(tmp_path / "decode.json"), "--logits", str(tmp_path / "decode.pt"))
     got = json.loads((tmp_path / "decode.json").read_text())
     got_logits = torch.load(tmp_path / "decode.pt")

@@ -129,7 +129,9 @@ def test_kvtier_events_publishes_what_shared_stores_hold(tmp_path: Path, redis_s
         # The first listing: every block of the namespace, in its medium, with its locality.
         want = {"kvtier:local_disk": ext(hashes(3, 1)), "kvtier:redis": ext(hashes(2, 2)),
                 "kvtier:s3": ext(hashes(2, 3))}
-        wait_held(sub, want, "the first listing")
+        # Its wait includes the ``kvtier events`` process's start-up (its imports): beside the whole suite on a
+        # loaded 2-core machine that alone outlasted 30 s once (the stream still said nothing).
+        wait_held(sub, want, "the first listing", timeout=120.0)
         stored = [ev for _, ev in sub.events()]
         assert {(ev.medium, ev.locality, ev.ownership) for ev in stored} == {
             ("STORAGE", "LOCAL", "kvtier:local_disk"), ("STORAGE", "REMOTE", "kvtier:redis"),

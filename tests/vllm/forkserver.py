@@ -1,5 +1,6 @@
 """Run the vLLM test scripts (``driver.py``, ``soak.py``, ``../sglang/vllm_kv.py``) without importing vLLM
-again for every run.
+again for every run (and ``python -m kvtier pd``'s prefill / decode processes, tests/test_pd.py, without
+importing torch and transformers again for each).
 
 Importing vLLM's CPU build costs about 25 CPU-seconds on this 2-core machine, and the connector tests start
 some 45 vLLM processes.  The server (``python forkserver.py SOCKET``) imports torch and vLLM's modules
@@ -41,7 +42,9 @@ PRELOAD = ("torch", "transformers", "vllm", "vllm.config", "vllm.engine.arg_util
            "vllm.v1.engine.llm_engine", "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler",
            "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor",
            "vllm.model_executor.models.llama", "vllm.distributed.kv_transfer.kv_connector.v1.base",
-           "vllm.utils.hashing", "vllm.v1.core.kv_cache_utils")
+           "vllm.utils.hashing", "vllm.v1.core.kv_cache_utils",
+           # what ``python -m kvtier pd`` (tests/test_pd.py) imports for its transformers Llama
+           "transformers.models.llama.modeling_llama")
 
 
 def _die_with_parent() -> None:
@@ -109,12 +112,18 @@ def _child(req: dict[str, Any]) -> None:
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     os.close(stdin)
-    script = req["argv"][0]
-    sys.argv = list(req["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    argv = list(req["argv"])
+    module = argv[1] if argv[0] == "-m" else None
     code: Any = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module is not None:  # ``python -m module ...``: the working directory first on sys.path
+            sys.argv = argv[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code
     except BaseException:
