@@ -194,6 +194,29 @@ def test_credentials_never_in_logs_errors_or_repr(moto_server_private, caplog):
             assert secret not in text
 
 
+def test_backends_in_one_process_share_botocores_models_and_sign_with_their_own_credentials(moto_server, s3_bucket):
+    """botocore's parsed models are shared by every S3 backend of a process (a client is then cheap to
+    make); what a session holds of its own, its credentials, is not."""
+    signed: dict[str, list[str]] = {"a": [], "b": []}
+    kvs = {who: make(moto_server, s3_bucket, access_key_id=f"AKIAKVTIERSHARED{who.upper()}01",
+                     secret_access_key=f"secret-of-{who}-0123456789") for who in signed}
+    try:
+        for who, kv in kvs.items():
+            kv._client.meta.events.register(
+                "before-send.s3", lambda request, who=who, **_: signed[who].append(request.headers["Authorization"]))
+            ks = keys(1)
+            assert kv.put(ks, blobs(1), NS.layout_id) == [True]
+            assert get(kv, ks)[0] is not None
+        for who, headers in signed.items():
+            texts = [h.decode() if isinstance(h, bytes) else h for h in headers]
+            assert texts and all(f"Credential=AKIAKVTIERSHARED{who.upper()}01/" in h for h in texts)
+        models = [kv._client.meta.service_model.metadata for kv in kvs.values()]
+        assert models[0] is models[1]  # one parse of the S3 model for both
+    finally:
+        for kv in kvs.values():
+            kv.close()
+
+
 # ----------------------------------------------------------------------------------- faults, timeouts
 
 
