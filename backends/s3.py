@@ -28,7 +28,9 @@ Invariants:
   they all sort before it).  A marker lost (its PUT failed: logged and counted, the put stands) makes its
   block count as the namespace's until it is written again with its tenant.
 * Credentials come from boto3's standard chain unless given as options (``SecretStr``); they never appear
-  in ``repr``, exception messages or log records (botocore's DEBUG output is scrubbed of them).
+  in ``repr``, exception messages or log records (botocore's DEBUG output is scrubbed of them).  Each
+  backend has its own session (credentials, configuration); only botocore's read-only data loader (the
+  parsed service models and endpoint rules) is shared by the backends of a process.
 """
 
 from __future__ import annotations
