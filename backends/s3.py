@@ -318,10 +318,13 @@ class S3Backend(StorageBackend):
         present = [k for k, ok in zip(keys, self._exists(keys)) if ok]
         # A quota's trim of a tenant's share: its markers go in the same requests (absent ones are no error).
         markers = [self._marker(Share(k.partition("/")[0], t), k) for k in keys if (t := self._put_tenant(k))]
-        objects = [self._prefix + k for k in present] + markers
+        self._delete_objects([self._prefix + k for k in present] + markers)
+        return len(present)
+
+    def _delete_objects(self, objects: list[str]) -> None:
+        """Delete these object keys (the backend's prefix included), ``_DELETE_BATCH`` a request, on the pool."""
         groups = [objects[i:i + _DELETE_BATCH] for i in range(0, len(objects), _DELETE_BATCH)]
         self._batch(groups, lambda i: self._delete_group(groups[i]), None)
-        return len(present)
 
     def _scan(self, prefix: str) -> Iterator[StoredBlock]:
         """Every object under ``prefix`` up to the tenants' markers, which are no blocks: they sort after
@@ -384,8 +387,7 @@ class S3Backend(StorageBackend):
         stale = [m for k, m in marked.items() if k not in stored]
         if stale:
             try:
-                groups = [stale[i:i + _DELETE_BATCH] for i in range(0, len(stale), _DELETE_BATCH)]
-                self._batch(groups, lambda i: self._delete_group(groups[i]), None)
+                self._delete_objects(stale)
             except Exception as e:  # noqa: BLE001 - the count stands; the next one drops them
                 log.info("backend %r: could not drop %d stale tenant marker(s) (%s)", self.name, len(stale),
                          type(e).__name__)

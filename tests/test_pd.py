@@ -12,10 +12,8 @@ we allow |diff| <= 1e-4 (observed: below 1e-6 on logits of magnitude ~1-10) and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from _forkserver import forkserver
 
 from kvtier.format import blockformat
 from kvtier.testing.redis_server import redis_available, start_redis
@@ -60,19 +59,6 @@ def write_config(tmp_path: Path, role: str, backend: dict[str, Any],
     return path
 
 
-def _forkserver() -> Any:
-    """tests/vllm/forkserver.py, the one test_vllm.py loads (by path: a ``vllm`` directory on sys.path would
-    shadow vLLM itself)."""
-    spec = importlib.util.spec_from_file_location("kvtier_vllm_forkserver", ROOT / "tests" / "vllm" / "forkserver.py")
-    assert spec is not None and spec.loader is not None
-    mod = sys.modules.get(spec.name)
-    if mod is None:
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
-
-
 def kvtier(tmp_path: Path, *args: str) -> None:
     """``python -m kvtier ARGS`` as a process of its own.  On a CPU machine it is forked from the test fork
     server (tests/vllm/forkserver.py), which imported torch and transformers once: each of this module's
@@ -82,8 +68,8 @@ def kvtier(tmp_path: Path, *args: str) -> None:
     fork would share the parent's CUDA state)."""
     log = tmp_path / f"kvtier-{args[0]}-{args[1]}-{time.monotonic_ns()}.log"
     with open(log, "w") as f:
-        proc = _forkserver().popen(["-m", "kvtier", *args], {**os.environ, "PYTHONHASHSEED": "0"}, f,
-                                   fresh=torch.cuda.is_available())
+        proc = forkserver.popen(["-m", "kvtier", *args], {**os.environ, "PYTHONHASHSEED": "0"}, f,
+                                fresh=torch.cuda.is_available())
         try:
             rc = proc.wait(timeout=300)
         finally:

@@ -23,7 +23,6 @@ it runs the README's own quick start and P/D recipe.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -38,6 +37,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _forkserver import forkserver  # each vLLM run forked from one process that imported vLLM once
 
 from kvtier.format import blockformat
 from kvtier.keys import BlockHasher
@@ -46,20 +46,6 @@ BS = 32
 DRIVER = Path(__file__).parent / "vllm" / "driver.py"
 
 
-def _load_forkserver() -> Any:
-    """tests/vllm/forkserver.py (by path: a ``vllm`` directory on sys.path would shadow vLLM itself)."""
-    spec = importlib.util.spec_from_file_location("kvtier_vllm_forkserver",
-                                                  Path(__file__).parent / "vllm" / "forkserver.py")
-    assert spec is not None and spec.loader is not None
-    mod = sys.modules.get(spec.name)
-    if mod is None:
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
-
-
-forkserver = _load_forkserver()  # each vLLM run forked from one process that imported vLLM once
 _rng = random.Random(7)
 A = [_rng.randrange(1, 500) for _ in range(300)]
 B = A[:160] + [_rng.randrange(1, 500) for _ in range(100)]
