@@ -1,5 +1,5 @@
 """The planner's contract with its executors: a store's plan names, at its start, the host slot each of its
-new blocks goes to, and the slots it hands out are those whatever the executors do meanwhile or in
+new blocks goes to (and a read's room, before its first value is read, the slot of each block it brings up), and the slots it hands out are those whatever the executors do meanwhile or in
 whichever order write-backs end (the property several executors running one plan need: vLLM's TP ranks).
 The executor's part is played here step by step, as ``store_path`` does it, on a real planner with ledger
 backends."""
@@ -10,6 +10,7 @@ from _stack_helpers import BLOCK_NBYTES, config
 
 from kvtier.simulate.ledger_stack import SimulatedStack
 from kvtier.tiering.results import FAILED, STORED
+from kvtier.tiering.room import Reservation
 
 
 def _planner(tmp_path, write: str = "write_back"):
@@ -93,3 +94,66 @@ def test_the_write_down_of_a_store_is_decided_at_its_start(tmp_path):
     _, p_r = _planner(tmp_path / "r", write="write_back")
     with p_r.lock:
         assert p_r.start_store_locked([a], [0]).sends_down == frozenset()
+
+
+def _copy_down(p, taken: dict[bytes, bool]):
+    """The executor's write-back, played: each victim copied down or not as ``taken`` says (default: taken)."""
+    calls: list[list[bytes]] = []
+
+    def write_back(victims):
+        calls.append([v.key for v in victims])
+        with p.lock:
+            return p.written_back_locked(victims, {v.key: taken.get(v.key, True) for v in victims})
+
+    return write_back, calls
+
+
+def test_a_reads_room_is_named_before_its_first_value_and_each_chunk_gets_its_slots(tmp_path):
+    sim, p = _planner(tmp_path)
+    a, b, c, d, g = _keys(5)
+    where = _fill(sim, p, [a, b, c, d])
+    write_back, calls = _copy_down(p, {})
+    rows = Reservation.take(p, [10, 11], write_back)  # a read of two blocks: positions 10 and 11
+    assert rows.room.slots == [] and [v.key for v in rows.room.victims] == [c, d]
+    assert rows.room.order() == [where[c], where[d]] and calls == []  # decided, nothing copied yet
+    # Meanwhile a store evicts A, and its copy is never made: A's slot is free, and lower than D's.
+    with p.lock:
+        plan2 = p.start_store_locked([g], [6])
+        p.release_slots(p.written_back_locked(plan2.victims, {a: True}))
+    p.end_stores([g])
+    # The first chunk's block takes C's slot, copying C alone down; the second takes D's, as named.
+    assert rows.slots_for([10]) == {10: where[c]} and calls == [[c]]
+    with p.lock:
+        assert p.index.host_slot(d) == where[d]  # D is copied down only when a chunk needs its slot
+    assert rows.slots_for([11, 10]) == {11: where[d]} and calls == [[c], [d]]  # never a slot twice
+    rows.close()
+    e, f = _keys(7)[5:]
+    with p.lock:  # the reader commits the blocks it read into the slots it was handed
+        p.commit_host_locked(e, where[c])
+        p.commit_host_locked(f, where[d])
+        p.check_locked()
+
+
+def test_a_reads_room_settles_what_it_never_handed_out(tmp_path):
+    sim, p = _planner(tmp_path)
+    a, b, c, d = _keys(4)
+    where = _fill(sim, p, [a, b, c, d])
+    write_back, calls = _copy_down(p, {c: False})  # C's write-back fails
+    rows = Reservation.take(p, [0, 1, 2], write_back)
+    assert [v.key for v in rows.room.victims] == [c, d, a]
+    assert rows.slots_for([0]) == {}  # C kept its slot: the block planned there finds none
+    assert rows.slots_for([0]) == {} and calls == [[c]]  # and C is not tried twice
+    assert rows.slots_for([1]) == {1: where[d]}
+    p.release_slots([where[d]])  # the read of block 1 failed: the reader releases its slot
+    rows.close()  # A was never copied down: abandoned, still in host memory
+    with p.lock:
+        assert p.index.host_slot(a) == where[a] and p.index.host_slot(c) == where[c]
+        assert p.index.host_slot(d) is None
+        p.check_locked()
+    assert calls == [[c], [d]]
+    try:
+        rows.slots_for([2])
+    except RuntimeError as e:
+        assert "after close" in str(e)
+    else:
+        raise AssertionError("a closed reservation handed out a slot")

@@ -36,6 +36,7 @@ from ..tiering.load_steps import Source
 from ..tiering.manager import TierManager
 from ..tiering.planner import CopyDown, Planner
 from ..tiering.results import SKIPPED, STORED, LoadResult, LookupResult, StoreResult, StoreStatus
+from ..tiering.room import Reservation
 from .ledger import LedgerBackend
 
 
@@ -189,13 +190,6 @@ class SimulatedStack:
 
     # ------------------------------------------------------------------ the way up: backends -> host
 
-    def _reserve(self, n: int) -> list[int]:
-        """``HostRoom.reserve``: the planner's slots, victims written back first."""
-        p = self.planner
-        with p.lock:
-            slots, victims = p.take_slots_locked(n)
-        return slots + self._write_back(victims)
-
     def _read(self, key: str, first: int, *, straight_only: bool = False) -> int:
         """``Upward.fetch``'s reads of one key: from ``first``, then (vanished: a write-back's put made
         room) the others in order; the backend it came from, or -1."""
@@ -209,10 +203,12 @@ class SimulatedStack:
     def _fetch_values(self, hashes: list[bytes], start: int, pos: list[int]) -> list[bool]:
         """``Upward._fetch_values`` + ``ValueReader.fetch`` for a load: the values holding ``pos`` (one
         block each, or groups of ``storage.block_tokens``), a chunk of them at a time.  A value whose
-        backend loads straight into the engine's KV is read there; for the others, host room is made
-        first for their wanted blocks not in host memory (the values held, so a write-back making that
-        room never evicts them; no room: a temporary row); then every value is read under its last
-        block's key.  Per position in ``pos``, whether it arrived."""
+        backend loads straight into the engine's KV is read there; for the others, the whole read's
+        host room is named before the first value is read (``ValueReader.reserve``: a slot for each wanted
+        block not in host memory), and each chunk takes its blocks' slots, its victims written back then
+        (the values held, so a write-back making that room never evicts them; no room: a temporary row);
+        then every value is read under its last block's key.  Per position in ``pos``, whether it
+        arrived."""
         p, k = self.planner, self.storage_blocks
         got = dict.fromkeys(pos, False)
         groups: list[tuple[int, int]] = []
@@ -227,6 +223,24 @@ class SimulatedStack:
         chunks = load_chunks(len(where), self.block_nbytes * k, self.load_chunk_bytes)
         if where and all(self.direct[w] for w in where):
             chunks = [(0, len(where))]  # as Upward._fetch_values: every value read straight in, at once
+        rows: list[int] = []
+        if self.host_slots:
+            with p.lock:
+                for (first, last), b in zip(groups, where):
+                    if not self.direct[b]:
+                        rows += [i for i in range(max(first, 0), last + 1)
+                                 if i in got and p.index.host_slot(hashes[i]) is None]
+        room = Reservation.take(p, rows, self._write_back)
+        try:
+            self._fetch_chunks(hashes, groups, strs, where, chunks, got, room)
+        finally:
+            room.close()
+        return [got[i] for i in pos]
+
+    def _fetch_chunks(self, hashes: list[bytes], groups: list[tuple[int, int]], strs: list[str], where: list[int],
+                      chunks: list[tuple[int, int]], got: dict[int, bool], room: Reservation) -> None:
+        """``_fetch_values``' chunks, each as ``ValueReader.fetch`` reads one."""
+        p, k = self.planner, self.storage_blocks
         for a, z in chunks:
             todo: list[tuple[int, list[int]]] = []  # (group index, its wanted blocks not in host memory)
             with p.lock:
@@ -241,25 +255,21 @@ class SimulatedStack:
             held = [strs[g] for g, _ in todo] if self._holds else []
             self._backends.hold(held)
             try:
-                n_rows = sum(len(m) for g, m in todo if not self.direct[where[g]])
-                slots = self._reserve(n_rows) if self.host_slots and n_rows else []
+                given = room.slots_for([i for g, m in todo if not self.direct[where[g]] for i in m])
                 src = {g: self._read(strs[g], where[g], straight_only=self.direct[where[g]]) for g, _ in todo}
             finally:
                 self._backends.release(held)
-            r = 0
             with p.lock:
                 for g, missing in todo:
                     first, last = groups[g]
-                    mine: list[int] = []
-                    if not self.direct[where[g]]:
-                        mine = slots[r:r + len(missing)]
-                        r += len(missing)
+                    mine = [given[i] for i in missing if i in given]
                     if src[g] >= 0:
                         for i in range(max(first, 0), last + 1):
                             p.mark_read_locked(hashes[i], src[g])
-                        for i, slot in zip(missing, mine):
-                            p.commit_host_locked(hashes[i], slot)
-                            self._counters["host"].written += 1
+                        for i in missing:
+                            if i in given:
+                                p.commit_host_locked(hashes[i], given[i])
+                                self._counters["host"].written += 1
                         for i in missing:
                             got[i] = True  # in a host slot, a temporary row, or the device block itself
                         if k > 1 and first >= 0:
@@ -267,14 +277,12 @@ class SimulatedStack:
                     else:
                         p.release_slots(mine)
                         p.mark_missing_locked(hashes[last], where[g])  # read and not there: a stale hint
-                p.release_slots(slots[r:])
             if any(not got[i] for first, last in groups[a:z] for i in range(max(first, 0), last + 1) if i in got):
                 break
-        return [got[i] for i in pos]
 
     # ------------------------------------------------------------------ the way down
 
-    def _write_back(self, victims: list[CopyDown]) -> list[int]:
+    def _write_back(self, victims: Sequence[CopyDown]) -> list[int]:
         """``HostRoom.write_back``: copy the victims down, then the planner frees those a backend took."""
         if not victims:
             return []

@@ -38,7 +38,7 @@ class Upward:
         self.parts = parts
         self.room = room
         self.down = down
-        self.reader = ValueReader(parts, room)  # every backend read, whatever the stored value's size
+        self.reader = ValueReader(parts, room.write_back)  # every backend read, whatever the stored value's size
         self.lookup = lookup  # the stack's lookup (a prefetch without a lookup result asks it)
 
     # ------------------------------------------------------------------ load
@@ -129,15 +129,20 @@ class Upward:
                 # against 152 in 32 MiB chunks (A/B interleaved, medians of 9).
                 chunks = [(0, len(where))]
         want = set(pos)
-        for a, b in chunks:
-            got = reader.fetch(hashes, groups[a:b], where[a:b], want, allow_tmp=True, land=land, direct=direct)
-            for i, g in got.items():
-                plan[i] = g or lost()
-                if g is not None and i in landed:
-                    g.landed = True
-            advance()
-            if any(g is None for g in got.values()):
-                break  # the chain is broken here: later blocks are of no use
+        rows = reader.reserve(hashes, groups, where, want, direct)  # the whole read's host slots, named now
+        try:
+            for a, b in chunks:
+                got = reader.fetch(hashes, groups[a:b], where[a:b], want, rows=rows, allow_tmp=True, land=land,
+                                   direct=direct)
+                for i, g in got.items():
+                    plan[i] = g or lost()
+                    if g is not None and i in landed:
+                        g.landed = True
+                advance()
+                if any(g is None for g in got.values()):
+                    break  # the chain is broken here: later blocks are of no use
+        finally:
+            rows.close()
 
     def _lander(self, ids: np.ndarray, landed: set[int]) -> Callable[[int, Any], None]:
         """``ValueReader.fetch``'s ``land`` for a load into CPU memory: copy each block into its device
@@ -286,15 +291,20 @@ class Upward:
                      for t in lasts) else reader.locate(hashes, groups))
             want = set(pos)
             per = max(1, self.parts.tuning.prefetch_chunk_blocks // reader.k)
-            for a in range(0, len(where), per):
-                if handle.cancelled.is_set():
-                    break
-                got = reader.fetch(hashes, groups[a:a + per], where[a:a + per], want, allow_tmp=False)
-                order = sorted(got)
-                n_ok = next((j for j, i in enumerate(order) if got[i] is None), len(order))
-                handle.fetched += n_ok
-                if n_ok < len(order):
-                    break  # the chain is broken here: later blocks are of no use
+            rows = reader.reserve(hashes, groups, where, want)  # the whole prefetch's host slots, named now
+            try:
+                for a in range(0, len(where), per):
+                    if handle.cancelled.is_set():
+                        break
+                    got = reader.fetch(hashes, groups[a:a + per], where[a:a + per], want, rows=rows,
+                                       allow_tmp=False)
+                    order = sorted(got)
+                    n_ok = next((j for j, i in enumerate(order) if got[i] is None), len(order))
+                    handle.fetched += n_ok
+                    if n_ok < len(order):
+                        break  # the chain is broken here: later blocks are of no use
+            finally:
+                rows.close()
         finally:
             self._prefetch_done(handle, prefix)
 

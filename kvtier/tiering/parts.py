@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from .. import threads as kvthreads
 from ..format.layout import KVLayout
@@ -106,14 +106,6 @@ class StackParts:
         return self.xfer
 
 
-class SlotSource(Protocol):
-    """Host slots for blocks coming up (:class:`~kvtier.tiering.store_path.HostRoom`)."""
-
-    def reserve(self, n: int) -> list[int]: ...
-
-    def release(self, slots: list[int]) -> None: ...
-
-
 def _logged(fn: Callable[..., Any], *args: Any) -> None:
     try:
         fn(*args)
@@ -121,4 +113,4 @@ def _logged(fn: Callable[..., Any], *args: Any) -> None:
         log.exception("kvtier worker task %s failed", getattr(fn, "__name__", fn))
 
 
-__all__ = ["SlotSource", "StackParts", "Tuning", "Workers"]
+__all__ = ["StackParts", "Tuning", "Workers"]

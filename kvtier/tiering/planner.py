@@ -16,7 +16,9 @@ Invariants (checked by :meth:`Planner.check_locked` in the tests, after every op
 * **Index = truth about memory.**  The index says a block is in host slot ``s`` iff slot ``s`` is READY
   or WRITING under this planner's commit (``commit_host_locked``); a slot is never in two blocks.
 * **Plans name their slots.**  A store's plan (:class:`StoreStart`) says at its start which host slot each
-  of its new blocks goes to (:meth:`StoreStart.room`); a slot a victim hands over goes from that victim
+  of its new blocks goes to (:meth:`StoreStart.room`), and a read's (a load's or a prefetch's backend
+  values) says it before its first value is read (:class:`Room`, one for the whole read, handed out
+  chunk by chunk in its order); a slot a victim hands over goes from that victim
   to the planned block without being free in between (``SlotTable.reuse``), so the same plan places the
   same blocks in the same slots whenever its write-backs end.
 * **One at a time.**  A block is in at most one store (``storing``) and at most one copy down
@@ -76,6 +78,20 @@ class GroupWrite:
 
 
 @dataclass
+class Room:
+    """Host room for a batch of blocks coming up, decided at once (:meth:`Planner.take_room_locked`):
+    ``slots`` (WRITING now), then the slots the write-back ``victims`` hand over once copied down.  The
+    k-th block of the batch goes to ``order()[k]`` whenever the write-backs end; a victim that is not
+    copied down keeps its slot, and the block planned there finds none."""
+
+    slots: list[int]
+    victims: list[CopyDown]
+
+    def order(self) -> list[int]:
+        return [*self.slots, *(v.slot for v in self.victims)]
+
+
+@dataclass
 class StoreStart:
     """What a store does, all decided at its start: per block its status so far; ``new``: positions to
     copy (pinned, in ``storing``); ``hits``: blocks already held that the write policy sends down on this
@@ -94,7 +110,7 @@ class StoreStart:
         """The host slot each of the first new blocks goes to, in order: the slots taken now, then the
         slots the write-back victims hand over once copied down (if one is not, the blocks from the
         chain's head keep the usable slots and the last block finds none: it is skipped)."""
-        return [*self.slots, *(v.slot for v in self.victims)]
+        return Room(self.slots, self.victims).order()
 
 
 class Planner:
@@ -241,6 +257,10 @@ class Planner:
                     slots.append(self._hand_over_locked(key))
                 need -= 1
         return slots, wb
+
+    def take_room_locked(self, n: int) -> Room:
+        """:meth:`take_slots_locked` as a plan: the room of a read's ``n`` blocks, named at its start."""
+        return Room(*self.take_slots_locked(n))
 
     def _hand_over_locked(self, key: bytes) -> int:
         """Evict host block ``key`` and hand its slot, WRITING, to the block taking its place."""
@@ -576,4 +596,4 @@ class Planner:
                 raise AssertionError(f"planner: {len(stray)} {what} block(s) not in host memory")
 
 
-__all__ = ["CopyDown", "GroupWrite", "Planner", "StoreStart"]
+__all__ = ["CopyDown", "GroupWrite", "Planner", "Room", "StoreStart"]

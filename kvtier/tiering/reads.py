@@ -2,9 +2,11 @@
 whatever its size (one engine block, or a group of ``storage.block_tokens`` blocks; see
 :mod:`kvtier.format.groups`).  Writing values is :mod:`kvtier.tiering.writes`' alone.
 
-Each wanted block of a value has its destination before the read: a host slot reserved for it, the
-engine's device block itself (a CPU engine's KV, read straight in: ``direct``), or a temporary row; a
-block of the value nobody wants (or already in host memory) gets a temporary row.  A backend that reads
+Each wanted block of a value has its destination before the read: a host slot, the engine's device
+block itself (a CPU engine's KV, read straight in: ``direct``), or a temporary row; a block of the value
+nobody wants (or already in host memory) gets a temporary row.  The host slots of a whole read are
+decided before its first value is read (:meth:`ValueReader.reserve`: one
+:class:`~kvtier.tiering.room.Reservation`), and handed out as each chunk of values is read.  A backend that reads
 segments fills those destinations in place, one read per value and no copy; another reads a value of
 several blocks into one buffer, whose wanted blocks are copied to their rows as soon as it is verified.
 A value of one block is read straight into its one destination by every backend.
@@ -14,7 +16,8 @@ Invariants (beside the stack's):
   becomes visible in host memory or is reported delivered;
 * every value is read while its key is held (``BackendSet.hold``), so room made meanwhile by a
   write-back's put never evicts it;
-* every reserved slot is either committed (the block is in host memory) or released, exactly once;
+* every slot handed out is either committed (the block is in host memory) or released, exactly once
+  (what the reservation never handed out, it settles itself at ``close``);
 * a value read whole is remembered by the planner for its blocks in host memory, so a later write of one
   of them writes the whole value.
 """
@@ -32,7 +35,8 @@ import torch
 from ..format.blockformat import Segments
 from ..format.groups import group_of
 from .load_steps import Source, Step
-from .parts import SlotSource, StackParts
+from .parts import StackParts
+from .room import Reservation, WriteBack
 
 log = logging.getLogger("kvtier.stack")
 
@@ -63,9 +67,9 @@ class _Value:
 class ValueReader:
     """Brings stored values up from the backends for one stack."""
 
-    def __init__(self, parts: StackParts, room: SlotSource):
+    def __init__(self, parts: StackParts, write_back: WriteBack):
         self.parts = parts
-        self.room = room
+        self.write_back = write_back  # held victims copied down (the room of a read, HostRoom.write_back)
         self.k = parts.storage_blocks
 
     def groups_of(self, start: int, positions: Sequence[int], n: int) -> tuple[list[Group], list[int]]:
@@ -86,8 +90,34 @@ class ValueReader:
         """For the longest run of leading ``groups`` stored in some backend, the backend holding each."""
         return self.parts.backends.locate(self.parts.namespace.keys([hashes[last] for _, last in groups]))
 
+    def reserve(self, hashes: Sequence[bytes], groups: Sequence[Group], where: Sequence[int], want: set[int],
+                direct: Direct | None = None) -> Reservation:
+        """The host room of a read of the first ``len(where)`` values, decided now, before any is read: a
+        slot for each wanted block not in host memory, of every value not read straight into the device
+        (``direct``, as :meth:`fetch` decides), in the order of the values."""
+        p, planner = self.parts, self.parts.planner
+        if p.host is None:
+            return Reservation.take(planner, [], self.write_back)
+        rows: list[int] = []
+        with planner.lock:
+            host_slot = planner.index.host_slot
+            for (first, last), b in zip(groups, where):
+                missing = [i for i in range(max(first, 0), last + 1) if i in want and host_slot(hashes[i]) is None]
+                if missing and self._segments(missing, b, direct) is None:
+                    rows += missing
+        return Reservation.take(planner, rows, self.write_back)
+
+    def _segments(self, missing: Sequence[int], b: int, direct: Direct | None) -> list[Segments] | None:
+        """The device blocks of ``missing`` as segments when backend ``b`` reads them straight in there
+        (all of them or none)."""
+        if direct is None or not self.parts.direct_loads[b]:
+            return None
+        segs = [direct(i) for i in missing]
+        return None if any(s is None for s in segs) else [s for s in segs if s is not None]
+
     def fetch(self, hashes: Sequence[bytes], groups: Sequence[Group], where: Sequence[int], want: set[int], *,
-              allow_tmp: bool, land: Lander | None = None, direct: Direct | None = None) -> dict[int, Step | None]:
+              rows: Reservation, allow_tmp: bool, land: Lander | None = None,
+              direct: Direct | None = None) -> dict[int, Step | None]:
         """Read the first ``len(where)`` values (``where[j]``: the backend to try first) and place their
         blocks at positions in ``want`` (pinned by the caller).  Per wanted position: a HOST step (verified,
         now in host memory, or already there), a TMP step (no host room: a temporary row, only with
@@ -96,7 +126,8 @@ class ValueReader:
         ``direct``: a value whose first backend loads straight into the engine's KV
         (``StackParts.direct_loads``) and whose wanted blocks all have device segments is read there and
         never lands in host memory (the backend keeps it: a local disk's page cache already holds what host
-        memory would); should that backend fail it, only backends that load straight in are tried."""
+        memory would); should that backend fail it, only backends that load straight in are tried.
+        ``rows``: the read's host room (:meth:`reserve`), whose slots the blocks read now take."""
         p, planner = self.parts, self.parts.planner
         out: dict[int, Step | None] = {}
         todo: list[_Value] = []
@@ -128,10 +159,10 @@ class ValueReader:
         p.backends.hold(keys)
         slots: list[int] = []
         try:
-            slots = self._destinations(groups, where, todo, need, allow_tmp, direct)
+            self._destinations(groups, where, todo, need, rows, allow_tmp, direct, slots)
             self._read(todo, [j for j, v in enumerate(todo) if v.wanted], keys, where, land)
         except BaseException:
-            self.room.release(slots)  # never left WRITING
+            planner.release_slots(slots)  # never left WRITING
             raise
         finally:
             p.backends.release(keys)
@@ -158,38 +189,39 @@ class ValueReader:
                         out[i] = Step(Source.TMP, torch.from_numpy(v.dest[off]), v.src)
                 if k > 1 and first >= 0:
                     planner.remember_group_locked(tuple(hashes[first:last + 1]))
-        self.room.release(unused)
+        planner.release_slots(unused)
         p.metrics.add("host", bytes_in=n_host * p.layout.block_nbytes)
         return out
 
     def _destinations(self, groups: Sequence[Group], where: Sequence[int], todo: list[_Value],
-                      need: list[list[int]], allow_tmp: bool, direct: Direct | None) -> list[int]:
+                      need: list[list[int]], rows: Reservation, allow_tmp: bool, direct: Direct | None,
+                      handed: list[int]) -> None:
         """Give every block of the values ``todo`` its destination (``need[j]``: value j's wanted blocks
-        not in host memory, which alone are delivered); the host slots reserved (``wanted`` names each).
+        not in host memory, which alone are delivered): the slot ``rows`` named for it, the device block,
+        or a temporary row.  The host slots handed out go into ``handed`` at once (the caller releases
+        them should anything fail); ``wanted`` names each.
         A value none of whose wanted blocks has a destination other than a temporary row is left
         without ``wanted`` (not read) unless ``allow_tmp``."""
         p, k = self.parts, self.k
         via_host: list[int] = []  # indices into todo of the values read through host rows
         for j, (v, missing) in enumerate(zip(todo, need)):
-            if direct is not None and p.direct_loads[where[v.g]]:
-                segs = [direct(i) for i in missing]
-                if all(s is not None for s in segs):
-                    first = groups[v.g][0]
-                    for i, s in zip(missing, segs):
-                        v.dest[i - first] = s
-                        v.wanted.append((i, i - first, None))
-                    v.direct = True
-                    continue
+            segs = self._segments(missing, where[v.g], direct)
+            if segs is not None:
+                first = groups[v.g][0]
+                for i, s in zip(missing, segs):
+                    v.dest[i - first] = s
+                    v.wanted.append((i, i - first, None))
+                v.direct = True
+                continue
             via_host.append(j)
-        n_rows = sum(len(need[j]) for j in via_host)
-        slots = self.room.reserve(n_rows) if p.host is not None and n_rows else []
-        it = iter(slots)
         host = p.host
+        given = rows.slots_for([i for j in via_host for i in need[j]]) if host is not None else {}
+        handed += given.values()
         for j in via_host:
             v = todo[j]
             first = groups[v.g][0]
             for i in need[j]:
-                slot = next(it, None)
+                slot = given.get(i)
                 if slot is not None and host is not None:
                     v.dest[i - first] = host.slot_view(slot)
                     v.wanted.append((i, i - first, slot))
@@ -206,7 +238,6 @@ class ValueReader:
                         if v.dest[off] is None:
                             v.dest[off] = tmp[t]
                             t += 1
-        return slots
 
     def _read(self, todo: list[_Value], order: list[int], keys: list[str], where: Sequence[int],
               land: Lander | None) -> None:

@@ -43,22 +43,14 @@ class HostRoom:
         self.writer = writer
 
     def write_back(self, victims: Sequence[CopyDown]) -> list[int]:
-        """Copy victims down (no lock held), then let the planner free those a backend took and nobody
-        referenced meanwhile; returns as many WRITING slots as were freed."""
+        """Copy victims down (no lock held), then let the planner evict those a backend took and nobody
+        referenced meanwhile; returns their own slots, WRITING, handed over to the blocks planned there."""
         if not victims:
             return []
         written = self.copy_down(victims)
         planner = self.parts.planner
         with planner.lock:
             return planner.written_back_locked(victims, written)
-
-    def reserve(self, n: int) -> list[int]:
-        """Up to ``n`` WRITING slots, writing victims back when the policy says (call without the lock,
-        from a worker: it may do backend I/O)."""
-        planner = self.parts.planner
-        with planner.lock:
-            slots, wb = planner.take_slots_locked(n)
-        return slots + self.write_back(wb)
 
     def release(self, slots: list[int]) -> None:
         """Give back WRITING slots that were not used."""
