@@ -405,3 +405,25 @@ def test_redis_a_tenant_record_that_fails_leaves_the_put_standing(caplog):
     finally:
         stack.close()
         srv.cleanup()
+
+
+def test_a_faulty_backend_wrapper_counts_and_lists_tenants_as_its_inner_backend(tmp_path):
+    """``FaultyBackend`` (the fault-injection wrapper) says what its inner backend says of tenants: whether
+    it counts them (so a put's tenants are charged, and ``kvtier inspect`` asks) and their records; a
+    scan fault reaches ``tenant_records`` as it reaches ``scan``."""
+    from kvtier.backend_api import BackendUnavailable
+    from kvtier.testing.faults import FaultyBackend
+
+    inner = LocalDiskBackend({"path": str(tmp_path / "blocks")}, name="disk")
+    wrapped = FaultyBackend(inner)
+    ns = "e" * 32
+    keys = [f"{ns}/{i:064x}" for i in range(3)]
+    try:
+        assert wrapped.counts_tenants is True
+        assert wrapped.put(keys, [os.urandom(PAYLOAD)] * 3, 1, tenants=[TAG_A, None, TAG_B]) == [True] * 3
+        assert wrapped.tenant_records(ns) == inner.tenant_records(ns) == {keys[0]: TAG_A, keys[2]: TAG_B}
+        wrapped.fail("scan", times=1)
+        with pytest.raises(BackendUnavailable):
+            wrapped.tenant_records(ns)
+    finally:
+        wrapped.close()

@@ -98,6 +98,7 @@ class FaultyBackend(StorageBackend):
         # What the inner backend reads, this one passes on: per instance, as the inner one is (setattr, since
         # the base class declares it a class-level fact of a backend type).
         setattr(self, "reads_segments", inner.reads_segments)  # noqa: B010
+        setattr(self, "counts_tenants", inner.counts_tenants)  # noqa: B010 - and whom it charges a put to
         inner.on_evicted = self._evicted  # what the inner backend evicts, this one's owner hears
         self.faults: list[Fault] = []
         self.calls: Counter[str] = Counter()
@@ -247,6 +248,10 @@ class FaultyBackend(StorageBackend):
     def scan(self, namespace_id: str | None = None) -> Iterator[StoredBlock]:
         self._before("scan", [])
         return self.inner.scan(namespace_id)
+
+    def tenant_records(self, namespace_id: str) -> dict[str, str]:
+        self._before("scan", [namespace_id])
+        return self.inner.tenant_records(namespace_id)
 
     def namespaces(self) -> list[str]:
         self._before("scan", [])
