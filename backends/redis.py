@@ -31,8 +31,9 @@ Invariants:
   after its put, as block hashes in a sorted set ``<key_prefix>tenants/<namespace id>/<tenant tag>``
   scored by the put's time (in ms: ties of ``OBJECT IDLETIME``, which counts seconds, go oldest written
   first), and the tenant's tag in a set ``<key_prefix>tenants/<namespace id>``; a key, a value and the
-  namespace are the same with or without a tenant.  A tenant's listing is its sorted set, less the members
-  no longer stored (evicted, deleted, expired: removed as the listing finds them); a namespace's listing
+  namespace are the same with or without a tenant.  A quota's trim removes the members of the blocks it
+  deletes; a tenant's listing is its sorted set, less the members no longer stored (evicted, deleted
+  otherwise, expired: removed as the listing finds them); a namespace's listing
   leaves out every block in one of its tenants' sets.  With ``ttl_s`` a set expires ``ttl_s`` after its last put.
   Neither is a block (no tool lists them); a set evicted by ``maxmemory`` makes its tenant's blocks
   count as the namespace's until they are written again, as does a record that failed after its put (the
@@ -326,7 +327,19 @@ class RedisBackend(StorageBackend):
         return [r == 1 for r in self._simple(keys, b"EXISTS", 0)]
 
     def _delete(self, keys: Sequence[str]) -> int:
-        return sum(r for r in self._simple(keys, b"UNLINK", 0) if isinstance(r, int))
+        n = sum(r for r in self._simple(keys, b"UNLINK", 0) if isinstance(r, int))
+        trimmed: dict[Share, list[str]] = {}  # a quota's trim of a tenant's share: its records go too
+        for k in keys:
+            if (t := self._put_tenant(k)) is not None:
+                trimmed.setdefault(Share(k.partition("/")[0], t), []).append(k.partition("/")[2])
+        if trimmed:
+            rkeys = [self._tenant_rkey(share) for share in trimmed]
+            try:
+                self._commands(rkeys, [("ZREM", rk, *hashes) for rk, hashes in zip(rkeys, trimmed.values())])
+            except Exception as e:  # noqa: BLE001 - the blocks are gone: a stale member is dropped at the next count
+                log.info("redis %r: dropping %d trimmed tenant record(s) failed (%s); the next count drops them",
+                         self.name, sum(map(len, trimmed.values())), type(e).__name__)
+        return n
 
     def _read_small(self, key: str) -> bytes | None:
         r = self._simple([key], b"GET", None)[0]

@@ -107,6 +107,8 @@ def test_each_tenant_is_trimmed_to_its_own_share(shared):
         if ordered:
             assert held_b == keys_b[-len(held_b):]  # B kept its most recent
         ns = stack.namespace.id
+        # The trim took B's records with its blocks (read before any listing drops a stale record).
+        assert backend.tenant_records(ns) == {**dict.fromkeys(keys_a, TAG_A), **dict.fromkeys(held_b, TAG_B)}
         listed = {share: [b.key for b in backend._share_blocks(share)]  # the quota's own listing
                   for share in (Share(ns, TAG_A), Share(ns, TAG_B), Share(ns))}
         # (A namespace's listing in Redis is in OBJECT IDLETIME order, seconds: these were put within one.)
