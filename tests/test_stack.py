@@ -254,6 +254,44 @@ def test_load_copies_each_chunk_to_the_device_while_the_next_is_read(stack_fb8):
     assert torch.equal(read(st, list(range(10, 16))), rows)
 
 
+def test_a_chunked_loads_blocks_go_to_the_slots_named_before_its_first_read(tmp_path):
+    """Write-back, 5 host slots: 4 dirty blocks (least recently used first) and a fifth.  A load of 4
+    blocks from the disk, read in 3 chunks, names its room before its first read: the dirty blocks'
+    slots, each copied down only when its chunk needs it.  A slot freed while the second chunk is read
+    (the fifth block evicted) does not change where the third chunk's block goes."""
+    writer, _ = make_stack(tmp_path / "w", disk_path=tmp_path / "disk")
+    hs, rows = _on_disk_only(writer, 4, seed=31)
+    writer.close(timeout=TIMEOUT)
+    st, fb = make_stack(tmp_path, host_slots=5, write="write_back", disk_path=tmp_path / "disk")
+    try:
+        dirty, fifth = chain(st, 4, start=1000), chain(st, 1, start=5000)
+        fill(st, [0, 1, 2, 3, 4], seed=32)
+        assert st.store(dirty, [0, 1, 2, 3]).wait(TIMEOUT).num_stored == 4
+        assert st.store(fifth, [4]).wait(TIMEOUT).num_stored == 1
+        st.on_device_freed(range(st.device.num_blocks))
+        slot_of = [st.index.get(h).host for h in dirty]
+        assert where(st, dirty + fifth) == ["H"] * 5  # write-back: nothing written yet
+        st.load_chunk_bytes = 4 * BLOCK_NBYTES
+        assert load_chunks(4, BLOCK_NBYTES, st.load_chunk_bytes) == [(0, 1), (1, 3), (3, 4)]
+        gate = fb.gate("get", after=1, times=1)  # the second chunk's read waits
+        h = st.load(hs, [10, 11, 12, 13])
+        assert gate.entered.wait(TIMEOUT)
+        # The first two chunks' victims are written back and gone from host memory; the third's is not.
+        assert where(st, dirty) == ["D", "D", "D", "H"]
+        assert st.evict_host(fifth) == 1  # a free slot now, which the plan did not name
+        gate.release()
+        lr = h.wait(TIMEOUT)
+        assert lr.num_loaded == 4 and torch.equal(read(st, [10, 11, 12, 13]), rows)
+        assert [st.index.get(h).host for h in hs] == slot_of  # the slots named before the first read
+        assert where(st, dirty) == ["D"] * 4
+        with st.planner.lock:
+            st.planner.check_locked()
+        assert st.host_tier().num_free == 1  # the fifth block's
+    finally:
+        fb.clear()
+        st.close(timeout=TIMEOUT)
+
+
 def test_a_load_into_cpu_memory_copies_each_block_in_the_thread_that_read_it(stack_fb8):
     """Into CPU KV, a block read from a backend is copied to its device block as soon as its read is
     verified (no host -> device transfer afterwards), and it still lands in host memory; a block the
