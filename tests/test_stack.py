@@ -269,7 +269,7 @@ def test_a_chunked_loads_blocks_go_to_the_slots_named_before_its_first_read(tmp_
         assert st.store(dirty, [0, 1, 2, 3]).wait(TIMEOUT).num_stored == 4
         assert st.store(fifth, [4]).wait(TIMEOUT).num_stored == 1
         st.on_device_freed(range(st.device.num_blocks))
-        slot_of = [st.index.get(h).host for h in dirty]
+        slot_of = [st.index.host_slot(h) for h in dirty]
         assert where(st, dirty + fifth) == ["H"] * 5  # write-back: nothing written yet
         st.load_chunk_bytes = 4 * BLOCK_NBYTES
         assert load_chunks(4, BLOCK_NBYTES, st.load_chunk_bytes) == [(0, 1), (1, 3), (3, 4)]
@@ -282,7 +282,7 @@ def test_a_chunked_loads_blocks_go_to_the_slots_named_before_its_first_read(tmp_
         gate.release()
         lr = h.wait(TIMEOUT)
         assert lr.num_loaded == 4 and torch.equal(read(st, [10, 11, 12, 13]), rows)
-        assert [st.index.get(h).host for h in hs] == slot_of  # the slots named before the first read
+        assert [st.index.host_slot(h) for h in hs] == slot_of  # the slots named before the first read
         assert where(st, dirty) == ["D"] * 4
         with st.planner.lock:
             st.planner.check_locked()
