@@ -163,10 +163,17 @@ class Upward:
         return land
 
     def _segments(self, ids: np.ndarray) -> Callable[[int], Segments | None]:
-        """``ValueReader.fetch``'s ``direct`` for a load into CPU memory: a plan position's device block,
-        as segments."""
+        """``ValueReader.reserve``'s and ``fetch``'s ``direct`` for a load into CPU memory: a plan position's
+        device block, as segments, built once per load (the reservation and the read both ask for it)."""
         device = self.parts.device
-        return lambda i: device.block_segments(int(ids[i]))
+        made: dict[int, Segments | None] = {}
+
+        def segments(i: int) -> Segments | None:
+            if i not in made:
+                made[i] = device.block_segments(int(ids[i]))
+            return made[i]
+
+        return segments
 
     def _copy(self, part: list[int], handle: LoadHandle, hashes: list[bytes], ids: np.ndarray,
               plan: list[Step], copies: list[TransferHandle], order: list[int], errors: list[str]) -> None:

@@ -82,7 +82,7 @@ class Reservation:
             return
         self._closed = True
         unused = [self._order[k] for k in range(self._n_free) if k not in self._given]
-        # A victim handed over but never handed out: its slot is WRITING, the reader's to release.
+        # A victim copied down (its slot handed over, WRITING) whose slot no block was given: released too.
         unused += [v.slot for i, v in enumerate(self.room.victims)
                    if self._victim_done.get(i) and self._n_free + i not in self._given]
         self.planner.release_slots(unused)
