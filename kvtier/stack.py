@@ -65,7 +65,7 @@ from .tiering.backend_set import BackendSet
 from .tiering.load_path import Upward
 from .tiering.manager import TierManager
 from .tiering.parts import StackParts, Tuning, Workers
-from .tiering.planner import Planner
+from .tiering.planner import Planner, StoreStart
 from .tiering.results import (
     LoadHandle,
     LoadResult,
@@ -278,17 +278,26 @@ class TierStack:
         return self._up.load(hashes, ids, layerwise, _start(start))
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0,
-              tenant: str | None = None) -> StoreHandle:
+              tenant: str | None = None, plan: StoreStart | None = None) -> StoreHandle:
         """Copy device blocks ``block_ids`` holding ``hashes`` into host memory (allocating slots; when
         full, evicting unpinned blocks as the eviction policy says, or skipping and counting); then the
         write policy decides which go down to the backends, and when (asynchronously).  The engine may
         reuse the device blocks once ``handle.wait()`` has returned.  ``tenant``: the tag of the request's
         ``cache_salt`` (``kvtier.keys.tenant_tag``): the blocks it stores are charged to that tenant's quota
-        in the backends, whenever they are written (``kvtier.quota``); None: the namespace's."""
+        in the backends, whenever they are written (``kvtier.quota``); None: the namespace's.
+
+        ``plan``: this store as another planner started it over the same blocks (a scheduler's, one plan
+        for every rank's stack): this stack takes the host slots and write-back victims it names instead
+        of choosing its own, and sends down what it says (``Planner.adopt_store_locked``).  Where this
+        stack cannot follow it (a named slot in use here, other blocks new here), the plan's new blocks
+        are FAILED here, a log line and ``stores_skipped``; nothing is held."""
         hashes = self.manager.check_hashes(hashes)
         if tenant is not None and (why := tenant_problem(tenant)) is not None:
             raise ValueError(f"store: tenant: {why}")
-        return self._down.store(hashes, self._check_ids(block_ids, len(hashes)), _start(start), tenant)
+        ids = self._check_ids(block_ids, len(hashes))
+        if plan is not None and len(plan.status) != len(hashes):
+            raise ValueError(f"store: the plan is for {len(plan.status)} blocks, the store has {len(hashes)}")
+        return self._down.store(hashes, ids, _start(start), tenant, plan)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every store in flight and every pending backend write has finished; False if

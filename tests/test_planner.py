@@ -6,9 +6,11 @@ backends."""
 
 from __future__ import annotations
 
+import pytest
 from _stack_helpers import BLOCK_NBYTES, config
 
 from kvtier.simulate.ledger_stack import SimulatedStack
+from kvtier.tiering.planner import PlanRefused
 from kvtier.tiering.results import FAILED, STORED
 from kvtier.tiering.room import Reservation
 
@@ -157,3 +159,105 @@ def test_a_reads_room_settles_what_it_never_handed_out(tmp_path):
         assert "after close" in str(e)
     else:
         raise AssertionError("a closed reservation handed out a slot")
+
+
+# ---------------------------------------------------------------------- a plan made elsewhere, followed
+
+
+def _played(p, plan, hashes, written=None, landed=None):
+    """The executor's run of store ``plan`` on planner ``p``, played: victims copied down as ``written``
+    says (default: taken), the copies of the new blocks landing as ``landed`` says (default: all)."""
+    written = written or {}
+    with p.lock:
+        handed = p.written_back_locked(plan.victims, {v.key: written.get(v.key, True) for v in plan.victims})
+        slots = plan.slots + handed
+        take = plan.new[:len(slots)]
+        keys = [hashes[i] for i in take]
+        p.stored_locked(plan, take, keys, slots, [(landed or {}).get(k, True) for k in keys])
+    p.end_stores([hashes[i] for i in plan.new[len(slots):]])
+
+
+def _places(p, keys):
+    with p.lock:
+        return {k: p.index.host_slot(k) for k in keys}
+
+
+def test_a_follower_places_every_block_in_the_slot_the_leaders_plan_named(tmp_path):
+    """vLLM's scheduler (the leader) plans each store once; every rank's planner follows that plan on its
+    own shard, whatever that rank's write-backs do meanwhile, and ends with the same blocks in the same
+    host slots."""
+    (_, lead), (_, follow) = _planner(tmp_path / "l"), _planner(tmp_path / "f")
+    keys = _keys(8)
+    for t, batch in enumerate([keys[:4], keys[:1], keys[1:2], keys[4:6], keys[6:8]]):
+        ids = list(range(len(batch)))
+        lead.now = follow.now = float(t)
+        with lead.lock:
+            plan = lead.start_store_locked(batch, ids)
+        with follow.lock:
+            mine = follow.adopt_store_locked(batch, ids, plan)
+        assert mine.room() == plan.room()
+        assert [v.key for v in mine.victims] == [v.key for v in plan.victims]
+        _played(lead, plan, batch)
+        _played(follow, mine, batch)
+        if t == 0:
+            with follow.lock:  # this rank alone sees block 2 used again: its own choice of victims differs
+                follow.now = 2.5
+                follow.hit_locked(keys[2])
+        assert _places(follow, keys) == _places(lead, keys)
+    with lead.lock, follow.lock:
+        lead.check_locked()
+        follow.check_locked()
+    # Two of the first four were written back and evicted for the last stores, on both sides alike.
+    assert sum(s is not None for s in _places(lead, keys).values()) == 4
+
+
+def test_a_follower_evicts_a_block_the_leader_does_not_know_and_refuses_a_slot_in_use(tmp_path):
+    _, lead = _planner(tmp_path / "l", write="write_through")
+    sim_f, follow = _planner(tmp_path / "f", write="write_through")
+    a, b, x, c, d = _keys(5)
+    sim_f.store([x], [0])  # the follower holds X (stored when the leader had it fail, say) in slot 0
+    x_slot = _places(follow, [x])[x]
+    with lead.lock:
+        plan = lead.start_store_locked([a, b], [0, 1])
+    assert x_slot in plan.room()  # the leader thinks that slot free
+    with follow.lock:
+        mine = follow.adopt_store_locked([a, b], [0, 1], plan)
+    assert mine.room() == plan.room() and [dr.key for dr in mine.dropped] == [x]
+    _played(lead, plan, [a, b])
+    _played(follow, mine, [a, b])
+    assert _places(follow, [a, b, x]) == {**_places(lead, [a, b]), x: None}
+    # A block pinned on the follower (a load reading it) sits in a slot the leader's next plan names: the
+    # follower refuses that plan whole and holds nothing of it.
+    with lead.lock:
+        plan2 = lead.start_store_locked([c, d], [2, 3])
+    with follow.lock:
+        follow.index.acquire(a)  # pinned here
+    busy = _places(follow, [a])[a]
+    assert busy not in plan2.room()  # a free slot each: nothing in use is named yet
+    with follow.lock:
+        mine2 = follow.adopt_store_locked([c, d], [2, 3], plan2)
+    _played(lead, plan2, [c, d])
+    _played(follow, mine2, [c, d])
+    with lead.lock:  # every slot is taken now: the next store's room evicts A, which the follower pins
+        plan3 = lead.start_store_locked([x], [4])
+    assert [dr.key for dr in plan3.dropped] == [a] and plan3.room() == [busy]
+    with follow.lock:
+        with pytest.raises(PlanRefused, match=f"host slot {busy} holds block {a.hex()[:16]}, in use here"):
+            follow.adopt_store_locked([x], [4], plan3)
+        follow.index.release(a)
+    with follow.lock:
+        follow.check_locked()  # nothing of the refused plan is held
+        assert follow.index.host_slot(a) == busy
+    _played(lead, plan3, [x])
+
+
+def test_a_follower_refuses_a_store_whose_new_blocks_are_not_the_plans(tmp_path):
+    (_, lead), (sim_f, follow) = _planner(tmp_path / "l"), _planner(tmp_path / "f")
+    a, b = _keys(2)
+    sim_f.store([a], [0])  # the follower already holds A
+    with lead.lock:
+        plan = lead.start_store_locked([a, b], [0, 1])
+    with follow.lock:
+        with pytest.raises(PlanRefused, match=r"positions \[1\] are new here, the plan stores \[0, 1\]"):
+            follow.adopt_store_locked([a, b], [0, 1], plan)
+        follow.check_locked()

@@ -3,6 +3,7 @@ failures that never reach the engine (FaultyBackend), a full host tier, concurre
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import threading
@@ -18,8 +19,10 @@ from kvtier.format.blockformat import HEADER_SIZE
 from kvtier.format.groups import load_chunks
 from kvtier.format.layout import LayoutError
 from kvtier.index import Tier
+from kvtier.simulate.ledger_stack import SimulatedStack
 from kvtier.stack import StoreStatus, TierStack
 from kvtier.testing.faults import FaultyBackend
+from kvtier.tiering.results import FAILED
 
 
 @pytest.fixture
@@ -746,3 +749,59 @@ def test_index_forgets_old_backend_only_entries_past_its_bound(stack_fb):
     assert first[0] not in st.index
     assert st.lookup(first).counts == {"disk": 4}
     assert st.load(first, [8, 9, 10, 11]).wait(TIMEOUT).num_loaded == 4
+
+
+def _lead_store(lead, hashes, ids):
+    """The leader's store (a scheduler's planner: no bytes), started and settled as if every side's copies
+    landed and every victim was taken by a backend."""
+    with lead.lock:
+        plan = lead.start_store_locked(hashes, ids)
+        sent = copy.deepcopy(plan)  # what crosses to a worker (vLLM pickles it)
+        handed = lead.written_back_locked(plan.victims, {v.key: True for v in plan.victims})
+        slots = plan.slots + handed
+        take = plan.new[:len(slots)]
+        lead.stored_locked(plan, take, [hashes[i] for i in take], slots, [True] * len(take))
+    lead.end_stores([hashes[i] for i in plan.new[len(take):]])
+    return sent
+
+
+def test_a_stack_runs_a_store_planned_elsewhere_in_the_slots_it_names(tmp_path):
+    """A worker's stack follows the stores a scheduler's planner (no bytes) planned: the same blocks land
+    in the same host slots, write-back victims are copied to the disk before their slots take new blocks,
+    and every block loads back bit for bit, though this stack's own choice of victims would differ (it saw
+    a block used again that the leader did not)."""
+    lead = SimulatedStack(config(tmp_path / "lead", write="write_back", host_slots=4), BLOCK_NBYTES).planner
+    st, _ = make_stack(tmp_path, host_slots=4, write="write_back")
+    try:
+        hs = chain(st, 6)
+        rows = fill(st, [0, 1, 2, 3, 4, 5], seed=41)
+        for t, (lo, hi) in enumerate([(0, 4), (4, 6)]):
+            lead.now = float(t)
+            plan = _lead_store(lead, hs[lo:hi], list(range(lo, hi)))
+            assert st.store(hs[lo:hi], list(range(lo, hi)), start=lo, plan=plan).wait(TIMEOUT).num_stored == hi - lo
+            if t == 0:
+                st.lookup(hs[:1])
+                st.load(hs[:1], [0]).wait(TIMEOUT)  # used again here only: this stack's LRU differs
+        with lead.lock:
+            placed = [lead.index.host_slot(h) for h in hs]
+        assert [st.index.host_slot(h) for h in hs] == placed and placed[:2] == [None, None]
+        assert where(st, hs[:2]) == ["D", "D"]  # the leader's victims, written back on this stack
+        st.on_device_freed(range(st.device.num_blocks))
+        fill(st, [10, 11, 12, 13, 14, 15], seed=42)
+        assert st.load(hs, [10, 11, 12, 13, 14, 15]).wait(TIMEOUT).num_loaded == 6
+        assert torch.equal(read(st, [10, 11, 12, 13, 14, 15]), rows)
+        # A block this stack is reading sits in the slot the leader's next store names: refused whole here.
+        more = chain(st, 1, start=100)
+        fill(st, [6], seed=43)
+        with lead.lock:
+            victim = lead.eviction_policy.victims(lead.index, Tier.HOST, 1)[0]
+        st.planner.pin([victim])
+        plan = _lead_store(lead, more, [6])
+        res = st.store(more, [6], start=100, plan=plan).wait(TIMEOUT)
+        assert res.status == (FAILED,) and st.index.host_slot(more[0]) is None
+        st.planner.unpin([victim])
+        assert st.flush(TIMEOUT)
+        with st.planner.lock:
+            st.planner.check_locked()  # nothing of the refused plan is held
+    finally:
+        st.close(timeout=TIMEOUT)

@@ -455,3 +455,24 @@ def test_slot_reuse_hands_a_ready_slot_to_the_next_block_without_freeing_it():
     with pytest.raises(ValueError, match="reuse: slot 2 is writing, expected ready"):
         t.reuse([0, 2])
     assert t.state(0) == READY  # all or nothing
+
+
+def test_slot_take_claims_named_free_slots_and_allocate_never_hands_them_out_again():
+    """A planner following another's plan takes the slots it names: those leave the free list (taken out
+    of the middle of its heap), and allocation goes on from the others, lowest first."""
+    t = SlotTable(6)
+    t.take([2, 0])
+    assert [t.state(s) for s in (0, 1, 2)] == [WRITING, FREE, WRITING] and t.num_free == 4
+    with pytest.raises(ValueError, match="take: slot 2 is writing, expected free"):
+        t.take([3, 2])
+    assert t.state(3) == FREE  # all or nothing
+    assert t.allocate(2).slots == [1, 3]
+    t.free([0])
+    t.take([0])
+    t.free([0, 2])
+    for _ in range(10):  # take and free over and over: stale entries never grow the free list unbounded
+        t.take([4])
+        t.free([4])
+    assert sorted(t.allocate(6).slots) == [0, 2, 4, 5] and t.num_free == 0
+    c = t.counts()
+    assert (c.free, c.writing, c.ready) == (0, 6, 0)

@@ -6,13 +6,14 @@ the worker's slab.
 
 Slot life cycle::
 
-    FREE --allocate--> WRITING --commit--> READY --free--> FREE
-                          |  ^                  |            ^
-                          |  +------reuse-------+            |
-                          +---------------free---------------+
+    FREE --allocate/take--> WRITING --commit--> READY --free--> FREE
+                               |  ^                  |            ^
+                               |  +------reuse-------+            |
+                               +---------------free---------------+
 
 (``reuse``: the block a READY slot held is evicted and the slot handed straight to the block that takes its
-place, so a plan can name that slot before the eviction happens.)
+place, so a plan can name that slot before the eviction happens; ``take``: named FREE slots, for a planner
+that follows a plan another planner made.)
 
 Invariants:
 * nothing here waits: ``allocate`` returns what it can at once (``skipped`` counts the rest), lowest slot
@@ -75,7 +76,10 @@ class SlotTable:
         self._lock = threading.Lock()
         self._state = [FREE] * num_slots
         self._key: list[Hashable | None] = [None] * num_slots
-        self._free = list(range(num_slots))  # a heap (sorted list is one)
+        # A heap (a sorted list is one) of the FREE slots, and of slots ``take`` claimed since they were
+        # pushed (skipped when popped: removing one from the middle of a heap costs a scan of it).
+        self._free = list(range(num_slots))
+        self._n_free = num_slots
         self._n_writing = self._n_ready = 0
         self._allocated = self._skipped = 0
 
@@ -87,13 +91,29 @@ class SlotTable:
         if n < 0:
             raise ValueError(f"allocate: n must be >= 0, got {n}")
         with self._lock:
-            slots = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
-            for s in slots:
-                self._state[s] = WRITING
+            slots: list[int] = []
+            want = min(n, self._n_free)
+            while len(slots) < want:
+                s = heapq.heappop(self._free)
+                if self._state[s] is FREE:
+                    self._state[s] = WRITING
+                    slots.append(s)
+            self._n_free -= len(slots)
             self._n_writing += len(slots)
             self._allocated += len(slots)
             self._skipped += n - len(slots)
             return Allocation(slots, n - len(slots))
+
+    def take(self, slots: Sequence[int]) -> None:
+        """FREE -> WRITING for exactly these slots (a plan made elsewhere named them).  All or nothing:
+        raises ValueError naming a slot that is not FREE."""
+        with self._lock:
+            self._expect(slots, (FREE,), "take")
+            for s in slots:
+                self._state[s] = WRITING  # its heap entry is skipped when popped
+            self._n_free -= len(slots)
+            self._n_writing += len(slots)
+            self._allocated += len(slots)
 
     def commit(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> None:
         """WRITING -> READY: the slots now hold valid blocks (optionally tagged with ``keys``).
@@ -135,6 +155,9 @@ class SlotTable:
                 self._state[s] = FREE
                 self._key[s] = None
                 heapq.heappush(self._free, s)
+            self._n_free += len(slots)
+            if len(self._free) > 2 * self.num_slots:  # entries ``take`` left behind: rebuild
+                self._free = [s for s in range(self.num_slots) if self._state[s] is FREE]
 
     def holds(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
         """Per slot, whether it is READY (and, with ``keys``, still holds that key: it may have been
@@ -163,11 +186,11 @@ class SlotTable:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._n_free
 
     def counts(self) -> SlotCounts:
         with self._lock:
-            out = SlotCounts(self.num_slots, len(self._free), self._n_writing, self._n_ready, self._allocated,
+            out = SlotCounts(self.num_slots, self._n_free, self._n_writing, self._n_ready, self._allocated,
                              self._skipped)
         if out.free + out.writing + out.ready != out.num_slots:
             raise AssertionError(f"host slots: {out} do not add up")

@@ -21,6 +21,10 @@ Invariants (checked by :meth:`Planner.check_locked` in the tests, after every op
   chunk by chunk in its order); a slot a victim hands over goes from that victim
   to the planned block without being free in between (``SlotTable.reuse``), so the same plan places the
   same blocks in the same slots whenever its write-backs end.
+* **A follower takes what the leader named.**  A planner following a plan made elsewhere
+  (:meth:`Planner.adopt_store_locked`, :meth:`Planner.adopt_room_locked`: vLLM's ranks, the scheduler's
+  plan) takes exactly the slots and holds exactly the victims it names, or refuses it whole
+  (:class:`PlanRefused`) and holds nothing of it; it never picks a slot of its own for such a plan.
 * **One at a time.**  A block is in at most one store (``storing``) and at most one copy down
   (``writing``).
 * **Bounded.**  At most ``max_unwritten`` host blocks wait on a write-back that failed (beyond that the
@@ -39,12 +43,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import KvtierConfig
 from ..format.groups import whole_groups
 from ..index import BlockIndex, Tier
-from ..memory.host_slots import WRITING, SlotTable
+from ..memory.host_slots import FREE, READY, WRITING, SlotTable
 from ..metrics import StackMetrics
 from ..plans import WorkerReport
 from ..policy_api import EvictionPolicy, WritePolicy
@@ -77,15 +81,31 @@ class GroupWrite:
     tenant: str | None = None    # the cache_salt tenant tag its quota is charged to (None: the namespace's)
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A host block evicted unwritten to make room: its ``slot`` is among the room's ``slots``."""
+
+    key: bytes
+    slot: int
+
+
+class PlanRefused(Exception):
+    """A planner cannot follow a plan another planner made (:meth:`Planner.adopt_room_locked`): a slot
+    it names is in use here.  The operation is skipped on this side, and reported as failed."""
+
+
 @dataclass
 class Room:
     """Host room for a batch of blocks coming up, decided at once (:meth:`Planner.take_room_locked`):
     ``slots`` (WRITING now), then the slots the write-back ``victims`` hand over once copied down.  The
     k-th block of the batch goes to ``order()[k]`` whenever the write-backs end; a victim that is not
-    copied down keeps its slot, and the block planned there finds none."""
+    copied down keeps its slot, and the block planned there finds none.  ``dropped``: the blocks evicted
+    unwritten whose slots are among ``slots`` (the rest of ``slots`` were free), so another planner can
+    follow the same room (:meth:`Planner.adopt_room_locked`)."""
 
     slots: list[int]
     victims: list[CopyDown]
+    dropped: list[Dropped] = field(default_factory=list)
 
     def order(self) -> list[int]:
         return [*self.slots, *(v.slot for v in self.victims)]
@@ -105,12 +125,16 @@ class StoreStart:
     slots: list[int]
     victims: list[CopyDown]
     sends_down: frozenset[bytes] = frozenset()
+    dropped: list[Dropped] = field(default_factory=list)
+
+    def host_room(self) -> Room:
+        return Room(self.slots, self.victims, self.dropped)
 
     def room(self) -> list[int]:
         """The host slot each of the first new blocks goes to, in order: the slots taken now, then the
         slots the write-back victims hand over once copied down (if one is not, the blocks from the
         chain's head keep the usable slots and the last block finds none: it is skipped)."""
-        return Room(self.slots, self.victims).order()
+        return self.host_room().order()
 
 
 class Planner:
@@ -217,7 +241,7 @@ class Planner:
         if slots:
             self.host_slots().free(list(slots))
 
-    def take_slots_locked(self, n: int) -> tuple[list[int], list[CopyDown]]:
+    def take_room_locked(self, n: int) -> Room:
         """Room for up to ``n`` blocks, decided now and without I/O: WRITING slots (free slots first, then
         the slots of victims the eviction policy drops), and the victims the write policy wants written
         back first, held (an index reference, ``writing``), each naming the slot it hands over once copied
@@ -226,7 +250,7 @@ class Planner:
         write-backs end."""
         table = self.host_slots()
         slots = table.allocate(min(n, table.num_free)).slots if n > 0 else []
-        need, wb = n - len(slots), []
+        need, wb, dropped = n - len(slots), [], []
         if need > 0:
             self.manager.fold_evictions_locked()  # a write-back must not skip a backend that evicted the block
         seen: set[bytes] = set()
@@ -247,20 +271,62 @@ class Planner:
                 if targets and key in self._unwritten and len(self._unwritten) > self.max_unwritten:
                     # Its write-back already failed and too many blocks wait on failing writes: evict it
                     # unwritten (a future miss) rather than let a refusing backend hold host memory.
-                    slots.append(self._hand_over_locked(key))
+                    dropped.append(Dropped(key, self._hand_over_locked(key)))
                     self.metrics.add("host", dropped=1)
                 elif targets and self.write_policy.on_evict(key):
                     self.index.acquire(key)
                     self._writing.add(key)
                     wb.append(CopyDown(key, e.host, targets))
                 else:
-                    slots.append(self._hand_over_locked(key))
+                    dropped.append(Dropped(key, self._hand_over_locked(key)))
                 need -= 1
-        return slots, wb
+        slots.extend(d.slot for d in dropped)
+        return Room(slots, wb, dropped)
 
-    def take_room_locked(self, n: int) -> Room:
-        """:meth:`take_slots_locked` as a plan: the room of a read's ``n`` blocks, named at its start."""
-        return Room(*self.take_slots_locked(n))
+    def adopt_room_locked(self, room: Room) -> Room:
+        """Follow a room another planner decided for this planner's copy of the same blocks (vLLM: the
+        scheduler's, for each rank): take exactly its slots and hold exactly its victims, so that the same
+        blocks land in the same slots on every side.  The leader's word wins over what this side holds
+        that the leader does not know of: a named slot holding an unpinned block here that the plan does
+        not name is evicted here.  Refused (:class:`PlanRefused`, nothing taken) where a named slot is in
+        use here (a store or read in flight, a pinned block, a copy down) or a write-back victim is not in
+        its named slot here.  Returns the room this planner's executor runs."""
+        table = self.host_slots()
+        for slot in room.order():
+            if not 0 <= slot < table.num_slots:
+                raise PlanRefused(f"host slot {slot} is out of range (this side has {table.num_slots})")
+            state = table.state(slot)
+            if state is WRITING:
+                raise PlanRefused(f"host slot {slot} is being filled here")
+            holder = self._slot_holder_locked(slot) if state is READY else None
+            if state is READY and holder is None:
+                raise PlanRefused(f"host slot {slot} holds a block this side's index does not place there")
+            if holder is not None and (self.index.entry(holder).refs or holder in self._writing):
+                raise PlanRefused(f"host slot {slot} holds block {holder.hex()[:16]}, in use here")
+        for v in room.victims:
+            if self._slot_holder_locked(v.slot) != v.key:
+                raise PlanRefused(f"write-back victim {v.key.hex()[:16]} is not in host slot {v.slot} here")
+        if len(set(room.order())) != len(room.order()):
+            raise PlanRefused("the room names a host slot twice")
+        dropped: list[Dropped] = []
+        for slot in room.slots:
+            holder = self._slot_holder_locked(slot)
+            if holder is None:
+                table.take([slot])
+            else:
+                dropped.append(Dropped(holder, self._hand_over_locked(holder)))
+        for v in room.victims:
+            self.index.acquire(v.key)
+            self._writing.add(v.key)
+        return Room(list(room.slots), list(room.victims), dropped)
+
+    def _slot_holder_locked(self, slot: int) -> bytes | None:
+        """The block this planner's index places in host ``slot`` (READY), if any."""
+        table = self.host_slots()
+        if table.state(slot) is FREE:
+            return None
+        key = table.key(slot)
+        return key if isinstance(key, bytes) and self.index.host_slot(key) == slot else None
 
     def _hand_over_locked(self, key: bytes) -> int:
         """Evict host block ``key`` and hand its slot, WRITING, to the block taking its place."""
@@ -322,6 +388,33 @@ class Planner:
         backends), already being stored, or new (pinned, in ``storing``); take host slots for the new ones.
         Placing a block, or pinning one, changes no later block's host slot or backend marks: the steps run
         over the batch."""
+        status, new, hits = self._classify_store_locked(hashes, ids)
+        room = Room([], [])
+        if self.slots is not None and new:
+            room = self.take_room_locked(len(new))
+        on_store = self.write_policy.on_store
+        down = frozenset(hashes[i] for i in new[:len(room.order())] if on_store(hashes[i]))
+        return StoreStart(status, new, hits, room.slots, room.victims, down, room.dropped)
+
+    def adopt_store_locked(self, hashes: list[bytes], ids: list[int], plan: StoreStart) -> StoreStart:
+        """Follow a store another planner started (:meth:`start_store_locked` there, over the same blocks):
+        the same new blocks, in the room it named (:meth:`adopt_room_locked`), sent down as it said.
+        Refused (:class:`PlanRefused`, nothing held) where the blocks new here are not the plan's."""
+        status, new, _ = self._classify_store_locked(hashes, ids)
+        try:
+            if new != plan.new:
+                raise PlanRefused(f"blocks at positions {new} are new here, the plan stores {plan.new}")
+            room = self.adopt_room_locked(plan.host_room()) if self.slots is not None and new else Room([], [])
+        except PlanRefused:
+            self._storing.difference_update(hashes[i] for i in new)
+            self.index.release_many([hashes[i] for i in new])
+            raise
+        return StoreStart(status, new, list(plan.hits), room.slots, room.victims, plan.sends_down, room.dropped)
+
+    def _classify_store_locked(self, hashes: list[bytes], ids: list[int]) -> tuple[list[StoreStatus], list[int],
+                                                                                  list[bytes]]:
+        """Per block of a store: PRESENT (held, or in another store) or new (pinned, in ``storing``); and
+        the held blocks the write policy sends down on this hit."""
         n = len(hashes)
         status = [SKIPPED] * n
         new: list[int] = []
@@ -344,13 +437,7 @@ class Planner:
             new.append(i)
             storing.add(key)
         idx.acquire_many([hashes[i] for i in new])
-        slots: list[int] = []
-        victims: list[CopyDown] = []
-        if self.slots is not None and new:
-            slots, victims = self.take_slots_locked(len(new))
-        on_store = self.write_policy.on_store
-        down = frozenset(hashes[i] for i in new[:len(slots) + len(victims)] if on_store(hashes[i]))
-        return StoreStart(status, new, hits, slots, victims, down)
+        return status, new, hits
 
     def stored_locked(self, plan: StoreStart, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
                       ok: Sequence[bool], tenant: str | None = None) -> list[bytes]:
@@ -596,4 +683,4 @@ class Planner:
                 raise AssertionError(f"planner: {len(stray)} {what} block(s) not in host memory")
 
 
-__all__ = ["CopyDown", "GroupWrite", "Planner", "Room", "StoreStart"]
+__all__ = ["CopyDown", "Dropped", "GroupWrite", "PlanRefused", "Planner", "Room", "StoreStart"]

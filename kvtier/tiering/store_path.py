@@ -24,7 +24,7 @@ import torch
 
 from ..format.groups import whole_groups
 from .parts import StackParts
-from .planner import CopyDown, StoreStart
+from .planner import CopyDown, PlanRefused, StoreStart
 from .results import FAILED, SKIPPED, STORED, StoreHandle, StoreResult, StoreStatus
 from .writes import BackendWriter
 
@@ -77,12 +77,28 @@ class Downward:
 
     # ------------------------------------------------------------------ store
 
-    def store(self, hashes: list[bytes], ids: np.ndarray, start: int = 0, tenant: str | None = None) -> StoreHandle:
+    def store(self, hashes: list[bytes], ids: np.ndarray, start: int = 0, tenant: str | None = None,
+              lead: StoreStart | None = None) -> StoreHandle:
+        """Store ``hashes`` from device blocks ``ids``: as this stack's planner plans it, or as ``lead``, a
+        plan another planner made over the same blocks, says (:meth:`Planner.adopt_store_locked`)."""
         p, planner, workers = self.parts, self.parts.planner, self.parts.workers
         handle = StoreHandle(len(hashes))
+        refused: str | None = None
         with planner.lock:
-            plan = planner.start_store_locked(hashes, ids.tolist())
+            try:
+                plan = (planner.start_store_locked(hashes, ids.tolist()) if lead is None
+                        else planner.adopt_store_locked(hashes, ids.tolist(), lead))
+            except PlanRefused as e:
+                refused = str(e)
             workers.pending.add()
+        if refused is not None and lead is not None:
+            # The leader counts these blocks stored only if every side stored them: here none is.
+            log.warning("store: the plan for blocks %d-%d is refused here: %s", start, start + len(hashes) - 1,
+                        refused)
+            p.metrics.add("host", stores_skipped=len(lead.new))
+            planned = set(lead.new)
+            self._finish(handle, [FAILED if i in planned else st for i, st in enumerate(lead.status)])
+            return handle
         status, new = plan.status, plan.new
         if plan.hits:
             self.write_down(plan.hits)
