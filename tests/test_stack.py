@@ -22,7 +22,7 @@ from kvtier.index import Tier
 from kvtier.simulate.ledger_stack import SimulatedStack
 from kvtier.stack import StoreStatus, TierStack
 from kvtier.testing.faults import FaultyBackend
-from kvtier.tiering.results import FAILED
+from kvtier.tiering.results import FAILED, STORED
 
 
 @pytest.fixture
@@ -805,3 +805,54 @@ def test_a_stack_runs_a_store_planned_elsewhere_in_the_slots_it_names(tmp_path):
             st.planner.check_locked()  # nothing of the refused plan is held
     finally:
         st.close(timeout=TIMEOUT)
+
+
+def test_a_leader_places_a_block_only_where_every_rank_stored_it_in_that_slot(tmp_path):
+    """vLLM's shape: one planner (the scheduler's, no bytes) plans each store, two ranks' stacks run it on
+    their own shards, and the leader folds both results (``Planner.fold_store_locked``).  Rank 1's disk
+    fails some write-backs, so rank 1 keeps a victim rank 0 handed over and the two ranks' hosts differ;
+    whatever happens, every block the leader places in a host slot is in that slot on both ranks (a hit
+    the scheduler offers from host memory is there on every rank), and nothing stays held."""
+    rng = random.Random(7)
+    lead = SimulatedStack(config(tmp_path / "lead", write="write_back", host_slots=4), BLOCK_NBYTES).planner
+    ranks = [make_stack(tmp_path / f"r{r}", host_slots=4, write="write_back") for r in range(2)]
+    failed_folds = stored = 0
+    try:
+        for t in range(24):
+            n = rng.randint(1, 3)
+            hs = chain(ranks[0][0], n, start=100 * t)
+            if t % 5 == 4:  # some stores find their blocks held already (hits)
+                with lead.lock:
+                    held = [k for k in list(lead.index) if lead.index.host_slot(k) is not None]
+                hs = held[:n] or hs
+            ids = list(range(len(hs)))
+            lead.now = float(t)
+            with lead.lock:
+                plan = lead.start_store_locked(hs, ids)
+            sent = copy.deepcopy(plan)
+            if t % 3 == 1:
+                ranks[1][1].fail("put", times=1)  # rank 1's next write-back fails
+            results = []
+            for r, (st, fb) in enumerate(ranks):
+                fill(st, ids, seed=1000 * t + r)
+                results.append(st.store(hs, ids, start=100 * t, plan=copy.deepcopy(sent)).wait(TIMEOUT))
+                fb.clear()
+            with lead.lock:
+                lead.fold_store_locked(plan, hs, results, start=100 * t)
+                lead.check_locked()
+                placed = {k: lead.index.host_slot(k) for k in list(lead.index)}
+            stored += plan.status.count(STORED)
+            failed_folds += any(r.status[i] is STORED for r in results for i in plan.new) and \
+                plan.status.count(STORED) < len(plan.new)
+            for r, (st, _) in enumerate(ranks):
+                bad = {k.hex()[:8]: (slot, st.index.host_slot(k)) for k, slot in placed.items()
+                       if slot is not None and st.index.host_slot(k) != slot}
+                assert not bad, (t, r, bad, [x.status for x in results], [x.handed for x in results], plan)
+        assert stored >= 20 and failed_folds >= 1  # both paths were taken
+        for st, _ in ranks:
+            assert st.flush(TIMEOUT)
+            with st.planner.lock:
+                st.planner.check_locked()
+    finally:
+        for st, _ in ranks:
+            st.close(timeout=TIMEOUT)

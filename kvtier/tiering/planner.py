@@ -25,6 +25,8 @@ Invariants (checked by :meth:`Planner.check_locked` in the tests, after every op
   (:meth:`Planner.adopt_store_locked`, :meth:`Planner.adopt_room_locked`: vLLM's ranks, the scheduler's
   plan) takes exactly the slots and holds exactly the victims it names, or refuses it whole
   (:class:`PlanRefused`) and holds nothing of it; it never picks a slot of its own for such a plan.
+  The leader places a block in a host slot only where every side stored it there
+  (:meth:`Planner.fold_store_locked`).
 * **One at a time.**  A block is in at most one store (``storing``) and at most one copy down
   (``writing``).
 * **Bounded.**  At most ``max_unwritten`` host blocks wait on a write-back that failed (beyond that the
@@ -55,7 +57,7 @@ from ..policy_api import EvictionPolicy, WritePolicy
 from .backend_set import BackendSet
 from .load_steps import Source, Step
 from .manager import TierManager
-from .results import FAILED, PRESENT, SKIPPED, STORED, StoreStatus
+from .results import FAILED, PRESENT, SKIPPED, STORED, StoreResult, StoreStatus
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class StoreStart:
     victims: list[CopyDown]
     sends_down: frozenset[bytes] = frozenset()
     dropped: list[Dropped] = field(default_factory=list)
+    handed: list[bytes] = field(default_factory=list)  # victims copied down and handed over (the executor's)
 
     def host_room(self) -> Room:
         return Room(self.slots, self.victims, self.dropped)
@@ -410,6 +413,39 @@ class Planner:
             self.index.release_many([hashes[i] for i in new])
             raise
         return StoreStart(status, new, list(plan.hits), room.slots, room.victims, plan.sends_down, room.dropped)
+
+    def fold_store_locked(self, plan: StoreStart, hashes: Sequence[bytes], sides: Sequence[StoreResult],
+                          start: int = 0, tenant: str | None = None) -> list[bytes]:
+        """The leader's end of a store ``plan`` (:meth:`start_store_locked` here) that every side ran on its
+        own shard of the blocks (``sides``: one result per side, vLLM's ranks; no bytes here).  A victim
+        counts copied down only where every side handed its slot over, and a new block stored only where
+        every side stored it, in the slot this planner's order gives it; anything else is failed here and
+        its slot freed, so this planner places a block in a slot only where every side holds it there.
+        Returns the blocks the plan sends down (the sides write them)."""
+        everywhere = set.intersection(*(set(r.handed) for r in sides)) if sides else set()
+        handed = self.written_back_locked(plan.victims, {v.key: v.key in everywhere for v in plan.victims})
+        # A victim some sides handed over and others kept is no longer in host memory everywhere: it
+        # leaves here too, and its slot is free here (each side evicts what it holds there, a block this
+        # planner does not know of, when a later plan names the slot: adopt_room_locked).
+        somewhere = set().union(*(r.handed for r in sides)) - everywhere
+        for v in plan.victims:
+            e = self.index.get(v.key)
+            if v.key in somewhere and e is not None and e.host == v.slot and e.refs == 0:
+                self.drop_host_locked(v.key)
+        slots = plan.slots + handed
+        take = plan.new[:len(slots)]
+        placed = [plan.slots + [v.slot for v in plan.victims if v.key in set(r.handed)] for r in sides]
+        ok = [bool(sides) and all(j < len(there) and there[j] == slots[j] and r.status[i] is STORED
+                                  for r, there in zip(sides, placed))
+              for j, i in enumerate(take)]
+        keys = [hashes[i] for i in take]
+        self.release_slots([slot for slot, good in zip(slots, ok) if not good])
+        down = self.stored_locked(plan, take, keys, slots[:len(take)], ok, tenant)
+        self.remember_store_locked(hashes, start)
+        for i in plan.new[len(take):]:  # no room for them here: not stored
+            self._storing.discard(hashes[i])
+            self.index.release(hashes[i])
+        return down
 
     def _classify_store_locked(self, hashes: list[bytes], ids: list[int]) -> tuple[list[StoreStatus], list[int],
                                                                                   list[bytes]]:

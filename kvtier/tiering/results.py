@@ -114,9 +114,12 @@ STORED, PRESENT, SKIPPED, FAILED = StoreStatus.STORED, StoreStatus.PRESENT, Stor
 
 @dataclass(frozen=True)
 class StoreResult:
-    """Per block of a store, in order, its :class:`StoreStatus`."""
+    """Per block of a store, in order, its :class:`StoreStatus`; ``handed``: the write-back victims this
+    store copied down and whose host slots it took (what a leader folding several sides' runs of one plan
+    needs: ``Planner.fold_store_locked``)."""
 
     status: tuple[StoreStatus, ...]
+    handed: tuple[bytes, ...] = ()
 
     def count(self, what: StoreStatus) -> int:
         return self.status.count(what)

@@ -123,6 +123,8 @@ class Downward:
                         ev: Any, start: int, tenant: str | None = None) -> None:
         try:
             handed = self.room.write_back(plan.victims)  # the victims' own slots, those copied down
+            # What this side handed over, for a leader folding every side's run of its plan.
+            plan.handed.extend(v.key for v in plan.victims if v.slot in set(handed))
             if ev is not None:
                 torch.cuda.current_stream(self.parts.device.device).wait_event(ev)
         except Exception:  # noqa: BLE001 - the store is skipped, never lost track of
@@ -141,7 +143,7 @@ class Downward:
             p.metrics.add("host", stores_skipped=len(skip))
             p.planner.end_stores([hashes[i] for i in skip])
         if not take:
-            self._finish(handle, status)
+            self._finish(handle, status, plan.handed)
             return
         keys = [hashes[i] for i in take]
         try:
@@ -152,7 +154,7 @@ class Downward:
             for i in take:
                 status[i] = FAILED
             p.planner.end_stores(keys)
-            self._finish(handle, status)
+            self._finish(handle, status, plan.handed)
             return
         xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, plan, hashes, start, tenant))
 
@@ -173,7 +175,7 @@ class Downward:
             if down:
                 self.write_down(down)
         finally:
-            self._finish(handle, status)
+            self._finish(handle, status, plan.handed)
 
     def _store_direct(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, new: list[int],
                       status: list[StoreStatus], start: int, tenant: str | None = None) -> None:
@@ -227,8 +229,8 @@ class Downward:
         p.planner.end_stores([hashes[i] for i in new])
         self._finish(handle, status)
 
-    def _finish(self, handle: StoreHandle, status: list[StoreStatus]) -> None:
-        if handle.finish(StoreResult(tuple(status))):
+    def _finish(self, handle: StoreHandle, status: list[StoreStatus], handed: Sequence[bytes] = ()) -> None:
+        if handle.finish(StoreResult(tuple(status), tuple(handed))):
             self.parts.workers.pending.done()
 
     # ------------------------------------------------------------------ write-down
