@@ -87,6 +87,9 @@ class StorePlan(_BlockPlan):
 
     KIND: ClassVar[str] = "store"
     tenant: str | None = None
+    #: The store as the scheduler's planner started it: every rank's stack follows it (None: each rank's
+    #: stack plans the store itself).
+    lead: LeadStore | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -106,6 +109,74 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores)
+
+
+@dataclass(frozen=True)
+class CopyDown:
+    """A write-back victim: a host block held (an index reference, ``writing``) until the executor
+    reports it copied down (``Planner.written_back_locked``); its value is written as a
+    ``GroupWrite``."""
+
+    key: bytes
+    slot: int
+    targets: tuple[int, ...]  # the writable backends lacking it
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A host block evicted unwritten to make room: its ``slot`` is among the room's ``slots``."""
+
+    key: bytes
+    slot: int
+
+
+@dataclass
+class Room:
+    """Host room for a batch of blocks coming up, decided at once (``Planner.take_room_locked``):
+    ``slots`` (WRITING now), then the slots the write-back ``victims`` hand over once copied down.  The
+    k-th block of the batch goes to ``order()[k]`` whenever the write-backs end; a victim that is not
+    copied down keeps its slot, and the block planned there finds none.  ``dropped``: the blocks evicted
+    unwritten whose slots are among ``slots`` (the rest of ``slots`` were free), so another planner can
+    follow the same room (``Planner.adopt_room_locked``).  ``ready``: victims a follower found gone from
+    their slot (it holds another block there that the leader does not know of, or nothing), whose slots it
+    took at once: handed over with nothing to copy down."""
+
+    slots: list[int]
+    victims: list[CopyDown]
+    dropped: list[Dropped] = field(default_factory=list)
+    ready: frozenset[bytes] = frozenset()
+
+    def order(self) -> list[int]:
+        return [*self.slots, *(v.slot for v in self.victims)]
+
+
+@dataclass(frozen=True)
+class LeadStore:
+    """A store as a leading planner started it (``Planner.start_store_locked``, vLLM: the scheduler's),
+    for every side's stack to follow over the same blocks (``TierStack.store(..., plan=)``): the positions
+    new to the leader, the held blocks it sends down on this hit, the host room of the new ones and the
+    new blocks it sends down once stored.  ``plan_id`` names it in the sides' outcomes (:class:`StoreOutcome`)."""
+
+    plan_id: int
+    new: tuple[int, ...]
+    hits: tuple[bytes, ...]
+    room: Room
+    sends_down: frozenset[bytes] = frozenset()
+
+
+@dataclass(frozen=True)
+class StoreOutcome:
+    """What one side's run of a :class:`LeadStore` did: the positions it stored (copied into host memory),
+    and the write-back victims it handed over (copied down, or gone here already).  The leader folds every
+    side's (``Planner.fold_store_locked``)."""
+
+    stored: frozenset[int]
+    handed: frozenset[bytes]
+
+    @classmethod
+    def nothing(cls) -> StoreOutcome:
+        """A side that did not run the plan, or refused it."""
+        return cls(frozenset(), frozenset())
 
 
 def keep_earliest(positions: dict[str, int], req_id: str, pos: int) -> None:
@@ -135,6 +206,8 @@ class WorkerReport:
     # Whether this worker writes the backends; one that does not (its in_backend is always empty) does
     # not count towards the writers a block waits for.
     writes: bool = True
+    # Per lead store plan (LeadStore.plan_id) this worker ran since its last report, what it did.
+    stores: dict[int, StoreOutcome] = field(default_factory=dict)
     # This worker's rank among the engine's workers, in [0, ranks) of the RankTally that folds it.
     rank: int = 0
     # The KV cache group whose blocks this report is about (a worker reports each group apart: the same
@@ -143,7 +216,7 @@ class WorkerReport:
 
     def __bool__(self) -> bool:
         return bool(self.in_host or self.left_host or self.lost or self.in_backend or self.left_backend
-                    or self.unloaded)
+                    or self.unloaded or self.stores)
 
 
 class RankTally:
@@ -225,5 +298,5 @@ class RankTally:
             del table[next(iter(table))]
 
 
-__all__ = ["LoadPlan", "Lookup", "LookupState", "RankTally", "StepPlan", "StorePlan", "WorkerReport",
-           "keep_earliest"]
+__all__ = ["CopyDown", "Dropped", "LeadStore", "LoadPlan", "Lookup", "LookupState", "RankTally", "Room", "StepPlan",
+           "StoreOutcome", "StorePlan", "WorkerReport", "keep_earliest"]

@@ -58,14 +58,14 @@ from .memory.device import DeviceTier
 from .memory.host import HostTier, memory_available
 from .memory.transfer import TransferEngine
 from .metrics import StackMetrics
-from .plans import WorkerReport
+from .plans import LeadStore, WorkerReport
 from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
 from .quota import tenant_problem
 from .tiering.backend_set import BackendSet
 from .tiering.load_path import Upward
 from .tiering.manager import TierManager
 from .tiering.parts import StackParts, Tuning, Workers
-from .tiering.planner import Planner, StoreStart
+from .tiering.planner import Planner
 from .tiering.results import (
     LoadHandle,
     LoadResult,
@@ -278,7 +278,7 @@ class TierStack:
         return self._up.load(hashes, ids, layerwise, _start(start))
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0,
-              tenant: str | None = None, plan: StoreStart | None = None) -> StoreHandle:
+              tenant: str | None = None, plan: LeadStore | None = None) -> StoreHandle:
         """Copy device blocks ``block_ids`` holding ``hashes`` into host memory (allocating slots; when
         full, evicting unpinned blocks as the eviction policy says, or skipping and counting); then the
         write policy decides which go down to the backends, and when (asynchronously).  The engine may
@@ -295,8 +295,8 @@ class TierStack:
         if tenant is not None and (why := tenant_problem(tenant)) is not None:
             raise ValueError(f"store: tenant: {why}")
         ids = self._check_ids(block_ids, len(hashes))
-        if plan is not None and len(plan.status) != len(hashes):
-            raise ValueError(f"store: the plan is for {len(plan.status)} blocks, the store has {len(hashes)}")
+        if plan is not None and any(not 0 <= i < len(hashes) for i in plan.new):
+            raise ValueError(f"store: the plan stores positions {list(plan.new)}, the store has {len(hashes)} blocks")
         return self._down.store(hashes, ids, _start(start), tenant, plan)
 
     def flush(self, timeout: float | None = None) -> bool:

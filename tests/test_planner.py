@@ -169,8 +169,9 @@ def _played(p, plan, hashes, written=None, landed=None):
     says (default: taken), the copies of the new blocks landing as ``landed`` says (default: all)."""
     written = written or {}
     with p.lock:
-        handed = p.written_back_locked(plan.victims, {v.key: written.get(v.key, True) for v in plan.victims})
-        slots = plan.slots + handed
+        held = [v for v in plan.victims if v.key not in plan.ready]
+        copied = set(p.written_back_locked(held, {v.key: written.get(v.key, True) for v in held}))
+        slots = plan.slots + [v.slot for v in plan.victims if v.key in plan.ready or v.slot in copied]
         take = plan.new[:len(slots)]
         keys = [hashes[i] for i in take]
         p.stored_locked(plan, take, keys, slots, [(landed or {}).get(k, True) for k in keys])
@@ -194,7 +195,7 @@ def test_a_follower_places_every_block_in_the_slot_the_leaders_plan_named(tmp_pa
         with lead.lock:
             plan = lead.start_store_locked(batch, ids)
         with follow.lock:
-            mine = follow.adopt_store_locked(batch, ids, plan)
+            mine = follow.adopt_store_locked(batch, ids, plan.lead(t))
         assert mine.room() == plan.room()
         assert [v.key for v in mine.victims] == [v.key for v in plan.victims]
         _played(lead, plan, batch)
@@ -221,7 +222,7 @@ def test_a_follower_evicts_a_block_the_leader_does_not_know_and_refuses_a_slot_i
         plan = lead.start_store_locked([a, b], [0, 1])
     assert x_slot in plan.room()  # the leader thinks that slot free
     with follow.lock:
-        mine = follow.adopt_store_locked([a, b], [0, 1], plan)
+        mine = follow.adopt_store_locked([a, b], [0, 1], plan.lead(0))
     assert mine.room() == plan.room() and [dr.key for dr in mine.dropped] == [x]
     _played(lead, plan, [a, b])
     _played(follow, mine, [a, b])
@@ -235,7 +236,7 @@ def test_a_follower_evicts_a_block_the_leader_does_not_know_and_refuses_a_slot_i
     busy = _places(follow, [a])[a]
     assert busy not in plan2.room()  # a free slot each: nothing in use is named yet
     with follow.lock:
-        mine2 = follow.adopt_store_locked([c, d], [2, 3], plan2)
+        mine2 = follow.adopt_store_locked([c, d], [2, 3], plan2.lead(1))
     _played(lead, plan2, [c, d])
     _played(follow, mine2, [c, d])
     with lead.lock:  # every slot is taken now: the next store's room evicts A, which the follower pins
@@ -243,7 +244,7 @@ def test_a_follower_evicts_a_block_the_leader_does_not_know_and_refuses_a_slot_i
     assert [dr.key for dr in plan3.dropped] == [a] and plan3.room() == [busy]
     with follow.lock:
         with pytest.raises(PlanRefused, match=f"host slot {busy} holds block {a.hex()[:16]}, in use here"):
-            follow.adopt_store_locked([x], [4], plan3)
+            follow.adopt_store_locked([x], [4], plan3.lead(2))
         follow.index.release(a)
     with follow.lock:
         follow.check_locked()  # nothing of the refused plan is held
@@ -251,13 +252,58 @@ def test_a_follower_evicts_a_block_the_leader_does_not_know_and_refuses_a_slot_i
     _played(lead, plan3, [x])
 
 
-def test_a_follower_refuses_a_store_whose_new_blocks_are_not_the_plans(tmp_path):
-    (_, lead), (sim_f, follow) = _planner(tmp_path / "l"), _planner(tmp_path / "f")
-    a, b = _keys(2)
-    sim_f.store([a], [0])  # the follower already holds A
+def test_where_the_follower_holds_other_blocks_than_the_leader_the_plan_wins(tmp_path):
+    """A rank's own load left A in its host memory, unknown to the leader, whose store then has A new: the
+    rank stores A again in the plan's slot (its copy dropped).  B, held by the leader and gone here, is
+    not stored here.  Had A been pinned here (a load reading it), the rank refuses the plan."""
+    (sim_l, lead), (sim_f, follow) = _planner(tmp_path / "l"), _planner(tmp_path / "f")
+    a, b, c = _keys(3)
+    sim_l.store([b], [1])
+    sim_f.store([a, c], [0, 2])  # A in the slot where the leader holds B
+    with follow.lock:
+        follow.drop_host_locked(c)
     with lead.lock:
         plan = lead.start_store_locked([a, b], [0, 1])
+    assert plan.new == [0] and plan.room() != [_places(follow, [a])[a]]
     with follow.lock:
-        with pytest.raises(PlanRefused, match=r"positions \[1\] are new here, the plan stores \[0, 1\]"):
-            follow.adopt_store_locked([a, b], [0, 1], plan)
+        follow.index.acquire(a)
+        with pytest.raises(PlanRefused, match=f"block {a.hex()[:16]} \\(position 0\\), which the plan stores, is in use here"):
+            follow.adopt_store_locked([a, b], [0, 1], plan.lead(0))
+        follow.index.release(a)
+        follow.check_locked()
+        mine = follow.adopt_store_locked([a, b], [0, 1], plan.lead(0))
+    assert mine.new == [0] and mine.room() == plan.room()
+    _played(lead, plan, [a, b])
+    _played(follow, mine, [a, b])
+    assert _places(follow, [a, b]) == {a: _places(lead, [a])[a], b: None}
+    with lead.lock, follow.lock:
+        lead.check_locked()
+        follow.check_locked()
+
+
+def test_a_victim_gone_from_its_slot_on_the_follower_hands_the_slot_over_at_once(tmp_path):
+    """A rank's own read evicted a block the leader still counts in host memory; when the leader names it
+    as a write-back victim, that rank takes its slot at once (nothing to copy down) and the new block lands
+    where the leader planned it."""
+    (_, lead), (_, follow) = _planner(tmp_path / "l"), _planner(tmp_path / "f")
+    keys = _keys(5)
+    for t, batch in enumerate([keys[:4], keys[4:5]]):
+        ids = list(range(len(batch)))
+        lead.now = follow.now = float(t)
+        with lead.lock:
+            plan = lead.start_store_locked(batch, ids)
+        if t == 1:
+            victim = plan.victims[0]
+            with follow.lock:
+                follow.drop_host_locked(victim.key)  # gone here, its slot free
+                follow.commit_host_locked(keys[4] + b"x", follow.host_slots().allocate(1).slots[0])  # refilled
+        with follow.lock:
+            mine = follow.adopt_store_locked(batch, ids, plan.lead(t))
+        if t == 1:
+            assert mine.ready == {victim.key} and [d.key for d in mine.dropped] == [keys[4] + b"x"]
+        _played(lead, plan, batch)
+        _played(follow, mine, batch)
+        assert _places(follow, keys) == _places(lead, keys)
+    with lead.lock, follow.lock:
+        lead.check_locked()
         follow.check_locked()

@@ -756,7 +756,7 @@ def _lead_store(lead, hashes, ids):
     landed and every victim was taken by a backend."""
     with lead.lock:
         plan = lead.start_store_locked(hashes, ids)
-        sent = copy.deepcopy(plan)  # what crosses to a worker (vLLM pickles it)
+        sent = copy.deepcopy(plan.lead(0))  # what crosses to a worker (vLLM pickles it)
         handed = lead.written_back_locked(plan.victims, {v.key: True for v in plan.victims})
         slots = plan.slots + handed
         take = plan.new[:len(slots)]
@@ -829,7 +829,7 @@ def test_a_leader_places_a_block_only_where_every_rank_stored_it_in_that_slot(tm
             lead.now = float(t)
             with lead.lock:
                 plan = lead.start_store_locked(hs, ids)
-            sent = copy.deepcopy(plan)
+            sent = plan.lead(t)
             if t % 3 == 1:
                 ranks[1][1].fail("put", times=1)  # rank 1's next write-back fails
             results = []
@@ -838,7 +838,7 @@ def test_a_leader_places_a_block_only_where_every_rank_stored_it_in_that_slot(tm
                 results.append(st.store(hs, ids, start=100 * t, plan=copy.deepcopy(sent)).wait(TIMEOUT))
                 fb.clear()
             with lead.lock:
-                lead.fold_store_locked(plan, hs, results, start=100 * t)
+                lead.fold_store_locked(plan, hs, [r.outcome() for r in results], start=100 * t)
                 lead.check_locked()
                 placed = {k: lead.index.host_slot(k) for k in list(lead.index)}
             stored += plan.status.count(STORED)

@@ -725,3 +725,76 @@ def test_a_state_tensor_that_is_not_vllms_state_page_is_refused_with_its_shape()
         state_rows(page, "model.layers.0.linear_attn", 40)
     with pytest.raises(ValueError, match=r"got shape \(4, 1, 1, 24\) torch.bfloat16"):
         state_rows(torch.zeros(4, 1, 1, 24, dtype=torch.bfloat16), "model.layers.0.linear_attn", 24)
+
+
+# ---------------------------------------------------------------- one placement authority for all ranks
+
+
+def test_the_scheduler_places_every_store_in_the_same_host_slots_on_every_rank(tmp_path):
+    """The scheduler's planner starts each store (StorePlan.lead) in the smallest rank's host slots; both
+    ranks' stacks follow it, and the scheduler folds their outcomes.  Write-back, 4 slots: stores evict.
+    Rank 1's disk fails some write-backs, so rank 1 keeps victims rank 0 handed over; still, every block
+    the scheduler places in a host slot is in that slot on both ranks (a host hit it offers is there on
+    every rank), and once both ranks followed the same plans they hold the same blocks where it says."""
+    from kvtier.backends.local_disk import LocalDiskBackend
+    from kvtier.index import Tier
+    from kvtier.stack import TierStack
+    from kvtier.testing.faults import FaultyBackend
+
+    cfg = config(tmp_path / "sched", layout="cpu_attn", num_blocks=32, write="write_back", host_slots=4)
+    side = SchedulerSide(cfg, load=False, store=True, vllm_hash_algo=None, ranks=RankTally(2))
+    ranks, faults = [], []
+    for r in range(2):
+        c = config(tmp_path / f"r{r}", layout="cpu_attn", num_blocks=32, write="write_back", host_slots=4 + r)
+        kv = [torch.randn(32, HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(LAYERS)]
+        ws = WorkerSide(c, kv, rank=r)
+        ws.stack.close()  # the same stack over the same tensors, its disk behind a fault wrapper
+        fb = FaultyBackend(LocalDiskBackend({"path": str(tmp_path / f"r{r}" / "disk")}, name="disk"))
+        ws.stack = TierStack(c, kv_caches=kv, backends=[fb])
+        ws.stack.drain_report()
+        ranks.append(ws)
+        faults.append(fb)
+    side.set_host_slots([{0: ws.host_slots()} for ws in ranks])  # 4 and 5: rank 0's 4 are every rank's
+    leader = side.streams[0].leader
+    assert leader is not None and leader.planner.host_slots().num_slots == 4
+    tables: dict[str, list[int]] = {}
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: (tables[req_id],))
+    diverged = placed_total = 0
+    try:
+        for t in range(10):
+            rid = f"r{t}"
+            prompt = [1000 * t + i for i in range(2 * BLOCK + 1)]  # 2 full blocks and a token
+            tables[rid] = [(3 * t) % 30, (3 * t) % 30 + 1, (3 * t) % 30 + 2]
+            req = _request(rid, prompt)
+            side.matched_tokens(req, 0)
+            plan = _step(side, {rid: len(prompt)})
+            assert plan.stores and all(sp.lead is not None for sp in plan.stores)
+            if t % 3 == 2:
+                faults[1].fail("put", times=1)  # rank 1's next write-back fails
+            for ws in ranks:
+                ws.save(plan)
+            faults[1].clear()
+            side.apply(*[ws.report() for ws in ranks])
+            side.finished(req)
+            assert leader.pending == 0
+            # vLLM reuses its device blocks without telling the scheduler: never offered as on the device.
+            hashes = side.hasher.hash_blocks(prompt)
+            assert Tier.DEVICE not in side.manager.lookup(hashes).tiers
+            with leader.planner.lock:
+                placed = {k: leader.planner.index.host_slot(k) for k in list(leader.planner.index)}
+            placed = {k: s for k, s in placed.items() if s is not None}
+            placed_total += len(placed)
+            for ws in ranks:
+                assert {k: ws.stack.index.host_slot(k) for k in placed} == placed
+            diverged += any(ranks[0].stack.index.host_slot(k) != ranks[1].stack.index.host_slot(k)
+                            for k in list(ranks[0].stack.index))
+        assert placed_total >= 20 and diverged >= 1  # stores were placed, and the ranks did diverge
+        leader.check()
+        for ws in ranks:
+            assert ws.stack.flush(10)
+            with ws.stack.planner.lock:
+                ws.stack.planner.check_locked()
+    finally:
+        for ws in ranks:
+            ws.close()
+        side.close()

@@ -383,6 +383,11 @@ class TierManager:
                 break  # never drop a running probe unless the table is far over its bound
             self._probes.popitem(last=False)
 
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock over :attr:`index` (a planner sharing this manager's index takes it too)."""
+        return self._lock
+
     # ------------------------------------------------------------------ what the worker tells us
 
     def apply(self, report: WorkerReport) -> None:

@@ -52,23 +52,12 @@ from ..format.groups import whole_groups
 from ..index import BlockIndex, Tier
 from ..memory.host_slots import FREE, READY, WRITING, SlotTable
 from ..metrics import StackMetrics
-from ..plans import WorkerReport
+from ..plans import CopyDown, Dropped, LeadStore, Room, StoreOutcome, WorkerReport
 from ..policy_api import EvictionPolicy, WritePolicy
 from .backend_set import BackendSet
 from .load_steps import Source, Step
 from .manager import TierManager
-from .results import FAILED, PRESENT, SKIPPED, STORED, StoreResult, StoreStatus
-
-
-@dataclass(frozen=True)
-class CopyDown:
-    """A write-back victim: a host block held (an index reference, ``writing``) until the executor
-    reports it copied down (:meth:`Planner.written_back_locked`); its value is written as a
-    :class:`GroupWrite`."""
-
-    key: bytes
-    slot: int
-    targets: tuple[int, ...]  # the writable backends lacking it
+from .results import FAILED, PRESENT, SKIPPED, STORED, StoreStatus
 
 
 @dataclass(frozen=True)
@@ -83,34 +72,9 @@ class GroupWrite:
     tenant: str | None = None    # the cache_salt tenant tag its quota is charged to (None: the namespace's)
 
 
-@dataclass(frozen=True)
-class Dropped:
-    """A host block evicted unwritten to make room: its ``slot`` is among the room's ``slots``."""
-
-    key: bytes
-    slot: int
-
-
 class PlanRefused(Exception):
     """A planner cannot follow a plan another planner made (:meth:`Planner.adopt_room_locked`): a slot
     it names is in use here.  The operation is skipped on this side, and reported as failed."""
-
-
-@dataclass
-class Room:
-    """Host room for a batch of blocks coming up, decided at once (:meth:`Planner.take_room_locked`):
-    ``slots`` (WRITING now), then the slots the write-back ``victims`` hand over once copied down.  The
-    k-th block of the batch goes to ``order()[k]`` whenever the write-backs end; a victim that is not
-    copied down keeps its slot, and the block planned there finds none.  ``dropped``: the blocks evicted
-    unwritten whose slots are among ``slots`` (the rest of ``slots`` were free), so another planner can
-    follow the same room (:meth:`Planner.adopt_room_locked`)."""
-
-    slots: list[int]
-    victims: list[CopyDown]
-    dropped: list[Dropped] = field(default_factory=list)
-
-    def order(self) -> list[int]:
-        return [*self.slots, *(v.slot for v in self.victims)]
 
 
 @dataclass
@@ -129,9 +93,14 @@ class StoreStart:
     sends_down: frozenset[bytes] = frozenset()
     dropped: list[Dropped] = field(default_factory=list)
     handed: list[bytes] = field(default_factory=list)  # victims copied down and handed over (the executor's)
+    ready: frozenset[bytes] = frozenset()  # victims whose slots a follower took at once (Room.ready)
 
     def host_room(self) -> Room:
-        return Room(self.slots, self.victims, self.dropped)
+        return Room(self.slots, self.victims, self.dropped, self.ready)
+
+    def lead(self, plan_id: int) -> LeadStore:
+        """This plan as the sides that follow it get it (plain data: it crosses processes)."""
+        return LeadStore(plan_id, tuple(self.new), tuple(self.hits), self.host_room(), self.sends_down)
 
     def room(self) -> list[int]:
         """The host slot each of the first new blocks goes to, in order: the slots taken now, then the
@@ -144,23 +113,30 @@ class Planner:
     """Placement decisions and their state for one stack (see the module docstring)."""
 
     def __init__(self, config: KvtierConfig, *, backends: BackendSet, metrics: StackMetrics,
-                 slots: SlotTable | None, device_blocks: int):
+                 slots: SlotTable | None, device_blocks: int, manager: TierManager | None = None,
+                 tracks_device: bool = True):
+        """``manager``: the scheduler half to plan for, its index and lock (vLLM's scheduler, whose manager
+        answers lookups before the workers' host slots are known); None: a new one over ``backends``.
+        ``tracks_device``: stores place their blocks on the device in the index (a stack's, which sees the
+        engine free its blocks); False for a planner beside an engine that reuses its device blocks
+        without saying so (vLLM's scheduler): its lookups must never count a block as on the device."""
         self.config = config
         self.namespace = config.namespace()
         self.storage_blocks = config.storage_blocks  # engine blocks per stored value (kvtier.format.groups)
         self.backends = backends
         self.metrics = metrics
         self.slots = slots
+        self.tracks_device = tracks_device
         pol = config.policies
         self.write_policy: WritePolicy = pol.write.plugin()(pol.write.options)
         self.eviction_policy: EvictionPolicy = pol.eviction.plugin()(pol.eviction.options)
         n_slots = slots.num_slots if slots is not None else 0
-        self.index = BlockIndex(capacity=max(1024, device_blocks + n_slots))
+        self.index = manager.index if manager is not None else BlockIndex(capacity=max(1024, device_blocks + n_slots))
         # Entries only in backends are hints (hit counts, where a block was written); beyond this many
         # entries the oldest of them are forgotten, so the index stays bounded in a long-lived process.
         self.max_index_entries = max(1 << 20, 4 * (device_blocks + n_slots))
         self.max_unwritten = max(1, n_slots // 4)
-        self.lock = threading.Lock()
+        self.lock = manager.lock if manager is not None else threading.Lock()
         # The time a hit is stamped with: None = the clock (a deployment); a simulation sets its trace time.
         self.now: float | None = None
         self._storing: set[bytes] = set()  # device -> host copy (or direct backend write) in flight
@@ -178,8 +154,10 @@ class Planner:
         # (vLLM's scheduler) mirrors host residency from it.  None = nobody listens, nothing recorded.
         self._report: WorkerReport | None = None
         # The scheduler half: the same index and lock.
-        self.manager = TierManager(config, backends=backends, index=self.index, lock=self.lock)
-        self.manager.on_forgotten = self._backend_evicted_locked
+        if manager is None:
+            manager = TierManager(config, backends=backends, index=self.index, lock=self.lock)
+            manager.on_forgotten = self._backend_evicted_locked
+        self.manager = manager
 
     # ------------------------------------------------------------------ host slots and blocks
 
@@ -291,9 +269,10 @@ class Planner:
         scheduler's, for each rank): take exactly its slots and hold exactly its victims, so that the same
         blocks land in the same slots on every side.  The leader's word wins over what this side holds
         that the leader does not know of: a named slot holding an unpinned block here that the plan does
-        not name is evicted here.  Refused (:class:`PlanRefused`, nothing taken) where a named slot is in
-        use here (a store or read in flight, a pinned block, a copy down) or a write-back victim is not in
-        its named slot here.  Returns the room this planner's executor runs."""
+        not name is evicted here, and a write-back victim no longer in its slot here hands that slot over
+        at once (``Room.ready``: nothing to copy down).  Refused (:class:`PlanRefused`, nothing taken)
+        where a named slot is in use here (a store or read in flight, a pinned block, a copy down).
+        Returns the room this planner's executor runs."""
         table = self.host_slots()
         for slot in room.order():
             if not 0 <= slot < table.num_slots:
@@ -306,22 +285,28 @@ class Planner:
                 raise PlanRefused(f"host slot {slot} holds a block this side's index does not place there")
             if holder is not None and (self.index.entry(holder).refs or holder in self._writing):
                 raise PlanRefused(f"host slot {slot} holds block {holder.hex()[:16]}, in use here")
-        for v in room.victims:
-            if self._slot_holder_locked(v.slot) != v.key:
-                raise PlanRefused(f"write-back victim {v.key.hex()[:16]} is not in host slot {v.slot} here")
         if len(set(room.order())) != len(room.order()):
             raise PlanRefused("the room names a host slot twice")
         dropped: list[Dropped] = []
         for slot in room.slots:
-            holder = self._slot_holder_locked(slot)
-            if holder is None:
-                table.take([slot])
-            else:
-                dropped.append(Dropped(holder, self._hand_over_locked(holder)))
+            dropped += self._clear_slot_locked(slot)
+        ready: set[bytes] = set()
         for v in room.victims:
-            self.index.acquire(v.key)
-            self._writing.add(v.key)
-        return Room(list(room.slots), list(room.victims), dropped)
+            if self._slot_holder_locked(v.slot) == v.key:
+                self.index.acquire(v.key)
+                self._writing.add(v.key)
+            else:  # gone from its slot here already (a read here took the slot): nothing to copy down
+                dropped += self._clear_slot_locked(v.slot)
+                ready.add(v.key)
+        return Room(list(room.slots), list(room.victims), dropped, frozenset(ready))
+
+    def _clear_slot_locked(self, slot: int) -> list[Dropped]:
+        """Take host ``slot`` (checked usable by the caller), WRITING: free here, or evict its block."""
+        holder = self._slot_holder_locked(slot)
+        if holder is None:
+            self.host_slots().take([slot])
+            return []
+        return [Dropped(holder, self._hand_over_locked(holder))]
 
     def _slot_holder_locked(self, slot: int) -> bytes | None:
         """The block this planner's index places in host ``slot`` (READY), if any."""
@@ -399,43 +384,63 @@ class Planner:
         down = frozenset(hashes[i] for i in new[:len(room.order())] if on_store(hashes[i]))
         return StoreStart(status, new, hits, room.slots, room.victims, down, room.dropped)
 
-    def adopt_store_locked(self, hashes: list[bytes], ids: list[int], plan: StoreStart) -> StoreStart:
-        """Follow a store another planner started (:meth:`start_store_locked` there, over the same blocks):
-        the same new blocks, in the room it named (:meth:`adopt_room_locked`), sent down as it said.
-        Refused (:class:`PlanRefused`, nothing held) where the blocks new here are not the plan's."""
+    def adopt_store_locked(self, hashes: list[bytes], ids: list[int], lead: LeadStore) -> StoreStart:
+        """Follow a store another planner started over the same blocks (:meth:`StoreStart.lead`): the same
+        new blocks, in the room it named (:meth:`adopt_room_locked`), sent down as it said.  Where this side
+        differs, the plan wins: a block it stores that this side holds already (brought up by a load here)
+        is stored again in the plan's slot, its copy here dropped; a block new here that the plan does not
+        store is not stored here.  Refused (:class:`PlanRefused`, nothing held) where a block the plan
+        stores is in use here (pinned, being stored or copied down), or its room cannot be followed."""
         status, new, _ = self._classify_store_locked(hashes, ids)
+        mine = set(new)
         try:
-            if new != plan.new:
-                raise PlanRefused(f"blocks at positions {new} are new here, the plan stores {plan.new}")
-            room = self.adopt_room_locked(plan.host_room()) if self.slots is not None and new else Room([], [])
+            extra = [i for i in lead.new if i not in mine]
+            for i in extra:
+                e = self.index.get(hashes[i])
+                if (hashes[i] in self._storing or e is None or e.host is None or e.refs
+                        or hashes[i] in self._writing):
+                    raise PlanRefused(f"block {hashes[i].hex()[:16]} (position {i}), which the plan stores, is in "
+                                      "use here")
+            for i in extra:
+                self.drop_host_locked(hashes[i])
+            room = self.adopt_room_locked(lead.room) if self.slots is not None and lead.new else Room([], [])
         except PlanRefused:
             self._storing.difference_update(hashes[i] for i in new)
             self.index.release_many([hashes[i] for i in new])
             raise
-        return StoreStart(status, new, list(plan.hits), room.slots, room.victims, plan.sends_down, room.dropped)
+        for i in extra:
+            self._storing.add(hashes[i])
+            self.index.acquire(hashes[i])
+        planned = set(lead.new)
+        for i in new:
+            if i not in planned:  # not the plan's: not stored here
+                self._storing.discard(hashes[i])
+                self.index.release(hashes[i])
+        return StoreStart(status, list(lead.new), list(lead.hits), room.slots, room.victims, lead.sends_down,
+                          room.dropped, ready=room.ready)
 
-    def fold_store_locked(self, plan: StoreStart, hashes: Sequence[bytes], sides: Sequence[StoreResult],
+    def fold_store_locked(self, plan: StoreStart, hashes: Sequence[bytes], sides: Sequence[StoreOutcome],
                           start: int = 0, tenant: str | None = None) -> list[bytes]:
         """The leader's end of a store ``plan`` (:meth:`start_store_locked` here) that every side ran on its
-        own shard of the blocks (``sides``: one result per side, vLLM's ranks; no bytes here).  A victim
+        own shard of the blocks (``sides``: one outcome per side, vLLM's ranks; no bytes here).  A victim
         counts copied down only where every side handed its slot over, and a new block stored only where
         every side stored it, in the slot this planner's order gives it; anything else is failed here and
         its slot freed, so this planner places a block in a slot only where every side holds it there.
         Returns the blocks the plan sends down (the sides write them)."""
-        everywhere = set.intersection(*(set(r.handed) for r in sides)) if sides else set()
+        everywhere = frozenset.intersection(*(r.handed for r in sides)) if sides else frozenset()
         handed = self.written_back_locked(plan.victims, {v.key: v.key in everywhere for v in plan.victims})
         # A victim some sides handed over and others kept is no longer in host memory everywhere: it
         # leaves here too, and its slot is free here (each side evicts what it holds there, a block this
         # planner does not know of, when a later plan names the slot: adopt_room_locked).
-        somewhere = set().union(*(r.handed for r in sides)) - everywhere
+        somewhere = frozenset().union(*(r.handed for r in sides)) - everywhere
         for v in plan.victims:
             e = self.index.get(v.key)
             if v.key in somewhere and e is not None and e.host == v.slot and e.refs == 0:
                 self.drop_host_locked(v.key)
         slots = plan.slots + handed
         take = plan.new[:len(slots)]
-        placed = [plan.slots + [v.slot for v in plan.victims if v.key in set(r.handed)] for r in sides]
-        ok = [bool(sides) and all(j < len(there) and there[j] == slots[j] and r.status[i] is STORED
+        placed = [plan.slots + [v.slot for v in plan.victims if v.key in r.handed] for r in sides]
+        ok = [bool(sides) and all(j < len(there) and there[j] == slots[j] and i in r.stored
                                   for r, there in zip(sides, placed))
               for j, i in enumerate(take)]
         keys = [hashes[i] for i in take]
@@ -457,7 +462,8 @@ class Planner:
         hits: list[bytes] = []
         seen: set[bytes] = set()
         idx, writable, storing = self.index, self.backends.writable, self._storing
-        idx.place_on_device_many(hashes, ids)
+        if self.tracks_device:
+            idx.place_on_device_many(hashes, ids)
         if self.slots is not None:
             held = [h >= 0 for h in idx.host_slots(hashes)]
         else:

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from ..index import Tier, TierNames
+from ..plans import StoreOutcome
 
 if TYPE_CHECKING:
     from ..memory.transfer import TransferGroup, TransferHandle
@@ -120,6 +121,10 @@ class StoreResult:
 
     status: tuple[StoreStatus, ...]
     handed: tuple[bytes, ...] = ()
+
+    def outcome(self) -> StoreOutcome:
+        """What a leader folds of this store (``Planner.fold_store_locked``)."""
+        return StoreOutcome(frozenset(i for i, st in enumerate(self.status) if st is STORED), frozenset(self.handed))
 
     def count(self, what: StoreStatus) -> int:
         return self.status.count(what)

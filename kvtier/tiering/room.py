@@ -56,6 +56,10 @@ class Reservation:
             raise RuntimeError("reservation: slots asked for after close")
         wanted = [(pos, self._index[pos]) for pos in positions if pos in self._index]
         victims = [k - self._n_free for _, k in wanted if k >= self._n_free and k - self._n_free not in self._victim_done]
+        ready = self.room.ready  # gone from their slots already (a follower's room): nothing to copy down
+        for v in [v for v in victims if self.room.victims[v].key in ready]:
+            self._victim_done[v] = True
+        victims = [v for v in victims if self.room.victims[v].key not in ready]
         if victims:
             todo = [self.room.victims[v] for v in victims]
             try:
@@ -85,8 +89,11 @@ class Reservation:
         # A victim copied down (its slot handed over, WRITING) whose slot no block was given: released too.
         unused += [v.slot for i, v in enumerate(self.room.victims)
                    if self._victim_done.get(i) and self._n_free + i not in self._given]
+        ready = self.room.ready
+        unused += [v.slot for i, v in enumerate(self.room.victims) if v.key in ready and i not in self._victim_done]
         self.planner.release_slots(unused)
-        self.planner.abandon_victims([v for i, v in enumerate(self.room.victims) if i not in self._victim_done])
+        self.planner.abandon_victims([v for i, v in enumerate(self.room.victims)
+                                      if i not in self._victim_done and v.key not in ready])
 
 
 __all__ = ["Reservation", "WriteBack"]

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from ..format.groups import whole_groups
+from ..plans import LeadStore
 from .parts import StackParts
 from .planner import CopyDown, PlanRefused, StoreStart
-from .results import FAILED, SKIPPED, STORED, StoreHandle, StoreResult, StoreStatus
+from .results import FAILED, PRESENT, SKIPPED, STORED, StoreHandle, StoreResult, StoreStatus
 from .writes import BackendWriter
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class Downward:
     # ------------------------------------------------------------------ store
 
     def store(self, hashes: list[bytes], ids: np.ndarray, start: int = 0, tenant: str | None = None,
-              lead: StoreStart | None = None) -> StoreHandle:
+              lead: LeadStore | None = None) -> StoreHandle:
         """Store ``hashes`` from device blocks ``ids``: as this stack's planner plans it, or as ``lead``, a
         plan another planner made over the same blocks, says (:meth:`Planner.adopt_store_locked`)."""
         p, planner, workers = self.parts, self.parts.planner, self.parts.workers
@@ -97,7 +98,7 @@ class Downward:
                         refused)
             p.metrics.add("host", stores_skipped=len(lead.new))
             planned = set(lead.new)
-            self._finish(handle, [FAILED if i in planned else st for i, st in enumerate(lead.status)])
+            self._finish(handle, [FAILED if i in planned else PRESENT for i in range(len(hashes))])
             return handle
         status, new = plan.status, plan.new
         if plan.hits:
@@ -114,7 +115,8 @@ class Downward:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(p.device.device))
             if not workers.submit(workers.io, self._store_deferred, handle, hashes, ids, plan, ev, start, tenant):
-                self._abandon(handle, hashes, new, status, plan.slots, plan.victims)
+                held = [v for v in plan.victims if v.key not in plan.ready]
+                self._abandon(handle, hashes, new, status, plan.slots + _ready_slots(plan), held)
         else:
             self._store_submit(handle, hashes, ids, plan, plan.slots, start, tenant)
         return handle
@@ -122,16 +124,18 @@ class Downward:
     def _store_deferred(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, plan: StoreStart,
                         ev: Any, start: int, tenant: str | None = None) -> None:
         try:
-            handed = self.room.write_back(plan.victims)  # the victims' own slots, those copied down
+            # The victims' own slots, those copied down (and those a follower found gone: Room.ready).
+            written = set(self.room.write_back([v for v in plan.victims if v.key not in plan.ready]))
+            handed = [v for v in plan.victims if v.key in plan.ready or v.slot in written]
             # What this side handed over, for a leader folding every side's run of its plan.
-            plan.handed.extend(v.key for v in plan.victims if v.slot in set(handed))
+            plan.handed.extend(v.key for v in handed)
             if ev is not None:
                 torch.cuda.current_stream(self.parts.device.device).wait_event(ev)
         except Exception:  # noqa: BLE001 - the store is skipped, never lost track of
             log.exception("store: write-back failed")
-            self._abandon(handle, hashes, plan.new, plan.status, plan.slots, [])
+            self._abandon(handle, hashes, plan.new, plan.status, plan.slots + _ready_slots(plan), [])
             return
-        self._store_submit(handle, hashes, ids, plan, plan.slots + handed, start, tenant)
+        self._store_submit(handle, hashes, ids, plan, plan.slots + [v.slot for v in handed], start, tenant)
 
     def _store_submit(self, handle: StoreHandle, hashes: list[bytes], ids: np.ndarray, plan: StoreStart,
                       slots: list[int], start: int = 0, tenant: str | None = None) -> None:
@@ -243,6 +247,11 @@ class Downward:
         with planner.lock:
             values = planner.groups_to_write_locked(keys)
         self.writer.write_from_host(values)
+
+
+def _ready_slots(plan: StoreStart) -> list[int]:
+    """The slots of the victims a follower took at once (``Room.ready``): WRITING, this store's."""
+    return [v.slot for v in plan.victims if v.key in plan.ready]
 
 
 __all__ = ["Downward", "HostRoom"]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -85,6 +86,15 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
         return KvtierWorkerMetadata(self.reports + other.reports)
+
+
+@dataclass
+class KvtierHandshake(KVConnectorHandshakeMetadata):
+    """Each worker -> the scheduler, once at start-up (vLLM's KV connector handshake, after the KV caches
+    are registered): this rank's host slots per KV cache group (0: no host tier).  The scheduler's
+    planner places stores in the smallest rank's number of slots, which every rank has."""
+
+    host_slots: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -325,6 +335,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None:
+            return None
+        if isinstance(self._worker, GroupWorkers):
+            return KvtierHandshake(self._worker.host_slots())
+        return KvtierHandshake({0: self._worker.host_slots()})
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
@@ -355,6 +372,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = None
 
     # ------------------------------------------------------------------ scheduler side
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._handshake(list(metadata.values()))
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        self._handshake(list(metadata.values()))  # every pipeline stage's ranks hold host slots alike
+
+    def _handshake(self, told: list[KVConnectorHandshakeMetadata]) -> None:
+        """Every rank's host slots: the scheduler places stores in the smallest rank's number, per group."""
+        if self._scheduler is not None:
+            self._scheduler.set_host_slots([m.host_slots for m in told if isinstance(m, KvtierHandshake)])
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

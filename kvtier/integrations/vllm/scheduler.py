@@ -1,6 +1,8 @@
 """The scheduler half of the vLLM connector: vLLM's requests and block ids in, plan objects out.
 
-It lives in vLLM's EngineCore process and holds a :class:`~kvtier.tiering.manager.TierManager` (no tensors).
+It lives in vLLM's EngineCore process and holds a :class:`~kvtier.tiering.manager.TierManager` (no tensors)
+per KV cache group and, once the workers told it their host slots (``set_host_slots``), the planner that
+places every store in host memory for all ranks (:class:`~.placement.StoreLeader`).
 
 * ``matched_tokens``: the longest run of stored blocks right after the prefix vLLM holds itself (full
   blocks, at most all but the last prompt token, since vLLM must compute one).  A backend probe in
@@ -10,7 +12,8 @@ It lives in vLLM's EngineCore process and holds a :class:`~kvtier.tiering.manage
 * ``after_alloc``: records a :class:`~kvtier.plans.LoadPlan` for the blocks vLLM allocated.
 * ``build_plan``: the step's loads, and a :class:`~kvtier.plans.StorePlan` for every prompt block that
   becomes fully computed in this step, naming the request's ``cache_salt`` tenant (its tag) when it has
-  one, so the worker's stack charges the blocks to that tenant's quota (``kvtier.quota``).  The worker copies those out before the step ends, so a finished
+  one, so the worker's stack charges the blocks to that tenant's quota (``kvtier.quota``), and, with a
+  leader, the store as it started it (``StorePlan.lead``), which every rank follows.  The worker copies those out before the step ends, so a finished
   request's blocks never need to outlive it (``request_finished`` frees at once).
 
 Keys are kvtier's own block hashes (from token ids, LoRA, multimodal items and the cache salt), so a
@@ -21,9 +24,10 @@ each request checks that, and a mismatch is counted (``key_mismatches``) and log
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -34,6 +38,7 @@ from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, Work
 from ...tiering.manager import TierManager
 from .events import TierEvents
 from .groups import GroupKind, KvGroup
+from .placement import StoreLeader
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -91,11 +96,13 @@ class _Request:
 
 @dataclass
 class Stream:
-    """One KV cache group's stored values: its group and the manager of its namespace."""
+    """One KV cache group's stored values: its group, the manager of its namespace, and the planner that
+    places its stores in every rank's host memory (once the workers said how many host slots they have)."""
 
     group: KvGroup
     manager: TierManager
     ranks: RankTally
+    leader: StoreLeader | None = None
 
 
 NULL_BLOCK = 0  # vLLM's null block: a position of a table holding nothing (outside a window, skipped state)
@@ -146,6 +153,23 @@ class SchedulerSide:
             for s in self.streams:
                 s.manager.on_forgotten = partial(self.events.forgotten, s.group.index)
                 s.manager.on_backend_back = partial(_backend_back, self.events, s.group.index)
+
+    def set_host_slots(self, ranks: Sequence[Mapping[int, int]]) -> None:
+        """Each rank's host slots per KV cache group (vLLM's KV connector handshake, once at start-up): from
+        now on this side plans every store's host room for all ranks (:class:`~.placement.StoreLeader`),
+        in the smallest rank's number of slots.  A group without host memory on some rank (0) keeps each
+        rank planning its own stores."""
+        if not self.store or not ranks:
+            return
+        slots = {s.group.index: min(r.get(s.group.index, 0) for r in ranks) for s in self.streams}
+        for s in self.streams:
+            if slots[s.group.index] > 0 and s.leader is None:
+                s.leader = StoreLeader(s.manager, slots[s.group.index], self.ranks.ranks)
+        log.info("kvtier: the scheduler places stores in host memory for all %d rank(s): %s", self.ranks.ranks,
+                 ", ".join(f"group {g}: {n} slots" for g, n in slots.items()))
+
+    def _led(self, s: Stream, sp: StorePlan) -> StorePlan:
+        return s.leader.lead(sp) if s.leader is not None else sp
 
     @property
     def attention_streams(self) -> list[Stream]:
@@ -308,8 +332,8 @@ class SchedulerSide:
                     if block_id != NULL_BLOCK and upto - 1 not in st.stored_states.setdefault(g, set()):
                         st.stored_states[g].add(upto - 1)
                         self._learn(st, upto - 1, upto)
-                        plan.stores.append(StorePlan(req_id, (st.hashes[upto - 1],), (block_id,), upto - 1, group=g,
-                                                     tenant=st.tenant))
+                        plan.stores.append(self._led(s, StorePlan(req_id, (st.hashes[upto - 1],), (block_id,),
+                                                                  upto - 1, group=g, tenant=st.tenant)))
         if self.state_streams:
             plan.stores.extend(self._state_stores(scheduler_output))
         return plan
@@ -319,7 +343,7 @@ class SchedulerSide:
         bs = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(bs, "boundary_state_offloads", None) or {}
         out = []
-        state_groups = {s.group.index for s in self.state_streams}
+        state_groups = {s.group.index: s for s in self.state_streams}
         for req_id, items in offers.items():
             st = self._reqs.get(req_id)
             if st is None:
@@ -333,7 +357,8 @@ class SchedulerSide:
                     continue
                 st.stored_states[g].add(i)
                 self._learn(st, i, i + 1)
-                out.append(StorePlan(req_id, (st.hashes[i],), (block_id,), i, group=g, tenant=st.tenant))
+                out.append(self._led(state_groups[g], StorePlan(req_id, (st.hashes[i],), (block_id,), i, group=g,
+                                                                tenant=st.tenant)))
         return out
 
     def _store_upto(self, st: _Request, s: Stream, upto: int, block_ids: Callable[[], list[int]]) -> StorePlan | None:
@@ -356,8 +381,8 @@ class SchedulerSide:
         if lo >= upto:
             return None
         self._learn(st, lo, upto)
-        return StorePlan(st.request.request_id, tuple(st.hashes[lo:upto]), tuple(ids[lo:upto]), lo, group=g,
-                         tenant=st.tenant)
+        return self._led(s, StorePlan(st.request.request_id, tuple(st.hashes[lo:upto]), tuple(ids[lo:upto]), lo,
+                                      group=g, tenant=st.tenant))
 
     def _learn(self, st: _Request, lo: int, upto: int) -> None:
         """Tell the event stream the token ids and parents of blocks ``lo..upto`` of ``st`` (being stored)."""
@@ -374,9 +399,19 @@ class SchedulerSide:
             mine = [r for r in reports if r.group == s.group.index]
             if not mine:
                 continue
+            if s.leader is not None:
+                # This side places blocks in host memory itself: the ranks' word on it is their outcomes.
+                s.leader.fold(mine)
+                s.leader.left(set().union(*(r.left_host for r in mine)))
+                mine = [dataclasses.replace(r, in_host={}, left_host=set()) for r in mine]
             report = s.ranks.fold(mine)
+            if s.leader is not None:
+                report.lost = s.leader.lose(report.lost)
             s.manager.apply(report)
             if self.events is not None:
+                if s.leader is not None:
+                    host = s.leader.host_changes()
+                    report.in_host, report.left_host = host.in_host, host.left_host
                 self.events.record(report, s.group.index)
             # vLLM recomputes what a load did not deliver: store it once computed (the plan counted it stored).
             for req_id, pos in report.unloaded.items():

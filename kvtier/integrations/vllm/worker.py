@@ -30,7 +30,7 @@ import torch
 
 from ... import threads
 from ...config import KvtierConfig
-from ...plans import LoadPlan, StepPlan, WorkerReport, keep_earliest
+from ...plans import LoadPlan, StepPlan, StoreOutcome, WorkerReport, keep_earliest
 from ...stack import LoadHandle, TierStack
 
 log = logging.getLogger("kvtier.vllm")
@@ -133,6 +133,7 @@ class WorkerSide:
         # no valid KV from there on (the engine rewinds them afterwards), so save() must not store them.
         self._garbage_from: dict[str, int] = {}
         self._started: dict[str, float] = {}
+        self._stored: dict[int, StoreOutcome] = {}  # per lead plan run since the last report (WorkerReport.stores)
         self._ended = threading.Event()  # set when an asynchronous load ends (finished() may wait on it)
         self.stats = {"loads": 0, "sync_loads": 0, "loaded_blocks": 0, "failed_blocks": 0,
                       "stored_blocks": 0, "store_errors": 0}
@@ -184,6 +185,10 @@ class WorkerSide:
         before the first one it did not deliver (the rest were computed over it)."""
         garbage, self._garbage_from = self._garbage_from, {}
         for sp in plan.stores:
+            lead = sp.lead
+            if lead is not None:
+                # The scheduler hears what this rank did with its plan, whatever happens below.
+                self._stored[lead.plan_id] = StoreOutcome.nothing()
             cut = garbage.get(sp.req_id)
             if cut is not None:
                 keep = max(0, cut - sp.start)
@@ -191,12 +196,16 @@ class WorkerSide:
                     log.info("kvtier: request %s: blocks %d-%d not stored (computed over blocks its load did not "
                              "deliver; stored once recomputed)", sp.req_id, sp.start + keep,
                              sp.start + len(sp.hashes) - 1)
+                    if lead is not None:
+                        continue  # a plan is followed whole or not at all: the scheduler folds it as not stored
                 sp = dataclasses.replace(sp, hashes=sp.hashes[:keep], block_ids=sp.block_ids[:keep])
                 if not sp.hashes:
                     continue
             try:
                 res = self.stack.store(list(sp.hashes), list(sp.block_ids), start=sp.start,
-                                       tenant=sp.tenant).wait(timeout=60)
+                                       tenant=sp.tenant, plan=lead).wait(timeout=60)
+                if lead is not None:
+                    self._stored[lead.plan_id] = res.outcome()
                 self.stats["stored_blocks"] += res.num_stored
                 log.debug("kvtier: request %s: blocks %d-%d copied out (%d new)", sp.req_id, sp.start,
                           sp.start + len(sp.hashes) - 1, res.num_stored)
@@ -249,6 +258,10 @@ class WorkerSide:
         out, self._errors = self._errors, set()
         return out
 
+    def host_slots(self) -> int:
+        """This rank's host slots (0: no host tier), which the scheduler's planner places stores in."""
+        return self.stack.planner.slots.num_slots if self.stack.planner.slots is not None else 0
+
     def failed_requests(self) -> set[str]:
         """Requests whose load failed (some block not delivered) since the last call."""
         out, self._failed = self._failed, set()
@@ -258,6 +271,7 @@ class WorkerSide:
         rep = self.stack.drain_report()
         rep.lost |= self._lost
         rep.unloaded, self._unloaded = self._unloaded, {}
+        rep.stores, self._stored = self._stored, {}
         rep.writes, rep.rank = self.writes, self.rank
         self._lost = set()
         return rep
@@ -283,6 +297,9 @@ class GroupWorkers:
 
     def thread_cpus(self) -> set[int]:
         return next(iter(self.sides.values())).thread_cpus()
+
+    def host_slots(self) -> dict[int, int]:
+        return {g: side.host_slots() for g, side in self.sides.items()}
 
     def _split(self, plan: StepPlan, g: int) -> StepPlan:
         return StepPlan([lp for lp in plan.loads if lp.group == g], [sp for sp in plan.stores if sp.group == g],

@@ -1,0 +1,132 @@
+"""The scheduler's placement authority for one KV cache group's stream: one planner decides every store's
+host room for all of vLLM's TP x PP ranks, and learns what became of it from every rank.
+
+vLLM's EngineCore plans each step before its workers run it.  A :class:`StoreLeader` starts each store
+there (:meth:`~kvtier.tiering.planner.Planner.start_store_locked`: which host slots, which victims, what is
+sent down), sends it with the store (``StorePlan.lead``), and every rank's stack follows it on its own
+shard (``TierStack.store(..., plan=)``).  Each rank reports what it did per plan (``WorkerReport.stores``);
+once every rank has, the leader folds them (:meth:`~kvtier.tiering.planner.Planner.fold_store_locked`).
+The slot table is the smallest rank's (the workers tell it at start-up: vLLM's KV connector handshake),
+so a slot the leader names exists on every rank.
+
+Invariants:
+* the leader places a block in a host slot only once every rank reported it stored there, so a lookup
+  offers a host hit only for a block every rank holds (a rank that diverged refuses or evicts, and its
+  failure is the leader's failure);
+* every plan is folded exactly once: when its last rank reports, or, past ``max_pending`` plans in flight
+  (a rank that never reports), with the missing ranks counted as having stored and handed over nothing;
+* nothing here touches a tensor or does I/O: the planner's ledger of slots and keys only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ...memory.host_slots import SlotTable
+from ...plans import StoreOutcome, StorePlan, WorkerReport
+from ...tiering.manager import TierManager
+from ...tiering.planner import Planner, StoreStart
+
+
+@dataclass
+class _Pending:
+    """A store the leader started, waiting for every rank's outcome."""
+
+    start: StoreStart
+    hashes: list[bytes]
+    pos: int
+    tenant: str | None
+    outcomes: dict[int, StoreOutcome]
+
+
+class StoreLeader:
+    """One stream's planner in the scheduler (see the module docstring).  ``slots``: host slots per rank
+    (the smallest rank's); ``ranks``: the workers that each run every plan."""
+
+    def __init__(self, manager: TierManager, slots: int, ranks: int, *, max_pending: int = 4096):
+        if slots < 1 or ranks < 1:
+            raise ValueError(f"store leader: {slots} host slots and {ranks} ranks (want >= 1 each)")
+        self.planner = Planner(manager.config, backends=manager.backends, metrics=manager.metrics,
+                               slots=SlotTable(slots), device_blocks=0, manager=manager, tracks_device=False)
+        self.planner.drain_report()  # record host-memory changes: the event stream announces them
+        self.ranks = ranks
+        self.max_pending = max_pending
+        self._pending: OrderedDict[int, _Pending] = OrderedDict()
+        self._next_id = 0
+
+    @property
+    def pending(self) -> int:
+        """Plans some rank has not reported yet."""
+        return len(self._pending)
+
+    def lead(self, sp: StorePlan) -> StorePlan:
+        """``sp`` with its store started here: the plan every rank follows."""
+        planner = self.planner
+        with planner.lock:
+            start = planner.start_store_locked(list(sp.hashes), list(sp.block_ids))
+        plan_id, self._next_id = self._next_id, self._next_id + 1
+        self._pending[plan_id] = _Pending(start, list(sp.hashes), sp.start, sp.tenant, {})
+        while len(self._pending) > self.max_pending:
+            self._settle(next(iter(self._pending)))
+        return dataclasses.replace(sp, lead=start.lead(plan_id))
+
+    def fold(self, reports: Iterable[WorkerReport]) -> None:
+        """The ranks' outcomes in one step's reports; a plan every rank has reported is folded."""
+        for rep in reports:
+            for plan_id, outcome in rep.stores.items():
+                p = self._pending.get(plan_id)
+                if p is None:
+                    continue
+                p.outcomes[rep.rank] = outcome
+                if len(p.outcomes) >= self.ranks:
+                    self._settle(plan_id)
+
+    def _settle(self, plan_id: int) -> None:
+        p = self._pending.pop(plan_id)
+        sides = [p.outcomes.get(r, StoreOutcome.nothing()) for r in range(self.ranks)]
+        with self.planner.lock:
+            self.planner.fold_store_locked(p.start, p.hashes, sides, p.pos, p.tenant)
+
+    def left(self, keys: Iterable[bytes]) -> None:
+        """Blocks some rank evicted from its host memory on its own (``WorkerReport.left_host``: room a
+        rank's load made, which this planner does not plan yet): not in host memory on every rank, so not
+        here either.  Those a plan here holds stay until it is folded (the rank reports its victim handed
+        over)."""
+        planner = self.planner
+        with planner.lock:
+            for key in keys:
+                e = planner.index.get(key)
+                if e is not None and e.host is not None and not e.refs:
+                    planner.drop_host_locked(key)
+
+    def lose(self, lost: set[bytes]) -> set[bytes]:
+        """Blocks a rank's load did not find (``WorkerReport.lost``): one held in host memory here is not on
+        that rank, so it leaves host memory here.  Returns those the manager may forget (not pinned here
+        by a store in flight)."""
+        out: set[bytes] = set()
+        planner = self.planner
+        with planner.lock:
+            for key in lost:
+                e = planner.index.get(key)
+                if e is not None and e.refs:
+                    continue
+                if e is not None and e.host is not None:
+                    planner.drop_host_locked(key)
+                out.add(key)
+        return out
+
+    def host_changes(self) -> WorkerReport:
+        """Blocks placed in and gone from host memory since the last call (for the event stream)."""
+        rep = self.planner.drain_report()
+        return WorkerReport(in_host=rep.in_host, left_host=rep.left_host)
+
+    def check(self) -> None:
+        """The planner's invariants (tests: call with no plan pending)."""
+        with self.planner.lock:
+            self.planner.check_locked()
+
+
+__all__ = ["StoreLeader"]
