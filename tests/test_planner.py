@@ -11,7 +11,7 @@ from _stack_helpers import BLOCK_NBYTES, config
 
 from kvtier.simulate.ledger_stack import SimulatedStack
 from kvtier.tiering.planner import PlanRefused
-from kvtier.tiering.results import FAILED, STORED
+from kvtier.tiering.results import FAILED, SKIPPED, STORED
 from kvtier.tiering.room import Reservation
 
 
@@ -273,6 +273,8 @@ def test_where_the_follower_holds_other_blocks_than_the_leader_the_plan_wins(tmp
         follow.check_locked()
         mine = follow.adopt_store_locked([a, b], [0, 1], plan.lead(0))
     assert mine.new == [0] and mine.room() == plan.room()
+    # A is new here now (STORED once its copy lands); B, which the plan does not store, is skipped here.
+    assert mine.status == [SKIPPED, SKIPPED]
     _played(lead, plan, [a, b])
     _played(follow, mine, [a, b])
     assert _places(follow, [a, b]) == {a: _places(lead, [a])[a], b: None}

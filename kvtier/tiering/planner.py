@@ -408,9 +408,10 @@ class Planner:
             self._storing.difference_update(hashes[i] for i in new)
             self.index.release_many([hashes[i] for i in new])
             raise
-        for i in extra:
+        for i in extra:  # stored again here, as new
             self._storing.add(hashes[i])
             self.index.acquire(hashes[i])
+            status[i] = SKIPPED
         planned = set(lead.new)
         for i in new:
             if i not in planned:  # not the plan's: not stored here
