@@ -149,6 +149,14 @@ class Room:
     def order(self) -> list[int]:
         return [*self.slots, *(v.slot for v in self.victims)]
 
+    def held(self) -> list[CopyDown]:
+        """The victims to copy down before their slots are used (those not ``ready``)."""
+        return [v for v in self.victims if v.key not in self.ready]
+
+    def ready_slots(self) -> list[int]:
+        """The slots of the ``ready`` victims: taken already (WRITING), the room's to use or release."""
+        return [v.slot for v in self.victims if v.key in self.ready]
+
 
 @dataclass(frozen=True)
 class LeadStore:

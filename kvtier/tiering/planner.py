@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from ..config import KvtierConfig
 from ..format.groups import whole_groups
 from ..index import BlockIndex, Tier
-from ..memory.host_slots import FREE, READY, WRITING, SlotTable
+from ..memory.host_slots import READY, WRITING, SlotTable
 from ..metrics import StackMetrics
 from ..plans import CopyDown, Dropped, LeadStore, Room, StoreOutcome, WorkerReport
 from ..policy_api import EvictionPolicy, WritePolicy
@@ -280,7 +280,7 @@ class Planner:
             state = table.state(slot)
             if state is WRITING:
                 raise PlanRefused(f"host slot {slot} is being filled here")
-            holder = self._slot_holder_locked(slot) if state is READY else None
+            holder = self.index.key_at_host(slot) if state is READY else None
             if state is READY and holder is None:
                 raise PlanRefused(f"host slot {slot} holds a block this side's index does not place there")
             if holder is not None and (self.index.entry(holder).refs or holder in self._writing):
@@ -292,7 +292,7 @@ class Planner:
             dropped += self._clear_slot_locked(slot)
         ready: set[bytes] = set()
         for v in room.victims:
-            if self._slot_holder_locked(v.slot) == v.key:
+            if self.index.key_at_host(v.slot) == v.key:
                 self.index.acquire(v.key)
                 self._writing.add(v.key)
             else:  # gone from its slot here already (a read here took the slot): nothing to copy down
@@ -302,19 +302,11 @@ class Planner:
 
     def _clear_slot_locked(self, slot: int) -> list[Dropped]:
         """Take host ``slot`` (checked usable by the caller), WRITING: free here, or evict its block."""
-        holder = self._slot_holder_locked(slot)
+        holder = self.index.key_at_host(slot)
         if holder is None:
             self.host_slots().take([slot])
             return []
         return [Dropped(holder, self._hand_over_locked(holder))]
-
-    def _slot_holder_locked(self, slot: int) -> bytes | None:
-        """The block this planner's index places in host ``slot`` (READY), if any."""
-        table = self.host_slots()
-        if table.state(slot) is FREE:
-            return None
-        key = table.key(slot)
-        return key if isinstance(key, bytes) and self.index.host_slot(key) == slot else None
 
     def _hand_over_locked(self, key: bytes) -> int:
         """Evict host block ``key`` and hand its slot, WRITING, to the block taking its place."""

@@ -89,7 +89,7 @@ class Reservation:
         # A victim copied down (its slot handed over, WRITING) whose slot no block was given: released too.
         unused += [v.slot for i, v in enumerate(self.room.victims)
                    if self._victim_done.get(i) and self._n_free + i not in self._given]
-        ready = self.room.ready
+        ready = self.room.ready  # taken already, never held: released if never handed out, never abandoned
         unused += [v.slot for i, v in enumerate(self.room.victims) if v.key in ready and i not in self._victim_done]
         self.planner.release_slots(unused)
         self.planner.abandon_victims([v for i, v in enumerate(self.room.victims)

@@ -115,8 +115,8 @@ class Downward:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(p.device.device))
             if not workers.submit(workers.io, self._store_deferred, handle, hashes, ids, plan, ev, start, tenant):
-                held = [v for v in plan.victims if v.key not in plan.ready]
-                self._abandon(handle, hashes, new, status, plan.slots + _ready_slots(plan), held)
+                room = plan.host_room()
+                self._abandon(handle, hashes, new, status, plan.slots + room.ready_slots(), room.held())
         else:
             self._store_submit(handle, hashes, ids, plan, plan.slots, start, tenant)
         return handle
@@ -125,7 +125,7 @@ class Downward:
                         ev: Any, start: int, tenant: str | None = None) -> None:
         try:
             # The victims' own slots, those copied down (and those a follower found gone: Room.ready).
-            written = set(self.room.write_back([v for v in plan.victims if v.key not in plan.ready]))
+            written = set(self.room.write_back(plan.host_room().held()))
             handed = [v for v in plan.victims if v.key in plan.ready or v.slot in written]
             # What this side handed over, for a leader folding every side's run of its plan.
             plan.handed.extend(v.key for v in handed)
@@ -133,7 +133,7 @@ class Downward:
                 torch.cuda.current_stream(self.parts.device.device).wait_event(ev)
         except Exception:  # noqa: BLE001 - the store is skipped, never lost track of
             log.exception("store: write-back failed")
-            self._abandon(handle, hashes, plan.new, plan.status, plan.slots + _ready_slots(plan), [])
+            self._abandon(handle, hashes, plan.new, plan.status, plan.slots + plan.host_room().ready_slots(), [])
             return
         self._store_submit(handle, hashes, ids, plan, plan.slots + [v.slot for v in handed], start, tenant)
 
@@ -247,11 +247,6 @@ class Downward:
         with planner.lock:
             values = planner.groups_to_write_locked(keys)
         self.writer.write_from_host(values)
-
-
-def _ready_slots(plan: StoreStart) -> list[int]:
-    """The slots of the victims a follower took at once (``Room.ready``): WRITING, this store's."""
-    return [v.slot for v in plan.victims if v.key in plan.ready]
 
 
 __all__ = ["Downward", "HostRoom"]

@@ -103,20 +103,13 @@ class StoreLeader:
                     planner.drop_host_locked(key)
 
     def lose(self, lost: set[bytes]) -> set[bytes]:
-        """Blocks a rank's load did not find (``WorkerReport.lost``): one held in host memory here is not on
-        that rank, so it leaves host memory here.  Returns those the manager may forget (not pinned here
-        by a store in flight)."""
-        out: set[bytes] = set()
+        """Blocks a rank's load did not find (``WorkerReport.lost``): not on that rank, so they leave host
+        memory here as :meth:`left` says.  Returns those the manager may forget (not pinned here by a store
+        in flight)."""
+        self.left(lost)
         planner = self.planner
         with planner.lock:
-            for key in lost:
-                e = planner.index.get(key)
-                if e is not None and e.refs:
-                    continue
-                if e is not None and e.host is not None:
-                    planner.drop_host_locked(key)
-                out.add(key)
-        return out
+            return {key for key in lost if (e := planner.index.get(key)) is None or not e.refs}
 
     def host_changes(self) -> WorkerReport:
         """Blocks placed in and gone from host memory since the last call (for the event stream)."""
