@@ -856,3 +856,18 @@ def test_a_leader_places_a_block_only_where_every_rank_stored_it_in_that_slot(tm
     finally:
         for st, _ in ranks:
             st.close(timeout=TIMEOUT)
+
+
+def test_a_plan_naming_positions_the_store_does_not_have_is_refused_naming_them(tmp_path):
+    lead = SimulatedStack(config(tmp_path / "lead", host_slots=4), BLOCK_NBYTES).planner
+    st, _ = make_stack(tmp_path, host_slots=4)
+    try:
+        hs = chain(st, 3)
+        with lead.lock:
+            plan = lead.start_store_locked(hs, [0, 1, 2]).lead(0)
+        with pytest.raises(ValueError, match=r"store: the plan stores positions \[0, 1, 2\], the store has 2 blocks"):
+            st.store(hs[:2], [0, 1], plan=plan)
+        fill(st, [0, 1, 2], seed=5)
+        assert st.store(hs, [0, 1, 2], plan=plan).wait(TIMEOUT).num_stored == 3  # nothing held by the refusal
+    finally:
+        st.close(timeout=TIMEOUT)
