@@ -77,6 +77,9 @@ class LoadPlan(_BlockPlan):
 
     KIND: ClassVar[str] = "load"
     sync: bool = False
+    #: The load as the scheduler's planner started it: every rank's stack reads what it brings up into
+    #: host memory in the slots it names (None: each rank's stack makes that room itself).
+    lead: LeadLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ class LeadStore:
     """A store as a leading planner started it (``Planner.start_store_locked``, vLLM: the scheduler's),
     for every side's stack to follow over the same blocks (``TierStack.store(..., plan=)``): the positions
     new to the leader, the held blocks it sends down on this hit, the host room of the new ones and the
-    new blocks it sends down once stored.  ``plan_id`` names it in the sides' outcomes (:class:`StoreOutcome`)."""
+    new blocks it sends down once stored.  ``plan_id`` names it in the sides' outcomes (:class:`HostOutcome`)."""
 
     plan_id: int
     new: tuple[int, ...]
@@ -173,16 +176,30 @@ class LeadStore:
 
 
 @dataclass(frozen=True)
-class StoreOutcome:
-    """What one side's run of a :class:`LeadStore` did: the positions it stored (copied into host memory),
-    and the write-back victims it handed over (copied down, or gone here already).  The leader folds every
-    side's (``Planner.fold_store_locked``)."""
+class LeadLoad:
+    """A load as a leading planner started it (``Planner.start_load_locked``, vLLM: the scheduler's), for
+    every side's stack to follow (``TierStack.load(..., plan=)``): the positions the leader does not hold
+    in host memory (``fetch``), and the host room a side reads them into from a backend (``fetch[k]`` goes
+    to ``room.order()[k]``; an empty room: the sides read them straight into the engine's KV, or keep
+    them out of host memory).  ``plan_id`` names it in the sides' outcomes (:class:`HostOutcome`)."""
 
-    stored: frozenset[int]
+    plan_id: int
+    fetch: tuple[int, ...]
+    room: Room
+
+
+@dataclass(frozen=True)
+class HostOutcome:
+    """What one side's run of a lead plan (:class:`LeadStore`, :class:`LeadLoad`) did in host memory: the
+    positions it placed there in the slots the plan named (a store's copies, a load's reads), and the
+    write-back victims it handed over (copied down, or gone here already).  The leader folds every side's
+    (``Planner.fold_store_locked``, ``fold_load_locked``)."""
+
+    placed: frozenset[int]
     handed: frozenset[bytes]
 
     @classmethod
-    def nothing(cls) -> StoreOutcome:
+    def nothing(cls) -> HostOutcome:
         """A side that did not run the plan, or refused it."""
         return cls(frozenset(), frozenset())
 
@@ -214,8 +231,8 @@ class WorkerReport:
     # Whether this worker writes the backends; one that does not (its in_backend is always empty) does
     # not count towards the writers a block waits for.
     writes: bool = True
-    # Per lead store plan (LeadStore.plan_id) this worker ran since its last report, what it did.
-    stores: dict[int, StoreOutcome] = field(default_factory=dict)
+    # Per lead plan (LeadStore / LeadLoad plan_id) this worker ran since its last report, what it did.
+    outcomes: dict[int, HostOutcome] = field(default_factory=dict)
     # This worker's rank among the engine's workers, in [0, ranks) of the RankTally that folds it.
     rank: int = 0
     # The KV cache group whose blocks this report is about (a worker reports each group apart: the same
@@ -224,7 +241,7 @@ class WorkerReport:
 
     def __bool__(self) -> bool:
         return bool(self.in_host or self.left_host or self.lost or self.in_backend or self.left_backend
-                    or self.unloaded or self.stores)
+                    or self.unloaded or self.outcomes)
 
 
 class RankTally:
@@ -307,4 +324,4 @@ class RankTally:
 
 
 __all__ = ["CopyDown", "Dropped", "LeadStore", "LoadPlan", "Lookup", "LookupState", "RankTally", "Room", "StepPlan",
-           "StoreOutcome", "StorePlan", "WorkerReport", "keep_earliest"]
+           "HostOutcome", "LeadLoad", "StorePlan", "WorkerReport", "keep_earliest"]

@@ -58,7 +58,7 @@ from .memory.device import DeviceTier
 from .memory.host import HostTier, memory_available
 from .memory.transfer import TransferEngine
 from .metrics import StackMetrics
-from .plans import LeadStore, WorkerReport
+from .plans import LeadLoad, LeadStore, WorkerReport
 from .policy_api import EvictionPolicy, PrefetchPolicy, WritePolicy
 from .quota import tenant_problem
 from .tiering.backend_set import BackendSet
@@ -265,17 +265,23 @@ class TierStack:
     # ------------------------------------------------------------------ worker side
 
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, layerwise: bool = False,
-             start: int = 0) -> LoadHandle:
+             start: int = 0, plan: LeadLoad | None = None) -> LoadHandle:
         """Copy the longest available prefix of ``hashes`` into device blocks ``block_ids`` (same
         length).  Sources, best first: host memory; the same device block already holding it (no copy);
         the backends, fetched into host memory first (promoted; a temporary buffer when host memory has
-        no room).  ``handle.wait()`` -> :class:`LoadResult`: ``ok`` per block (a prefix), ``recompute``."""
+        no room).  ``handle.wait()`` -> :class:`LoadResult`: ``ok`` per block (a prefix), ``recompute``.
+
+        ``plan``: this load as another planner started it (a scheduler's, one plan for every rank): the
+        blocks read from backends into host memory take the slots its room names, and no other
+        (``LoadResult.outcome`` says which did, for that planner to fold)."""
         hashes = self.manager.check_hashes(hashes)
         ids = self._check_ids(block_ids, len(hashes))
         if len(np.unique(ids)) != ids.size:
             dup = sorted({int(b) for b in ids if (ids == b).sum() > 1})
             raise ValueError(f"block ids: a load needs distinct destination blocks, got duplicates {dup}")
-        return self._up.load(hashes, ids, layerwise, _start(start))
+        if plan is not None and any(not 0 <= i < len(hashes) for i in plan.fetch):
+            raise ValueError(f"load: the plan reads positions {list(plan.fetch)}, the load has {len(hashes)} blocks")
+        return self._up.load(hashes, ids, layerwise, _start(start), plan)
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0,
               tenant: str | None = None, plan: LeadStore | None = None) -> StoreHandle:

@@ -309,3 +309,47 @@ def test_a_victim_gone_from_its_slot_on_the_follower_hands_the_slot_over_at_once
     with lead.lock, follow.lock:
         lead.check_locked()
         follow.check_locked()
+
+
+def test_a_load_the_leader_plans_is_read_into_the_slots_it_named_and_placed_only_where_every_side_read_it(
+        tmp_path):
+    """vLLM's scheduler leads each load too: the block it serves from host memory stays pinned until the
+    load is folded; the blocks it lacks get one room, which every rank's read follows.  Rank 1 fails C's
+    write-back, so the block planned in C's slot finds none there: the leader places only what both ranks
+    read into the named slot, drops C (no longer on every rank) and frees the rest."""
+    from kvtier.plans import HostOutcome
+
+    (sim, lead), *sides = [_planner(tmp_path / n) for n in ("l", "r0", "r1")]
+    a, b, c, d, e, f = _keys(6)
+    where = _fill(sim, lead, [a, b, c, d])
+    for s, p in sides:
+        assert _fill(s, p, [a, b, c, d]) == where
+    with lead.lock:
+        plan = lead.start_load_locked([a, e, f], into_host=True)
+        assert plan.held == [a] and lead.index.entry(a).refs == 1  # served from host memory: pinned
+        assert plan.fetch == [1, 2] and [v.key for v in plan.room.victims] == [c, d]
+    lp = plan.lead(7)
+    outcomes = []
+    for r, (_, p) in enumerate(sides):
+        write_back, _ = _copy_down(p, {c: r == 0})  # rank 1 cannot copy C down
+        rows = Reservation.follow(p, lp.room, lp.fetch, write_back)
+        given = rows.slots_for([1, 2])
+        assert given == ({1: where[c], 2: where[d]} if r == 0 else {2: where[d]})
+        with p.lock:
+            for pos, slot in given.items():
+                p.commit_host_locked([a, e, f][pos], slot)
+        rows.close()
+        outcomes.append(HostOutcome(frozenset(given), rows.handed()))
+    with lead.lock:
+        lead.fold_load_locked(plan, [a, e, f], outcomes)
+        assert lead.index.entry(a).refs == 0  # unpinned once folded
+        placed = {k: lead.index.host_slot(k) for k in (a, b, c, d, e, f)}
+        lead.check_locked()
+    assert placed == {a: where[a], b: where[b], c: None, d: None, e: None, f: where[d]}
+    for _, p in sides:
+        assert {k: s for k, s in _places(p, [a, b, e, f]).items() if placed[k] is not None} == \
+            {k: s for k, s in placed.items() if s is not None and k in (a, b, e, f)}
+        with p.lock:
+            p.check_locked()
+    with lead.lock:  # C's slot and the slot read into on rank 0 alone are free on the leader
+        assert lead.host_slots().num_free == 1

@@ -489,7 +489,7 @@ def test_preempted_requests_resume_from_host_memory(model_dir, tmp_path):
     kw: dict[str, Any] = {"together": True, "num_blocks": 16, "max_tokens": 200, "max_model_len": 448}
     host_only = {"keys": {"algo": "sha256_cbor"}, "host": {"capacity": "32MiB"}, "backends": []}
     got = run_vllm(model_dir, tmp_path, "kv_both", prompts, host_only, load_mode="sync", **kw)
-    assert "the scheduler places stores in host memory for all 1 rank(s)" in got["log"]
+    assert "the scheduler places stores and loads in host memory for all 1 rank(s)" in got["log"]
     ref = run_vllm(model_dir, tmp_path, "kv_both", prompts, NULL, **kw)
     loads = re.findall(r"request (\S+): (\d+) blocks loaded \((\w+), in the step\)", got["log"])
     assert loads, "no request was preempted and resumed from kvtier"
@@ -817,7 +817,7 @@ def test_tensor_parallel_2(model_dir, tmp_path):
     d = tmp_path / "blocks"
     stored = run_vllm(model_dir, tmp_path, "kv_producer", [A, C], kv_config(disk(d)), tp=2)
     # The scheduler planned every store's host slots for both ranks (the workers told it theirs at start-up).
-    assert "the scheduler places stores in host memory for all 2 rank(s)" in stored["log"]
+    assert "the scheduler places stores and loads in host memory for all 2 rank(s)" in stored["log"]
     assert "is refused here" not in stored["log"]
     shards = sorted(p for p in d.iterdir() if p.is_dir())
     assert len(shards) == 2 and [len(block_files(p)) for p in shards] == [15, 15]

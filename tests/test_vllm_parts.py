@@ -730,36 +730,59 @@ def test_a_state_tensor_that_is_not_vllms_state_page_is_refused_with_its_shape()
 # ---------------------------------------------------------------- one placement authority for all ranks
 
 
+def _faulty_ranks(configs, kv_shape: tuple[int, ...], disks) -> tuple[list[WorkerSide], list[Any]]:
+    """One WorkerSide per config (rank = its index), its stack's disk (``disks[rank]``) behind a fault
+    wrapper."""
+    from kvtier.backends.local_disk import LocalDiskBackend
+    from kvtier.stack import TierStack
+    from kvtier.testing.faults import FaultyBackend
+
+    ranks, faults = [], []
+    for r, c in enumerate(configs):
+        kv = [torch.randn(*kv_shape) for _ in range(LAYERS)]
+        ws = WorkerSide(c, kv, rank=r)
+        ws.stack.close()  # the same stack over the same tensors, its disk behind a fault wrapper
+        fb = FaultyBackend(LocalDiskBackend({"path": str(disks[r])}, name="disk"))
+        ws.stack = TierStack(c, kv_caches=kv, backends=[fb])
+        ws.stack.drain_report()
+        ranks.append(ws)
+        faults.append(fb)
+    return ranks, faults
+
+
+def _close_checked(ranks: list[WorkerSide], side: SchedulerSide, ok: bool) -> None:
+    """Every rank's planner invariants (``ok``: the test got this far), then everything closed."""
+    try:
+        for ws in ranks if ok else []:
+            assert ws.stack.flush(10)
+            with ws.stack.planner.lock:
+                ws.stack.planner.check_locked()
+    finally:
+        for ws in ranks:
+            ws.close()
+        side.close()
+
+
 def test_the_scheduler_places_every_store_in_the_same_host_slots_on_every_rank(tmp_path):
     """The scheduler's planner starts each store (StorePlan.lead) in the smallest rank's host slots; both
     ranks' stacks follow it, and the scheduler folds their outcomes.  Write-back, 4 slots: stores evict.
     Rank 1's disk fails some write-backs, so rank 1 keeps victims rank 0 handed over; still, every block
     the scheduler places in a host slot is in that slot on both ranks (a host hit it offers is there on
     every rank), and once both ranks followed the same plans they hold the same blocks where it says."""
-    from kvtier.backends.local_disk import LocalDiskBackend
     from kvtier.index import Tier
-    from kvtier.stack import TierStack
-    from kvtier.testing.faults import FaultyBackend
 
     cfg = config(tmp_path / "sched", layout="cpu_attn", num_blocks=32, write="write_back", host_slots=4)
     side = SchedulerSide(cfg, load=False, store=True, vllm_hash_algo=None, ranks=RankTally(2))
-    ranks, faults = [], []
-    for r in range(2):
-        c = config(tmp_path / f"r{r}", layout="cpu_attn", num_blocks=32, write="write_back", host_slots=4 + r)
-        kv = [torch.randn(32, HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(LAYERS)]
-        ws = WorkerSide(c, kv, rank=r)
-        ws.stack.close()  # the same stack over the same tensors, its disk behind a fault wrapper
-        fb = FaultyBackend(LocalDiskBackend({"path": str(tmp_path / f"r{r}" / "disk")}, name="disk"))
-        ws.stack = TierStack(c, kv_caches=kv, backends=[fb])
-        ws.stack.drain_report()
-        ranks.append(ws)
-        faults.append(fb)
+    ranks, faults = _faulty_ranks(
+        [config(tmp_path / f"r{r}", layout="cpu_attn", num_blocks=32, write="write_back", host_slots=4 + r)
+         for r in range(2)], (32, HEADS, BLOCK, 2 * HEAD_DIM), [tmp_path / f"r{r}" / "disk" for r in range(2)])
     side.set_host_slots([{0: ws.host_slots()} for ws in ranks])  # 4 and 5: rank 0's 4 are every rank's
     leader = side.streams[0].leader
     assert leader is not None and leader.planner.host_slots().num_slots == 4
     tables: dict[str, list[int]] = {}
     side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: (tables[req_id],))
     diverged = placed_total = 0
+    ok = False
     try:
         for t in range(10):
             rid = f"r{t}"
@@ -790,11 +813,94 @@ def test_the_scheduler_places_every_store_in_the_same_host_slots_on_every_rank(t
                             for k in list(ranks[0].stack.index))
         assert placed_total >= 20 and diverged >= 1  # stores were placed, and the ranks did diverge
         leader.check()
-        for ws in ranks:
-            assert ws.stack.flush(10)
-            with ws.stack.planner.lock:
-                ws.stack.planner.check_locked()
+        ok = True
     finally:
+        _close_checked(ranks, side, ok)
+
+
+def test_the_scheduler_places_what_every_ranks_loads_bring_up_in_the_same_host_slots(tmp_path):
+    """Loads are led too (LoadPlan.lead): the scheduler pins the blocks it serves from host memory until
+    every rank reported, and names the host slots of the blocks the ranks read from their disks.  Both
+    ranks read into those slots; rank 1's disk fails some reads, and then the scheduler places none of that
+    load's failed blocks, though rank 0 holds them: every block the scheduler places in a host slot is in
+    that slot on both ranks, and nothing stays pinned or WRITING once the plans are folded."""
+    from kvtier.memory.host_slots import WRITING
+
+    def cfg(rank: int, slots: int):  # TP=2 over one disk: each rank's keys in its own namespace
+        c = config(tmp_path, num_blocks=32, write="write_through", host_slots=slots)
+        return c.model_copy(update={"model": c.model.model_copy(update={"tp_rank": rank, "tp_size": 2})})
+
+    side = SchedulerSide(cfg(0, 4), load=True, store=True, vllm_hash_algo=None, ranks=RankTally(2),
+                         load_mode=LoadMode.SYNC)
+    # flash_attn: loads read into host memory (never straight into the KV), so they take host room
+    ranks, faults = _faulty_ranks([cfg(r, 4 + r) for r in range(2)], (2, 32, BLOCK, HEADS, HEAD_DIM),
+                                  [tmp_path / "disk"] * 2)
+    side.set_host_slots([{0: ws.host_slots()} for ws in ranks], [{0: ws.loads_direct()} for ws in ranks])
+    leader = side.streams[0].leader
+    assert leader is not None and leader.loads_into_host
+    tables: dict[str, list[int]] = {}
+    side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: (tables[req_id],))
+
+    def run(plan: StepPlan, fail_rank1: bool = False) -> None:
+        if fail_rank1:
+            faults[1].fail("get", times=1)  # rank 1's next read fails
         for ws in ranks:
-            ws.close()
-        side.close()
+            ws.start(plan)
+            ws.save(plan)
+            assert ws.stack.flush(10)
+        faults[1].clear()
+        side.apply(*[ws.report() for ws in ranks])
+
+    def prompt(t: int) -> list[int]:
+        return [1000 * t + i for i in range(3 * BLOCK + 1)]  # 3 full blocks and a token
+
+    def placed_everywhere() -> int:
+        with leader.planner.lock:
+            placed = {k: leader.planner.index.host_slot(k) for k in list(leader.planner.index)}
+        placed = {k: s for k, s in placed.items() if s is not None}
+        for ws in ranks:
+            assert {k: ws.stack.index.host_slot(k) for k in placed} == placed
+        return len(placed)
+
+    ok = False
+    try:
+        for t in range(6):  # stored on both disks; host memory (4 slots) keeps the last ones only
+            rid = f"s{t}"
+            tables[rid] = [1 + 4 * t + i for i in range(4)]  # 0 is vLLM's null block
+            req = _request(rid, prompt(t))
+            assert _matched(side, req, 0) == (0, False)
+            run(_step(side, {rid: len(prompt(t))}))
+            side.finished(req)
+        loaded = lost = 0
+        for t in range(6):  # each prompt again: its blocks come back from the disks into host memory
+            rid = f"l{t}"
+            tables[rid] = [25 + (t % 2) * 3 + i for i in range(3)] + [31]
+            req = _request(rid, prompt(t))
+            tokens, _ = _matched(side, req, 0)
+            assert tokens == 3 * BLOCK
+            side.after_alloc(req, tables[rid], tokens)
+            plan = _step(side, {rid: 1})
+            (lp,) = plan.loads
+            assert lp.lead is not None
+            held = [k for k in lp.hashes if leader.planner.index.host_slot(k) is not None]
+            assert all(leader.planner.index.entry(k).refs > 0 for k in held)  # pinned until folded
+            assert sorted(lp.lead.fetch) == [i for i, k in enumerate(lp.hashes) if k not in held]
+            assert len(lp.lead.room.order()) == len(lp.lead.fetch)
+            run(plan, fail_rank1=t % 2 == 1)
+            assert leader.pending == 0
+            assert not any(leader.planner.index.entry(k).refs for k in held if k in leader.planner.index)
+            got = {k for k in lp.hashes if leader.planner.index.host_slot(k) is not None}
+            if t % 2 == 1 and lp.lead.fetch:
+                first = lp.hashes[lp.lead.fetch[0]]
+                assert first not in got  # rank 1 did not read it: not placed, whatever rank 0 holds
+                lost += 1
+            loaded += len(got)
+            placed_everywhere()
+            side.finished(req)
+        assert loaded >= 6 and lost >= 1
+        leader.check()
+        table = leader.planner.host_slots()
+        assert not any(table.state(s) is WRITING for s in range(table.num_slots))
+        ok = True
+    finally:
+        _close_checked(ranks, side, ok)

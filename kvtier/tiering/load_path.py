@@ -20,10 +20,13 @@ from ..format.blockformat import Segments
 from ..format.groups import load_chunks
 from ..index import Tier
 from ..memory.transfer import TransferGroup
+from ..plans import HostOutcome, LeadLoad, Room
 from .load_steps import Source, Step, lost
 from .parts import StackParts
-from .reads import ValueReader
+from .planner import PlanRefused
+from .reads import Direct, Group, ValueReader
 from .results import LoadHandle, LoadResult, LookupResult, PrefetchHandle
+from .room import Reservation
 from .store_path import Downward, HostRoom
 
 if TYPE_CHECKING:
@@ -43,7 +46,9 @@ class Upward:
 
     # ------------------------------------------------------------------ load
 
-    def load(self, hashes: list[bytes], ids: np.ndarray, layerwise: bool, start: int = 0) -> LoadHandle:
+    def load(self, hashes: list[bytes], ids: np.ndarray, layerwise: bool, start: int = 0,
+             lead: LeadLoad | None = None) -> LoadHandle:
+        """``lead``: the load as a leading planner started it, whose host room this side's reads take."""
         p, planner, workers = self.parts, self.parts.planner, self.parts.workers
         handle = LoadHandle(len(hashes), p.layout.num_layers, layerwise)
         with planner.lock:
@@ -52,7 +57,7 @@ class Upward:
             # A put meanwhile (write-back, another request's store) must not evict what this load reads.
             held = p.namespace.keys(hashes)
             p.backends.hold(held)
-            if not workers.submit(workers.reads, self._load_job, handle, hashes, ids, plan, start, held):
+            if not workers.submit(workers.reads, self._load_job, handle, hashes, ids, plan, start, held, lead):
                 p.backends.release(held)
                 self._finish_load(handle, hashes, ids, plan, 0, None, [], ["stack closed"])
         else:
@@ -60,7 +65,7 @@ class Upward:
         return handle
 
     def _load_job(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
-                  start: int = 0, held: Sequence[str] = ()) -> None:
+                  start: int = 0, held: Sequence[str] = (), lead: LeadLoad | None = None) -> None:
         """Fetch the backend blocks a chunk at a time and start each chunk's host -> device copy as soon
         as the chunk is in host memory, so copies (transfer workers) overlap the reads (this thread);
         blocks already in host memory start copying before the first read.  ``held``: the keys the
@@ -71,6 +76,7 @@ class Upward:
         order: list[int] = []  # plan positions, in the order their copies were submitted
         cut = len(plan)
         done = [0]  # plan positions below this are copied (or failed)
+        outcome = HostOutcome.nothing()
 
         def advance() -> None:
             # Copy what is settled: the blocks before the first one still to fetch or failed, so no block
@@ -87,7 +93,7 @@ class Upward:
         try:
             advance()
             pos = [i for i, step in enumerate(plan) if step.source is Source.FETCH]
-            self._fetch_values(hashes, ids, start, pos, plan, advance)
+            outcome = self._fetch_values(hashes, ids, start, pos, plan, advance, lead)
             for i in pos:
                 if plan[i].source is Source.FETCH:
                     plan[i] = lost()  # never read (an earlier chunk ended the chain)
@@ -100,16 +106,18 @@ class Upward:
             p.backends.release(held)
         if not copies:
             handle.stage(None)
-            self._finish_load(handle, hashes, ids, plan, cut, None, [], errors)
+            self._finish_load(handle, hashes, ids, plan, cut, None, [], errors, outcome)
             return
         xh = copies[0] if len(copies) == 1 else TransferGroup(copies)
         handle.stage(xh)
-        xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors))
+        xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, order, errors, outcome))
 
     def _fetch_values(self, hashes: list[bytes], ids: np.ndarray, start: int, pos: list[int], plan: list[Step],
-                      advance: Callable[[], None]) -> None:
+                      advance: Callable[[], None], lead: LeadLoad | None = None) -> HostOutcome:
         """``_load_job``'s reads: the stored values holding plan positions ``pos``, a chunk of values at a
-        time, each block placed where the plan wants it and each chunk's copies started at once."""
+        time, each block placed where the plan wants it and each chunk's copies started at once.  Returns
+        what a ``lead`` plan's leader folds: the positions read into the slots its room named, the victims
+        handed over (nothing without a lead)."""
         p, reader = self.parts, self.reader
         groups, gone = reader.groups_of(start, pos, len(hashes))
         for i in gone:
@@ -129,7 +137,7 @@ class Upward:
                 # against 152 in 32 MiB chunks (A/B interleaved, medians of 9).
                 chunks = [(0, len(where))]
         want = set(pos)
-        rows = reader.reserve(hashes, groups, where, want, direct)  # the whole read's host slots, named now
+        rows = self._room(hashes, groups, where, want, direct, lead)  # the whole read's host slots, named now
         try:
             for a, b in chunks:
                 got = reader.fetch(hashes, groups[a:b], where[a:b], want, rows=rows, allow_tmp=True, land=land,
@@ -143,6 +151,25 @@ class Upward:
                     break  # the chain is broken here: later blocks are of no use
         finally:
             rows.close()
+        if lead is None:
+            return HostOutcome.nothing()
+        placed = frozenset(i for i in lead.fetch if i < len(plan) and plan[i].source is Source.HOST
+                           and plan[i].backend is not None and plan[i].at == rows.named(i))
+        return HostOutcome(placed, rows.handed())
+
+    def _room(self, hashes: list[bytes], groups: list[Group], where: list[int], want: set[int],
+              direct: Direct | None, lead: LeadLoad | None) -> Reservation:
+        """The host room of a load's reads: its own (``ValueReader.reserve``), or the one ``lead`` names.
+        A room this side cannot follow (a named slot in use here) leaves the reads without host room: the
+        load goes on (temporary rows), and the leader places none of its blocks."""
+        if lead is None:
+            return self.reader.reserve(hashes, groups, where, want, direct)
+        try:
+            return Reservation.follow(self.parts.planner, lead.room, lead.fetch, self.room.write_back)
+        except PlanRefused as e:
+            log.warning("load: the plan's host room for blocks of chain positions %d-%d is refused here: %s",
+                        min(lead.fetch), max(lead.fetch), e)
+            return Reservation.follow(self.parts.planner, Room([], []), (), self.room.write_back)
 
     def _lander(self, ids: np.ndarray, landed: set[int]) -> Callable[[int, Any], None]:
         """``ValueReader.fetch``'s ``land`` for a load into CPU memory: copy each block into its device
@@ -221,7 +248,8 @@ class Upward:
         xh.add_done_callback(lambda r: self._finish_load(handle, hashes, ids, plan, cut, r, hp, errors))
 
     def _finish_load(self, handle: LoadHandle, hashes: list[bytes], ids: np.ndarray, plan: list[Step],
-                     cut: int, r: TransferResult | None, hp: list[int], errors: list[str]) -> None:
+                     cut: int, r: TransferResult | None, hp: list[int], errors: list[str],
+                     outcome: HostOutcome | None = None) -> None:
         p, planner = self.parts, self.parts.planner
         n = len(hashes)
         copied = [False] * n
@@ -245,7 +273,7 @@ class Upward:
             num = 0
         ok = tuple(i < num for i in range(n))
         handle.finish(LoadResult(tuple(int(b) for b in ids), ok, tuple(copied), tuple(tiers), tuple(errors),
-                                 p.namespace.block_size))
+                                 p.namespace.block_size, outcome or HostOutcome.nothing()))
         if down:
             self.down.write_down(down)
 

@@ -25,8 +25,9 @@ Invariants (checked by :meth:`Planner.check_locked` in the tests, after every op
   (:meth:`Planner.adopt_store_locked`, :meth:`Planner.adopt_room_locked`: vLLM's ranks, the scheduler's
   plan) takes exactly the slots and holds exactly the victims it names, or refuses it whole
   (:class:`PlanRefused`) and holds nothing of it; it never picks a slot of its own for such a plan.
-  The leader places a block in a host slot only where every side stored it there
-  (:meth:`Planner.fold_store_locked`).
+  The leader places a block in a host slot only where every side stored or read it there
+  (:meth:`Planner.fold_store_locked`, :meth:`Planner.fold_load_locked`), and pins the blocks a load it
+  leads serves from host memory until that load is folded.
 * **One at a time.**  A block is in at most one store (``storing``) and at most one copy down
   (``writing``).
 * **Bounded.**  At most ``max_unwritten`` host blocks wait on a write-back that failed (beyond that the
@@ -52,7 +53,7 @@ from ..format.groups import whole_groups
 from ..index import BlockIndex, Tier
 from ..memory.host_slots import READY, WRITING, SlotTable
 from ..metrics import StackMetrics
-from ..plans import CopyDown, Dropped, LeadStore, Room, StoreOutcome, WorkerReport
+from ..plans import CopyDown, Dropped, HostOutcome, LeadLoad, LeadStore, Room, WorkerReport
 from ..policy_api import EvictionPolicy, WritePolicy
 from .backend_set import BackendSet
 from .load_steps import Source, Step
@@ -107,6 +108,21 @@ class StoreStart:
         slots the write-back victims hand over once copied down (if one is not, the blocks from the
         chain's head keep the usable slots and the last block finds none: it is skipped)."""
         return self.host_room().order()
+
+
+@dataclass
+class LoadStart:
+    """A load as a leading planner started it (:meth:`Planner.start_load_locked`): the blocks it holds in
+    host memory (``held``, pinned until the load is folded), the positions it does not (``fetch``), and the
+    host room they are read into (``fetch[k]`` goes to ``room.order()[k]``)."""
+
+    held: list[bytes]
+    fetch: list[int]
+    room: Room
+
+    def lead(self, plan_id: int) -> LeadLoad:
+        """This plan as the sides that follow it get it (plain data: it crosses processes)."""
+        return LeadLoad(plan_id, tuple(self.fetch), self.room)
 
 
 class Planner:
@@ -412,7 +428,7 @@ class Planner:
         return StoreStart(status, list(lead.new), list(lead.hits), room.slots, room.victims, lead.sends_down,
                           room.dropped, ready=room.ready)
 
-    def fold_store_locked(self, plan: StoreStart, hashes: Sequence[bytes], sides: Sequence[StoreOutcome],
+    def fold_store_locked(self, plan: StoreStart, hashes: Sequence[bytes], sides: Sequence[HostOutcome],
                           start: int = 0, tenant: str | None = None) -> list[bytes]:
         """The leader's end of a store ``plan`` (:meth:`start_store_locked` here) that every side ran on its
         own shard of the blocks (``sides``: one outcome per side, vLLM's ranks; no bytes here).  A victim
@@ -420,20 +436,11 @@ class Planner:
         every side stored it, in the slot this planner's order gives it; anything else is failed here and
         its slot freed, so this planner places a block in a slot only where every side holds it there.
         Returns the blocks the plan sends down (the sides write them)."""
-        everywhere = frozenset.intersection(*(r.handed for r in sides)) if sides else frozenset()
-        handed = self.written_back_locked(plan.victims, {v.key: v.key in everywhere for v in plan.victims})
-        # A victim some sides handed over and others kept is no longer in host memory everywhere: it
-        # leaves here too, and its slot is free here (each side evicts what it holds there, a block this
-        # planner does not know of, when a later plan names the slot: adopt_room_locked).
-        somewhere = frozenset().union(*(r.handed for r in sides)) - everywhere
-        for v in plan.victims:
-            e = self.index.get(v.key)
-            if v.key in somewhere and e is not None and e.host == v.slot and e.refs == 0:
-                self.drop_host_locked(v.key)
+        handed = self._fold_victims_locked(plan.victims, sides)
         slots = plan.slots + handed
         take = plan.new[:len(slots)]
         placed = [plan.slots + [v.slot for v in plan.victims if v.key in r.handed] for r in sides]
-        ok = [bool(sides) and all(j < len(there) and there[j] == slots[j] and i in r.stored
+        ok = [bool(sides) and all(j < len(there) and there[j] == slots[j] and i in r.placed
                                   for r, there in zip(sides, placed))
               for j, i in enumerate(take)]
         keys = [hashes[i] for i in take]
@@ -444,6 +451,21 @@ class Planner:
             self._storing.discard(hashes[i])
             self.index.release(hashes[i])
         return down
+
+    def _fold_victims_locked(self, victims: Sequence[CopyDown], sides: Sequence[HostOutcome]) -> list[int]:
+        """The leader's end of a plan's write-back ``victims``: each counts copied down only where every
+        side handed it over; returns the slots handed over here (``written_back_locked``)."""
+        everywhere = frozenset.intersection(*(r.handed for r in sides)) if sides else frozenset()
+        handed = self.written_back_locked(victims, {v.key: v.key in everywhere for v in victims})
+        # A victim some sides handed over and others kept is no longer in host memory everywhere: it
+        # leaves here too, and its slot is free here (each side evicts what it holds there, a block this
+        # planner does not know of, when a later plan names the slot: adopt_room_locked).
+        somewhere = frozenset().union(*(r.handed for r in sides)) - everywhere
+        for v in victims:
+            e = self.index.get(v.key)
+            if v.key in somewhere and e is not None and e.host == v.slot and e.refs == 0:
+                self.drop_host_locked(v.key)
+        return handed
 
     def _classify_store_locked(self, hashes: list[bytes], ids: list[int]) -> tuple[list[StoreStatus], list[int],
                                                                                   list[bytes]]:
@@ -626,6 +648,37 @@ class Planner:
         idx.acquire_many(hashes[:len(plan)])
         idx.free_devices([b for step, b in zip(plan, ids) if step.source is not Source.SAME])
         return plan
+
+    def start_load_locked(self, hashes: Sequence[bytes], into_host: bool) -> LoadStart:
+        """Lead a load that other planners' stacks run (vLLM: the scheduler's, for every rank): pin the
+        blocks in host memory here until it is folded (no store's room may take their slots meanwhile), and,
+        with ``into_host`` (the sides read from backends into host memory, not straight into the engine's
+        KV), take the host room of the others, in chain order."""
+        in_host = self.index.host_slots(hashes) if self.slots is not None else [-1] * len(hashes)
+        held = [key for key, h in zip(hashes, in_host) if h >= 0]
+        fetch = [i for i, h in enumerate(in_host) if h < 0]
+        self.index.acquire_many(held)
+        room = self.take_room_locked(len(fetch)) if into_host and fetch and self.slots is not None else Room([], [])
+        return LoadStart(held, fetch, room)
+
+    def fold_load_locked(self, plan: LoadStart, hashes: Sequence[bytes], sides: Sequence[HostOutcome],
+                         start: int = 0) -> None:
+        """The leader's end of a load ``plan`` (:meth:`start_load_locked` here) every side ran on its own
+        shard: a block it read is placed in the slot the room named only where every side placed it there
+        (a side's room hands a position its named slot or none), a victim counts copied down only where
+        every side handed it over; every other slot of the room is freed here."""
+        room = plan.room
+        handed = set(self._fold_victims_locked(room.victims, sides))
+        order, n_free = room.order(), len(room.slots)
+        settled: set[int] = set()
+        for k, i in enumerate(plan.fetch[:len(order)]):
+            slot = order[k]
+            if (k < n_free or slot in handed) and sides and all(i in r.placed for r in sides):
+                self.commit_host_locked(hashes[i], slot)  # placed, or freed: another slot holds it already
+                settled.add(slot)
+        self.release_slots([s for s in [*room.slots, *handed] if s not in settled])
+        self.remember_store_locked(hashes, start)
+        self.index.release_many(plan.held)
 
     def loaded_locked(self, hashes: Sequence[bytes], ids: list[int], num: int, planned: int) -> list[bytes]:
         """A load finished with its first ``num`` blocks on the device: place them, count the hits, unpin

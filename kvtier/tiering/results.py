@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from ..index import Tier, TierNames
-from ..plans import StoreOutcome
+from ..plans import HostOutcome
 
 if TYPE_CHECKING:
     from ..memory.transfer import TransferGroup, TransferHandle
@@ -77,6 +77,8 @@ class LoadResult:
     tiers: tuple[Tier | None, ...]  # where each block came from (None: not available / not tried)
     errors: tuple[str, ...]
     block_size: int
+    #: What a lead load's leader folds of this side's run (``Planner.fold_load_locked``).
+    outcome: HostOutcome = HostOutcome.nothing()
 
     @property
     def num_loaded(self) -> int:
@@ -122,9 +124,9 @@ class StoreResult:
     status: tuple[StoreStatus, ...]
     handed: tuple[bytes, ...] = ()
 
-    def outcome(self) -> StoreOutcome:
+    def outcome(self) -> HostOutcome:
         """What a leader folds of this store (``Planner.fold_store_locked``)."""
-        return StoreOutcome(frozenset(i for i, st in enumerate(self.status) if st is STORED), frozenset(self.handed))
+        return HostOutcome(frozenset(i for i, st in enumerate(self.status) if st is STORED), frozenset(self.handed))
 
     def count(self, what: StoreStatus) -> int:
         return self.status.count(what)

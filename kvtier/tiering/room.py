@@ -49,6 +49,28 @@ class Reservation:
             room = planner.take_room_locked(len(positions))
         return cls(planner, room, positions, write_back)
 
+    @classmethod
+    def follow(cls, planner: Planner, room: Room, positions: Sequence[int], write_back: WriteBack) -> Reservation:
+        """Follow a room a leading planner decided for a read of ``positions`` (``LeadLoad``): the same
+        slots and victims here (``Planner.adopt_room_locked``; raises its ``PlanRefused``, nothing taken,
+        where that room cannot be followed here)."""
+        if planner.slots is None or not positions or not room.order():
+            return cls(planner, Room([], []), [], write_back)
+        with planner.lock:
+            mine = planner.adopt_room_locked(room)
+        return cls(planner, mine, positions, write_back)
+
+    def named(self, pos: int) -> int | None:
+        """The slot the room names for ``pos`` (None: none)."""
+        k = self._index.get(pos)
+        return None if k is None else self._order[k]
+
+    def handed(self) -> frozenset[bytes]:
+        """The victims whose slots were handed over so far (copied down, or gone from them here already)."""
+        ready = self.room.ready
+        return frozenset(v.key for i, v in enumerate(self.room.victims)
+                         if self._victim_done.get(i) or v.key in ready)
+
     def slots_for(self, positions: Sequence[int]) -> dict[int, int]:
         """The slots of ``positions`` (WRITING, now the caller's to commit or release), copying down the
         victims whose slots they take first; a position without one is left out."""

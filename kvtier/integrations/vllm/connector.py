@@ -91,10 +91,12 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass
 class KvtierHandshake(KVConnectorHandshakeMetadata):
     """Each worker -> the scheduler, once at start-up (vLLM's KV connector handshake, after the KV caches
-    are registered): this rank's host slots per KV cache group (0: no host tier).  The scheduler's
-    planner places stores in the smallest rank's number of slots, which every rank has."""
+    are registered): this rank's host slots per KV cache group (0: no host tier), and per group whether its
+    loads read every backend straight into vLLM's KV (``direct``: they take no host room).  The scheduler's
+    planner places stores and loads in the smallest rank's number of slots, which every rank has."""
 
     host_slots: dict[int, int] = field(default_factory=dict)
+    direct: dict[int, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -339,8 +341,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None
         if isinstance(self._worker, GroupWorkers):
-            return KvtierHandshake(self._worker.host_slots())
-        return KvtierHandshake({0: self._worker.host_slots()})
+            return KvtierHandshake(self._worker.host_slots(), self._worker.loads_direct())
+        return KvtierHandshake({0: self._worker.host_slots()}, {0: self._worker.loads_direct()})
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
@@ -381,9 +383,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._handshake(list(metadata.values()))  # every pipeline stage's ranks hold host slots alike
 
     def _handshake(self, told: list[KVConnectorHandshakeMetadata]) -> None:
-        """Every rank's host slots: the scheduler places stores in the smallest rank's number, per group."""
+        """Every rank's host slots: the scheduler places stores and loads in the smallest rank's number, per
+        group."""
         if self._scheduler is not None:
-            self._scheduler.set_host_slots([m.host_slots for m in told if isinstance(m, KvtierHandshake)])
+            mine = [m for m in told if isinstance(m, KvtierHandshake)]
+            self._scheduler.set_host_slots([m.host_slots for m in mine], [m.direct for m in mine])
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

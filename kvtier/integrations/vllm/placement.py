@@ -1,20 +1,23 @@
-"""The scheduler's placement authority for one KV cache group's stream: one planner decides every store's
-host room for all of vLLM's TP x PP ranks, and learns what became of it from every rank.
+"""The scheduler's placement authority for one KV cache group's stream: one planner decides the host room
+of every store and load for all of vLLM's TP x PP ranks, and learns what became of it from every rank.
 
-vLLM's EngineCore plans each step before its workers run it.  A :class:`StoreLeader` starts each store
+vLLM's EngineCore plans each step before its workers run it.  A :class:`HostLeader` starts each store
 there (:meth:`~kvtier.tiering.planner.Planner.start_store_locked`: which host slots, which victims, what is
-sent down), sends it with the store (``StorePlan.lead``), and every rank's stack follows it on its own
-shard (``TierStack.store(..., plan=)``).  Each rank reports what it did per plan (``WorkerReport.stores``);
-once every rank has, the leader folds them (:meth:`~kvtier.tiering.planner.Planner.fold_store_locked`).
-The slot table is the smallest rank's (the workers tell it at start-up: vLLM's KV connector handshake),
-so a slot the leader names exists on every rank.
+sent down) and each load (:meth:`~kvtier.tiering.planner.Planner.start_load_locked`: the blocks it serves
+from host memory, pinned meanwhile, and the host room of those the ranks read from a backend), sends it
+with the plan (``StorePlan.lead``, ``LoadPlan.lead``), and every rank's stack follows it on its own shard
+(``TierStack.store(..., plan=)``, ``TierStack.load(..., plan=)``).  Each rank reports what it did per plan
+(``WorkerReport.outcomes``); once every rank has, the leader folds them
+(:meth:`~kvtier.tiering.planner.Planner.fold_store_locked`, ``fold_load_locked``).  The slot table is the
+smallest rank's (the workers tell it at start-up: vLLM's KV connector handshake), so a slot the leader
+names exists on every rank.
 
 Invariants:
-* the leader places a block in a host slot only once every rank reported it stored there, so a lookup
+* the leader places a block in a host slot only once every rank reported it placed there, so a lookup
   offers a host hit only for a block every rank holds (a rank that diverged refuses or evicts, and its
   failure is the leader's failure);
 * every plan is folded exactly once: when its last rank reports, or, past ``max_pending`` plans in flight
-  (a rank that never reports), with the missing ranks counted as having stored and handed over nothing;
+  (a rank that never reports), with the missing ranks counted as having placed and handed over nothing;
 * nothing here touches a tensor or does I/O: the planner's ledger of slots and keys only.
 """
 
@@ -22,37 +25,39 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from ...memory.host_slots import SlotTable
-from ...plans import StoreOutcome, StorePlan, WorkerReport
+from ...plans import HostOutcome, LoadPlan, StorePlan, WorkerReport
 from ...tiering.manager import TierManager
-from ...tiering.planner import Planner, StoreStart
+from ...tiering.planner import Planner
 
 
 @dataclass
 class _Pending:
-    """A store the leader started, waiting for every rank's outcome."""
+    """A plan the leader started, waiting for every rank's outcome; ``fold`` ends it with one outcome per
+    rank."""
 
-    start: StoreStart
-    hashes: list[bytes]
-    pos: int
-    tenant: str | None
-    outcomes: dict[int, StoreOutcome]
+    fold: Callable[[list[HostOutcome]], object]
+    outcomes: dict[int, HostOutcome] = field(default_factory=dict)
 
 
-class StoreLeader:
+class HostLeader:
     """One stream's planner in the scheduler (see the module docstring).  ``slots``: host slots per rank
-    (the smallest rank's); ``ranks``: the workers that each run every plan."""
+    (the smallest rank's); ``ranks``: the workers that each run every plan; ``loads_into_host``: whether the
+    ranks read a load's blocks from backends into host memory (False: straight into vLLM's KV, on its CPU
+    build with ``host.promote_loads`` false, so a load takes no host room)."""
 
-    def __init__(self, manager: TierManager, slots: int, ranks: int, *, max_pending: int = 4096):
+    def __init__(self, manager: TierManager, slots: int, ranks: int, *, loads_into_host: bool = True,
+                 max_pending: int = 4096):
         if slots < 1 or ranks < 1:
-            raise ValueError(f"store leader: {slots} host slots and {ranks} ranks (want >= 1 each)")
+            raise ValueError(f"host leader: {slots} host slots and {ranks} ranks (want >= 1 each)")
         self.planner = Planner(manager.config, backends=manager.backends, metrics=manager.metrics,
                                slots=SlotTable(slots), device_blocks=0, manager=manager, tracks_device=False)
         self.planner.drain_report()  # record host-memory changes: the event stream announces them
         self.ranks = ranks
+        self.loads_into_host = loads_into_host
         self.max_pending = max_pending
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self._next_id = 0
@@ -65,18 +70,33 @@ class StoreLeader:
     def lead(self, sp: StorePlan) -> StorePlan:
         """``sp`` with its store started here: the plan every rank follows."""
         planner = self.planner
+        hashes = list(sp.hashes)
         with planner.lock:
-            start = planner.start_store_locked(list(sp.hashes), list(sp.block_ids))
+            start = planner.start_store_locked(hashes, list(sp.block_ids))
+        plan_id = self._wait(lambda sides: planner.fold_store_locked(start, hashes, sides, sp.start, sp.tenant))
+        return dataclasses.replace(sp, lead=start.lead(plan_id))
+
+    def lead_load(self, lp: LoadPlan) -> LoadPlan:
+        """``lp`` with its load started here: the plan every rank follows."""
+        planner = self.planner
+        hashes = list(lp.hashes)
+        with planner.lock:
+            start = planner.start_load_locked(hashes, self.loads_into_host)
+        plan_id = self._wait(lambda sides: planner.fold_load_locked(start, hashes, sides, lp.start))
+        return dataclasses.replace(lp, lead=start.lead(plan_id))
+
+    def _wait(self, fold: Callable[[list[HostOutcome]], object]) -> int:
+        """A new plan id, whose ``fold`` runs (under the planner's lock) once every rank reported it."""
         plan_id, self._next_id = self._next_id, self._next_id + 1
-        self._pending[plan_id] = _Pending(start, list(sp.hashes), sp.start, sp.tenant, {})
+        self._pending[plan_id] = _Pending(fold)
         while len(self._pending) > self.max_pending:
             self._settle(next(iter(self._pending)))
-        return dataclasses.replace(sp, lead=start.lead(plan_id))
+        return plan_id
 
     def fold(self, reports: Iterable[WorkerReport]) -> None:
         """The ranks' outcomes in one step's reports; a plan every rank has reported is folded."""
         for rep in reports:
-            for plan_id, outcome in rep.stores.items():
+            for plan_id, outcome in rep.outcomes.items():
                 p = self._pending.get(plan_id)
                 if p is None:
                     continue
@@ -86,15 +106,15 @@ class StoreLeader:
 
     def _settle(self, plan_id: int) -> None:
         p = self._pending.pop(plan_id)
-        sides = [p.outcomes.get(r, StoreOutcome.nothing()) for r in range(self.ranks)]
+        sides = [p.outcomes.get(r, HostOutcome.nothing()) for r in range(self.ranks)]
         with self.planner.lock:
-            self.planner.fold_store_locked(p.start, p.hashes, sides, p.pos, p.tenant)
+            p.fold(sides)
 
     def left(self, keys: Iterable[bytes]) -> None:
-        """Blocks some rank evicted from its host memory on its own (``WorkerReport.left_host``: room a
-        rank's load made, which this planner does not plan yet): not in host memory on every rank, so not
-        here either.  Those a plan here holds stay until it is folded (the rank reports its victim handed
-        over)."""
+        """Blocks some rank says left its host memory (``WorkerReport.left_host``) outside the plans folded
+        here (every plan's evictions are folded from its outcomes): not in host memory on every rank, so
+        not here either.  Those a plan here holds stay until it is folded (the rank reports its victim
+        handed over)."""
         planner = self.planner
         with planner.lock:
             for key in keys:
@@ -122,4 +142,4 @@ class StoreLeader:
             self.planner.check_locked()
 
 
-__all__ = ["StoreLeader"]
+__all__ = ["HostLeader"]

@@ -2,7 +2,7 @@
 
 It lives in vLLM's EngineCore process and holds a :class:`~kvtier.tiering.manager.TierManager` (no tensors)
 per KV cache group and, once the workers told it their host slots (``set_host_slots``), the planner that
-places every store in host memory for all ranks (:class:`~.placement.StoreLeader`).
+places every store in host memory for all ranks (:class:`~.placement.HostLeader`).
 
 * ``matched_tokens``: the longest run of stored blocks right after the prefix vLLM holds itself (full
   blocks, at most all but the last prompt token, since vLLM must compute one).  A backend probe in
@@ -38,7 +38,7 @@ from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, Work
 from ...tiering.manager import TierManager
 from .events import TierEvents
 from .groups import GroupKind, KvGroup
-from .placement import StoreLeader
+from .placement import HostLeader
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -102,7 +102,7 @@ class Stream:
     group: KvGroup
     manager: TierManager
     ranks: RankTally
-    leader: StoreLeader | None = None
+    leader: HostLeader | None = None
 
 
 NULL_BLOCK = 0  # vLLM's null block: a position of a table holding nothing (outside a window, skipped state)
@@ -154,22 +154,28 @@ class SchedulerSide:
                 s.manager.on_forgotten = partial(self.events.forgotten, s.group.index)
                 s.manager.on_backend_back = partial(_backend_back, self.events, s.group.index)
 
-    def set_host_slots(self, ranks: Sequence[Mapping[int, int]]) -> None:
+    def set_host_slots(self, ranks: Sequence[Mapping[int, int]], direct: Sequence[Mapping[int, bool]] = ()) -> None:
         """Each rank's host slots per KV cache group (vLLM's KV connector handshake, once at start-up): from
-        now on this side plans every store's host room for all ranks (:class:`~.placement.StoreLeader`),
-        in the smallest rank's number of slots.  A group without host memory on some rank (0) keeps each
-        rank planning its own stores."""
-        if not self.store or not ranks:
+        now on this side plans the host room of every store and load for all ranks
+        (:class:`~.placement.HostLeader`), in the smallest rank's number of slots.  ``direct``: per rank and
+        group, whether its loads read every backend straight into vLLM's KV (no host room to plan).  A
+        group without host memory on some rank (0) keeps each rank planning its own room."""
+        if not (self.store or self.load) or not ranks:
             return
         slots = {s.group.index: min(r.get(s.group.index, 0) for r in ranks) for s in self.streams}
         for s in self.streams:
-            if slots[s.group.index] > 0 and s.leader is None:
-                s.leader = StoreLeader(s.manager, slots[s.group.index], self.ranks.ranks)
-        log.info("kvtier: the scheduler places stores in host memory for all %d rank(s): %s", self.ranks.ranks,
-                 ", ".join(f"group {g}: {n} slots" for g, n in slots.items()))
+            g = s.group.index
+            if slots[g] > 0 and s.leader is None:
+                into_host = not direct or not all(d.get(g, False) for d in direct)
+                s.leader = HostLeader(s.manager, slots[g], self.ranks.ranks, loads_into_host=into_host)
+        log.info("kvtier: the scheduler places stores and loads in host memory for all %d rank(s): %s",
+                 self.ranks.ranks, ", ".join(f"group {g}: {n} slots" for g, n in slots.items()))
 
     def _led(self, s: Stream, sp: StorePlan) -> StorePlan:
         return s.leader.lead(sp) if s.leader is not None else sp
+
+    def _led_load(self, s: Stream, lp: LoadPlan) -> LoadPlan:
+        return s.leader.lead_load(lp) if s.leader is not None else lp
 
     @property
     def attention_streams(self) -> list[Stream]:
@@ -281,8 +287,8 @@ class SchedulerSide:
             if s.group.is_attention:
                 # A sliding window group holds (and is given blocks for) only the window ending at the hit.
                 lo = _run_start(ids, first, last)
-                self._loads.append(LoadPlan(rid, tuple(st.hashes[lo:last]), tuple(ids[lo:last]), lo, group=g,
-                                            sync=st.sync))
+                self._loads.append(self._led_load(s, LoadPlan(rid, tuple(st.hashes[lo:last]), tuple(ids[lo:last]), lo,
+                                                              group=g, sync=st.sync)))
                 # The prefix vLLM held itself was found without kvtier, which may have lost some of it: store
                 # it (what kvtier holds is skipped as present), so the chain heals for instances that lack it.
                 sp = self._store_upto(st, s, first, lambda ids=ids: ids) if self.store else None  # type: ignore[misc]
@@ -291,8 +297,8 @@ class SchedulerSide:
                 # Loaded blocks are stored already: never write them back.
                 st.stored_blocks[g] = max(st.stored_blocks.get(g, 0), last)
             else:
-                self._loads.append(LoadPlan(rid, (st.hashes[last - 1],), (ids[last - 1],), last - 1, group=g,
-                                            sync=st.sync))
+                self._loads.append(self._led_load(s, LoadPlan(rid, (st.hashes[last - 1],), (ids[last - 1],), last - 1,
+                                                              group=g, sync=st.sync)))
                 st.stored_states.setdefault(g, set()).add(last - 1)
 
     # ------------------------------------------------------------------ per step

@@ -30,7 +30,7 @@ import torch
 
 from ... import threads
 from ...config import KvtierConfig
-from ...plans import LoadPlan, StepPlan, StoreOutcome, WorkerReport, keep_earliest
+from ...plans import HostOutcome, LoadPlan, StepPlan, WorkerReport, keep_earliest
 from ...stack import LoadHandle, TierStack
 
 log = logging.getLogger("kvtier.vllm")
@@ -133,7 +133,7 @@ class WorkerSide:
         # no valid KV from there on (the engine rewinds them afterwards), so save() must not store them.
         self._garbage_from: dict[str, int] = {}
         self._started: dict[str, float] = {}
-        self._stored: dict[int, StoreOutcome] = {}  # per lead plan run since the last report (WorkerReport.stores)
+        self._outcomes: dict[int, HostOutcome] = {}  # per lead plan run since the last report (WorkerReport.outcomes)
         self._ended = threading.Event()  # set when an asynchronous load ends (finished() may wait on it)
         self.stats = {"loads": 0, "sync_loads": 0, "loaded_blocks": 0, "failed_blocks": 0,
                       "stored_blocks": 0, "store_errors": 0}
@@ -158,7 +158,10 @@ class WorkerSide:
                 # (decode tokens, partial blocks: KV kvtier never stores), so what the stack last placed
                 # in them is not there any more: never "already on the device", always copied in.
                 self.stack.on_device_freed(lp.block_ids)
-                handle = self.stack.load(list(lp.hashes), list(lp.block_ids), start=lp.start)
+                if lp.lead is not None:
+                    # The scheduler hears what this rank did with its plan, whatever happens below.
+                    self._outcomes[lp.lead.plan_id] = HostOutcome.nothing()
+                handle = self.stack.load(list(lp.hashes), list(lp.block_ids), start=lp.start, plan=lp.lead)
             except Exception as e:  # noqa: BLE001 - a kvtier fault is a recompute, never a crash
                 log.error("kvtier: load for request %s refused: %s", lp.req_id, e)
                 self._errors.update(lp.block_ids)
@@ -188,7 +191,7 @@ class WorkerSide:
             lead = sp.lead
             if lead is not None:
                 # The scheduler hears what this rank did with its plan, whatever happens below.
-                self._stored[lead.plan_id] = StoreOutcome.nothing()
+                self._outcomes[lead.plan_id] = HostOutcome.nothing()
             cut = garbage.get(sp.req_id)
             if cut is not None:
                 keep = max(0, cut - sp.start)
@@ -205,7 +208,7 @@ class WorkerSide:
                 res = self.stack.store(list(sp.hashes), list(sp.block_ids), start=sp.start,
                                        tenant=sp.tenant, plan=lead).wait(timeout=60)
                 if lead is not None:
-                    self._stored[lead.plan_id] = res.outcome()
+                    self._outcomes[lead.plan_id] = res.outcome()
                 self.stats["stored_blocks"] += res.num_stored
                 log.debug("kvtier: request %s: blocks %d-%d copied out (%d new)", sp.req_id, sp.start,
                           sp.start + len(sp.hashes) - 1, res.num_stored)
@@ -235,6 +238,8 @@ class WorkerSide:
     def _settle(self, lp: LoadPlan, handle: LoadHandle) -> None:
         """Count an ended load, and queue its failed blocks for ``load_errors`` (vLLM recomputes them)."""
         res = handle.wait(0)
+        if lp.lead is not None:
+            self._outcomes[lp.lead.plan_id] = res.outcome
         self.stats["loaded_blocks"] += res.num_loaded
         took = time.perf_counter() - self._started.pop(lp.req_id, time.perf_counter())
         log.debug("kvtier: request %s: %d blocks loaded (%s, %s) in %.3f s", lp.req_id, res.num_loaded,
@@ -262,6 +267,10 @@ class WorkerSide:
         """This rank's host slots (0: no host tier), which the scheduler's planner places stores in."""
         return self.stack.planner.slots.num_slots if self.stack.planner.slots is not None else 0
 
+    def loads_direct(self) -> bool:
+        """Whether this rank's loads read every backend straight into vLLM's KV (no host room)."""
+        return all(self.stack.direct_loads)
+
     def failed_requests(self) -> set[str]:
         """Requests whose load failed (some block not delivered) since the last call."""
         out, self._failed = self._failed, set()
@@ -271,7 +280,7 @@ class WorkerSide:
         rep = self.stack.drain_report()
         rep.lost |= self._lost
         rep.unloaded, self._unloaded = self._unloaded, {}
-        rep.stores, self._stored = self._stored, {}
+        rep.outcomes, self._outcomes = self._outcomes, {}
         rep.writes, rep.rank = self.writes, self.rank
         self._lost = set()
         return rep
@@ -300,6 +309,9 @@ class GroupWorkers:
 
     def host_slots(self) -> dict[int, int]:
         return {g: side.host_slots() for g, side in self.sides.items()}
+
+    def loads_direct(self) -> dict[int, bool]:
+        return {g: side.loads_direct() for g, side in self.sides.items()}
 
     def _split(self, plan: StepPlan, g: int) -> StepPlan:
         return StepPlan([lp for lp in plan.loads if lp.group == g], [sp for sp in plan.stores if sp.group == g],
