@@ -210,18 +210,31 @@ def keep_earliest(positions: dict[str, int], req_id: str, pos: int) -> None:
 
 
 @dataclass
-class WorkerReport:
-    """What one worker learnt since its last report: blocks now in its host memory (hash, slot), blocks
-    that left it, blocks a load found missing or corrupt (hints the manager must forget), blocks it
-    wrote to a backend and blocks a backend evicted to stay within its capacity (hash, backend index),
-    and where each request's failed load left off.
-
-    Within a report, ``in_host`` and ``left_host`` are disjoint (the latest word on a block wins), as are
-    ``in_backend`` and ``left_backend``.  Reports of several workers (TP / PP ranks) are folded by a
-    :class:`RankTally`, never merged pairwise: ranks report the same block in different steps."""
+class HostChanges:
+    """Blocks placed in host memory (hash -> slot) and gone from it since a planner's last drain
+    (``Planner.drain_host_changes``): what vLLM's scheduler, which places every block in host memory
+    itself, announces on its KV event stream.  ``in_host`` and ``left_host`` are disjoint (the latest word
+    on a block wins)."""
 
     in_host: dict[bytes, int] = field(default_factory=dict)
     left_host: set[bytes] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.in_host or self.left_host)
+
+
+@dataclass
+class WorkerReport:
+    """What one worker learnt since its last report: its completions and failures.  Blocks a load found
+    missing or corrupt (hints the manager must forget), blocks it wrote to a backend and blocks a backend
+    evicted to stay within its capacity (hash, backend index), where each request's failed load left off,
+    and per lead plan what it placed in host memory (the scheduler places blocks in host memory itself,
+    from those outcomes: no report says what a worker's host memory holds).
+
+    Within a report, ``in_backend`` and ``left_backend`` are disjoint.  Reports of several workers (TP /
+    PP ranks) are folded by a :class:`RankTally`, never merged pairwise: ranks report the same block in
+    different steps."""
+
     lost: set[bytes] = field(default_factory=set)
     in_backend: set[tuple[bytes, int]] = field(default_factory=set)
     left_backend: set[tuple[bytes, int]] = field(default_factory=set)
@@ -240,26 +253,25 @@ class WorkerReport:
     group: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.in_host or self.left_host or self.lost or self.in_backend or self.left_backend
-                    or self.unloaded or self.outcomes)
+        return bool(self.lost or self.in_backend or self.left_backend or self.unloaded or self.outcomes)
 
 
 class RankTally:
     """Folds the reports of an engine's ``ranks`` workers into what the manager may believe, across steps.
 
-    Each rank holds its own shard of every block (TP: its KV heads; PP: its layers), so a block is in
-    host memory, or written to a backend, only once *every* rank has said so; ``writers`` of them write
-    the backends (all of them, or one per pipeline stage where every TP rank holds the same bytes: MLA).
-    Ranks need not say it in the same step: a load into host memory or a backend write ends on each
-    rank's own threads.  Hence a count per block, kept between folds, and not a per-step intersection:
-    vLLM merges one step's worker metadata skipping the ranks that said nothing, so an intersection took
-    one rank's word alone (a load offered early, failing on the lagging rank), and never saw a block that
-    two ranks reported in different steps.
+    Each rank holds its own shard of every block (TP: its KV heads; PP: its layers), so a block is written
+    to a backend only once *every* writing rank has said so; ``writers`` of them write the backends (all of
+    them, or one per pipeline stage where every TP rank holds the same bytes: MLA).  Ranks need not say it
+    in the same step: a backend write ends on each rank's own threads.  Hence a count per block, kept
+    between folds, and not a per-step intersection: vLLM merges one step's worker metadata skipping the
+    ranks that said nothing, so an intersection took one rank's word alone, and never saw a block that two
+    ranks reported in different steps.  (Host memory needs no tally: the scheduler places blocks there
+    itself, from every rank's outcome of its plans.)
 
-    Anything one rank lost, evicted or dropped from host memory is gone at once (and its count restarts).
-    A block some rank never reports (a write that failed there) waits in the count until it leaves; the
-    count keeps at most ``max_pending`` blocks per kind, oldest dropped first (a hint never learnt, no
-    more: lookups still find the block by probing)."""
+    Anything one rank lost, or a backend evicted, is gone at once (and its count restarts).  A block some
+    rank never reports (a write that failed there) waits in the count until it leaves; the count keeps at
+    most ``max_pending`` blocks, oldest dropped first (a hint never learnt, no more: lookups still find the
+    block by probing)."""
 
     def __init__(self, ranks: int = 1, writers: int | None = None, *, max_pending: int = 1 << 20):
         writers = ranks if writers is None else writers
@@ -267,14 +279,12 @@ class RankTally:
             raise ValueError(f"rank tally: {ranks} ranks and {writers} writers (want 1 <= ranks, "
                              "0 <= writers <= ranks)")
         self.ranks, self.writers, self.max_pending = ranks, writers, max_pending
-        self._host: dict[bytes, tuple[int | None, set[int]]] = {}  # block -> (slot, ranks holding it)
-        # (block, backend) -> (None, writing ranks that wrote it)
-        self._written: dict[tuple[bytes, int], tuple[int | None, set[int]]] = {}
+        self._written: dict[tuple[bytes, int], set[int]] = {}  # (block, backend) -> writing ranks that wrote it
 
     @property
     def pending(self) -> int:
-        """Blocks some but not all ranks reported (in host memory or written)."""
-        return len(self._host) + len(self._written)
+        """Blocks some but not all writing ranks reported written."""
+        return len(self._written)
 
     def fold(self, reports: Iterable[WorkerReport]) -> WorkerReport:
         """One report for the manager from the reports that arrived in one step, in any order."""
@@ -285,35 +295,25 @@ class RankTally:
             out.lost |= rep.lost
             for req_id, pos in rep.unloaded.items():
                 keep_earliest(out.unloaded, req_id, pos)
-            for h in rep.left_host:
-                self._host.pop(h, None)
-                out.in_host.pop(h, None)
-                out.left_host.add(h)
-            for h, slot in rep.in_host.items():
-                if self._tally(self._host, h, slot, rep.rank, self.ranks):
-                    out.in_host[h] = slot
-                    out.left_host.discard(h)
             for pair in rep.left_backend:
                 self._written.pop(pair, None)
                 out.in_backend.discard(pair)
                 out.left_backend.add(pair)
             if rep.writes:
                 for pair in rep.in_backend:
-                    if self._tally(self._written, pair, None, rep.rank, self.writers):
+                    if self._tally(self._written, pair, rep.rank, self.writers):
                         out.in_backend.add(pair)
                         out.left_backend.discard(pair)
         return out
 
-    def _tally(self, table: dict[Any, tuple[int | None, set[int]]], key: Any, where: int | None, rank: int,
-               need: int) -> bool:
-        """Count ``rank`` for ``key`` (at host slot ``where``; None for a write); True once ``need`` ranks
-        said it, and the count is done.  Another slot restarts it: the block was dropped and placed again."""
+    def _tally(self, table: dict[Any, set[int]], key: Any, rank: int, need: int) -> bool:
+        """Count ``rank`` for ``key``; True once ``need`` ranks said it, and the count is done."""
         seen = table.get(key)
-        if seen is None or seen[0] != where:
-            seen = table[key] = (where, set())
+        if seen is None:
+            seen = table[key] = set()
             self._bound(table)
-        seen[1].add(rank)
-        if len(seen[1]) < need:
+        seen.add(rank)
+        if len(seen) < need:
             return False
         del table[key]
         return True
@@ -324,4 +324,4 @@ class RankTally:
 
 
 __all__ = ["CopyDown", "Dropped", "LeadStore", "LoadPlan", "Lookup", "LookupState", "RankTally", "Room", "StepPlan",
-           "HostOutcome", "LeadLoad", "StorePlan", "WorkerReport", "keep_earliest"]
+           "HostChanges", "HostOutcome", "LeadLoad", "StorePlan", "WorkerReport", "keep_earliest"]

@@ -242,8 +242,8 @@ class TierStack:
         self.planner.device_freed(int_array(block_ids, "block ids").tolist())
 
     def drain_report(self) -> WorkerReport:
-        """Host-memory changes, and blocks the backends evicted, since the last call (recording starts with
-        the first call)."""
+        """Backend writes, and blocks the backends evicted, since the last call (recording starts with the
+        first call)."""
         return self.planner.drain_report()
 
     def leading_in_memory(self, hashes: Sequence[bytes]) -> int:

@@ -84,6 +84,23 @@ def test_lookup_may_wait_for_its_probe_when_the_caller_can_block(tmp_path):
         m.close()
 
 
+def _in_host(m, placed: dict[bytes, int]) -> None:
+    """Blocks in host memory, as a planner sharing the manager's index places them (vLLM: the scheduler's
+    leader; no worker report says what host memory holds)."""
+    with m.lock:
+        for h, slot in placed.items():
+            if h not in m.index:
+                m.index.insert(h)
+            m.index.set_host(h, slot)
+
+
+def _left_host(m, keys) -> None:
+    with m.lock:
+        for h in keys:
+            m.index.clear_host(h)
+            m.index.discard_if_unused(h)
+
+
 def test_backend_fault_is_a_miss_and_worker_reports_are_the_truth(tmp_path):
     m, fb = _manager(tmp_path)
     try:
@@ -92,11 +109,11 @@ def test_backend_fault_is_a_miss_and_worker_reports_are_the_truth(tmp_path):
         assert _eventually(lambda: m.lookup(h)) == Lookup(LookupState.MISS)
         fb.clear()
         m.forget_probes()
-        m.apply(WorkerReport(in_host={h[0]: 5, h[1]: 6}))
+        _in_host(m, {h[0]: 5, h[1]: 6})
         assert m.index.lookup_prefix(h).in_memory == 2
         got = _eventually(lambda: m.lookup(h))
         assert got == Lookup(LookupState.HIT, 2, (Tier.HOST, Tier.HOST))  # the backend has none of the rest
-        m.apply(WorkerReport(left_host={h[1]}))
+        _left_host(m, [h[1]])
         assert m.index.lookup_prefix(h).in_memory == 1
         m.apply(WorkerReport(lost={h[0]}))
         assert h[0] not in m.index
@@ -156,29 +173,22 @@ def test_plans_check_invariants_and_pickle():
         Lookup(LookupState.HIT, 0)
     step = StepPlan([LoadPlan("a", tuple(h), (1, 2, 3))], [StorePlan("b", tuple(h[:1]), (9,))])
     assert pickle.loads(pickle.dumps(step)) == step
-    rep = WorkerReport(in_host={h[0]: 1}, left_backend={(h[1], 0)}, lost={h[2]}, rank=1)
+    rep = WorkerReport(in_backend={(h[0], 1)}, left_backend={(h[1], 0)}, lost={h[2]}, rank=1)
     assert pickle.loads(pickle.dumps(rep)) == rep
 
 
 def test_rank_tally_believes_a_block_once_every_rank_said_it_in_any_steps():
-    """TP ranks each hold a shard: in host memory / written only once every rank reported it, whichever
-    steps their reports came in; a rank that said nothing this step (vLLM drops its empty report) never
-    lets the others' word count alone; lost or evicted on any rank is gone at once."""
+    """TP ranks each hold a shard: written only once every rank reported it, whichever steps their reports
+    came in; a rank that said nothing this step (vLLM drops its empty report) never lets the others' word
+    count alone; lost or evicted on any rank is gone at once."""
     h = [bytes([i]) * 32 for i in range(4)]
     tally = RankTally(ranks=2)
-    step1 = tally.fold([WorkerReport(in_host={h[0]: 1, h[1]: 2}, in_backend={(h[0], 0)}, lost={h[3]}, rank=0)])
-    assert step1.in_host == {} and step1.in_backend == set() and step1.lost == {h[3]}  # rank 1 said nothing yet
-    assert tally.pending == 3
-    step2 = tally.fold([WorkerReport(in_host={h[0]: 1}, in_backend={(h[0], 0)}, rank=1)])
-    assert step2.in_host == {h[0]: 1} and step2.in_backend == {(h[0], 0)} and not step2.left_host
-    assert tally.pending == 1  # h[1] waits for rank 1
-    step3 = tally.fold([WorkerReport(left_host={h[1]}, rank=0), WorkerReport(in_host={h[1]: 2}, rank=1)])
-    assert step3.left_host == {h[1]} and step3.in_host == {}  # dropped on rank 0: gone, in either order
-    assert tally.fold([WorkerReport(in_host={h[1]: 2}, rank=1), WorkerReport(left_host={h[1]}, rank=0)]).left_host == {h[1]}
-    # A block placed again elsewhere on one rank restarts its count: both ranks must hold it in one slot.
-    assert tally.fold([WorkerReport(in_host={h[2]: 5}, rank=0)]).in_host == {}
-    assert tally.fold([WorkerReport(in_host={h[2]: 6}, rank=1)]).in_host == {}
-    assert tally.fold([WorkerReport(in_host={h[2]: 6}, rank=0)]).in_host == {h[2]: 6}
+    step1 = tally.fold([WorkerReport(in_backend={(h[0], 0), (h[2], 0)}, lost={h[3]}, rank=0)])
+    assert step1.in_backend == set() and step1.lost == {h[3]}  # rank 1 said nothing yet
+    assert tally.pending == 2
+    step2 = tally.fold([WorkerReport(in_backend={(h[0], 0)}, rank=1)])
+    assert step2.in_backend == {(h[0], 0)} and not step2.left_backend
+    assert tally.pending == 1  # h[2] waits for rank 1
     # Evicted from a backend on one rank: gone, and the count of writers restarts.
     tally.fold([WorkerReport(in_backend={(h[1], 1)}, rank=0)])
     gone = tally.fold([WorkerReport(left_backend={(h[1], 1)}, rank=1)])
@@ -197,16 +207,15 @@ def test_rank_tally_counts_only_the_ranks_that_write():
     write back, and what a reader lost is still lost."""
     h = [bytes([i]) * 32 for i in range(3)]
     tally = RankTally(ranks=2, writers=1)
-    reader = WorkerReport(in_host={h[0]: 3}, in_backend={(h[2], 0)}, lost={h[2]}, writes=False, rank=1)
+    reader = WorkerReport(in_backend={(h[2], 0)}, lost={h[2]}, writes=False, rank=1)
     writer = WorkerReport(in_backend={(h[0], 0), (h[1], 0)}, rank=0)
     out = tally.fold([reader, writer])
-    assert out.in_backend == {(h[0], 0), (h[1], 0)} and out.lost == {h[2]} and out.in_host == {}
-    assert tally.fold([WorkerReport(in_host={h[0]: 3}, rank=0)]).in_host == {h[0]: 3}
+    assert out.in_backend == {(h[0], 0), (h[1], 0)} and out.lost == {h[2]}
     bounded = RankTally(ranks=2, max_pending=2)
     for i in range(3):
-        bounded.fold([WorkerReport(in_host={h[i]: i}, rank=0)])
+        bounded.fold([WorkerReport(in_backend={(h[i], 0)}, rank=0)])
     assert bounded.pending == 2  # the oldest half-reported block was dropped (a hint never learnt)
-    assert bounded.fold([WorkerReport(in_host={h[0]: 0}, rank=1)]).in_host == {}
+    assert bounded.fold([WorkerReport(in_backend={(h[0], 0)}, rank=1)]).in_backend == set()
 
 
 def test_grouped_values_the_backend_evicts_are_never_offered(tmp_path):
@@ -240,7 +249,7 @@ def test_grouped_values_the_backend_evicts_are_never_offered(tmp_path):
         assert _eventually(lambda: m.lookup(a)) == Lookup(LookupState.MISS)  # the chain's first value is gone
         assert m.lookup(a[2:], start=2) == Lookup(LookupState.HIT, 4, (DISK,) * 4)
         # Block 1 in memory does not stand for its value: block 0 is not offered from the backend.
-        m.apply(WorkerReport(in_host={a[1]: 3}))
+        _in_host(m, {a[1]: 3})
         assert _eventually(lambda: m.lookup(a)) == Lookup(LookupState.MISS)
     finally:
         m.close()

@@ -31,7 +31,7 @@ from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens, init_none_hash  # noqa: E402
 
 from kvtier.integrations.vllm.events import TierEvents  # noqa: E402
-from kvtier.plans import WorkerReport  # noqa: E402
+from kvtier.plans import HostChanges, WorkerReport  # noqa: E402
 from kvtier.testing.dynamo_router import DynamoRouterView, UndecodableBatch, external_hash  # noqa: E402
 
 BS = 4
@@ -164,7 +164,8 @@ def test_what_kvtier_publishes(hashes):
     and Dynamo drops them."""
     ev = TierEvents(["local_disk", "redis"], BS)
     ev.learn(hashes, PROMPT, 0, None)
-    ev.record(WorkerReport(in_host={h: i for i, h in enumerate(hashes)}, in_backend={(h, 0) for h in hashes}))
+    ev.record(WorkerReport(in_backend={(h, 0) for h in hashes}),
+              host=HostChanges(in_host={h: i for i, h in enumerate(hashes)}))
     ev.record(WorkerReport(in_backend={(h, 1) for h in hashes}))
     view = DynamoRouterView(BS)
     out = view.apply(W, wire(*ev.take()))

@@ -29,7 +29,7 @@ from kvtier.integrations.vllm.worker import (
     layer_order,
 )
 from kvtier.keys import BlockHasher
-from kvtier.plans import LoadPlan, RankTally, StepPlan, StorePlan, WorkerReport
+from kvtier.plans import HostChanges, LoadPlan, RankTally, StepPlan, StorePlan, WorkerReport
 
 
 def test_detect_layout_of_each_supported_tensor_and_refuse_others():
@@ -152,6 +152,29 @@ def _request(req_id: str, tokens: list[int]) -> types.SimpleNamespace:
                                  num_computed_tokens=0, block_hashes=None)
 
 
+def _in_host(side: SchedulerSide, keys, group: int = 0) -> None:
+    """Blocks in host memory on every rank: the scheduler's leader placed them (its fold of every rank's
+    outcome; no worker report says what host memory holds).  One rank of 64 slots per group, told as the
+    handshake does, the first time."""
+    if side.streams[group].leader is None:
+        side.set_host_slots([{s.group.index: 64 for s in side.streams}])
+    leader = side.streams[group].leader
+    assert leader is not None
+    planner = leader.planner
+    with planner.lock:
+        for h in keys:
+            planner.commit_host_locked(h, planner.host_slots().allocate(1).slots[0])
+
+
+def _left_host(side: SchedulerSide, keys, group: int = 0) -> None:
+    leader = side.streams[group].leader
+    assert leader is not None
+    planner = leader.planner
+    with planner.lock:
+        for h in keys:
+            planner.drop_host_locked(h)
+
+
 def _side(mode: LoadMode, tmp_path, in_host: bool = False) -> SchedulerSide:
     """A scheduler side whose worker reported the first 3 blocks of ``PROMPT`` written to its local_disk
     backend, or (``in_host``) in its host memory."""
@@ -160,8 +183,10 @@ def _side(mode: LoadMode, tmp_path, in_host: bool = False) -> SchedulerSide:
                        env={})
     side = SchedulerSide(cfg, load=True, store=False, vllm_hash_algo=None, load_mode=mode)
     hashes = side.hasher.hash_blocks(PROMPT)
-    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[:3])}) if in_host else
-               WorkerReport(in_backend={(h, 0) for h in hashes[:3]}))
+    if in_host:
+        _in_host(side, hashes[:3])
+    else:
+        side.apply(WorkerReport(in_backend={(h, 0) for h in hashes[:3]}))
     return side
 
 
@@ -208,7 +233,7 @@ def test_blocks_after_what_vllm_holds_are_offered_though_kvtier_lost_the_ones_be
     cfg = parse_config({"model": _MODEL, "host": {"capacity": "64KiB"}, "backends": []}, env={})
     side = SchedulerSide(cfg, load=True, store=False, vllm_hash_algo=None)
     hashes = side.hasher.hash_blocks(PROMPT)
-    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[2:4])}))
+    _in_host(side, hashes[2:4])
     assert _matched(side, _request("a", PROMPT), 2 * BS) == (2 * BS, False)  # in host memory: in the step
     side.after_alloc(_request("a", PROMPT), [5, 6, 7, 8], 2 * BS)
     assert [(lp.hashes, lp.block_ids, lp.start) for lp in _step(side, {}).loads] == [
@@ -226,7 +251,7 @@ def test_a_storing_instance_stores_the_prefix_vllm_held_itself_before_the_loaded
     side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: ([5, 6, 7, 8, 9],))
     prompt = list(range(1, 5 * BS + 2))  # 5 full blocks and a token
     hashes = side.hasher.hash_blocks(prompt)
-    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[2:4])}))
+    _in_host(side, hashes[2:4])
     req = _request("a", prompt)
     assert _matched(side, req, 2 * BS) == (2 * BS, False)  # in host memory: in the step
     side.after_alloc(req, [5, 6, 7, 8, 9], 2 * BS)
@@ -425,7 +450,7 @@ def test_the_scheduler_stores_again_what_a_load_did_not_deliver():
     side.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda req_id: ([5, 6, 7, 8, 9],))
     prompt = list(range(1, 5 * BS + 2))
     hashes = side.hasher.hash_blocks(prompt)
-    side.apply(WorkerReport(in_host={h: i for i, h in enumerate(hashes[:4])}))
+    _in_host(side, hashes[:4])
     req = _request("a", prompt)
     assert side.matched_tokens(req, 0) == (4 * BS, False)  # in host memory: in the step
     side.after_alloc(req, [5, 6, 7, 8, 9], 4 * BS)
@@ -618,7 +643,7 @@ def test_a_hybrid_hit_ends_where_every_group_can_be_restored():
     prompt = list(range(1, 9 * BS + 2))
     hashes = side.hasher.hash_blocks(prompt)
     for g, held in ((0, hashes[:6]), (2, hashes[:6]), (1, [hashes[1], hashes[3]])):
-        side.apply(WorkerReport(in_host={h: i for i, h in enumerate(held)}, group=g))
+        _in_host(side, held, g)
     req = _request("a", prompt)
     assert _matched(side, req, BS) == (3 * BS, True)  # vLLM holds block 0; blocks 1-3 from kvtier
     side.after_alloc(req, ([0, 0, 21, 22], [0, 0, 0, 31], [40, 41, 42, 43]), 3 * BS)
@@ -626,9 +651,9 @@ def test_a_hybrid_hit_ends_where_every_group_can_be_restored():
     assert sorted((lp.group, lp.block_ids, lp.start, lp.sync) for lp in plan.loads) == [
         (0, (21, 22), 2, False), (1, (31,), 3, False), (2, (41, 42, 43), 1, False)]
     # From the start, the same boundary; without any state stored, no hit at all.
-    side.apply(WorkerReport(left_host={hashes[1]}, group=1))
+    _left_host(side, [hashes[1]], 1)
     assert _matched(side, _request("b", prompt), 0) == (4 * BS, True)
-    side.apply(WorkerReport(left_host={hashes[3]}, group=1))
+    _left_host(side, [hashes[3]], 1)
     assert _matched(side, _request("c", prompt), 0) == (0, False)
 
 
@@ -662,8 +687,8 @@ def test_tier_events_announce_each_block_once_per_medium_and_remove_only_what_wa
     prompt = list(range(1, 3 * BS + 1))
     raw = BlockHasher(BS, "sha256_cbor", seed="0").hash_blocks(prompt)
     ev.learn(raw[1:3], prompt, 1, raw[0])
-    ev.record(WorkerReport(in_host={raw[1]: 0, raw[2]: 1}, in_backend={(raw[1], 0), (raw[1], 1)}))
-    ev.record(WorkerReport(in_host={raw[1]: 0}))  # said again: no second announcement
+    ev.record(WorkerReport(in_backend={(raw[1], 0), (raw[1], 1)}), host=HostChanges(in_host={raw[1]: 0, raw[2]: 1}))
+    ev.record(WorkerReport(), host=HostChanges(in_host={raw[1]: 0}))  # said again: no second announcement
     got = ev.take()
     # Hashes as vLLM publishes its own: the digest's last 8 bytes, an integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     h = [int.from_bytes(x[-8:], "big") for x in raw]
@@ -677,7 +702,7 @@ def test_tier_events_announce_each_block_once_per_medium_and_remove_only_what_wa
     # Redis evicted h1 itself (its notice reached the manager); a load found h2 corrupt; h0 was never
     # announced, so its removal is not sent.
     ev.forgotten(0, raw[1], 1)
-    ev.record(WorkerReport(lost={raw[2]}, left_host={raw[0]}))
+    ev.record(WorkerReport(lost={raw[2]}), host=HostChanges(left_host={raw[0]}))
     got = ev.take()
     assert all(isinstance(e, BlockRemoved) for e in got)
     assert sorted((e.ownership, tuple(e.block_hashes)) for e in got) == [("kvtier:host", (h[2],)),

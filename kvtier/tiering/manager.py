@@ -391,25 +391,14 @@ class TierManager:
     # ------------------------------------------------------------------ what the worker tells us
 
     def apply(self, report: WorkerReport) -> None:
-        """Fold a worker report into the index."""
+        """Fold a worker report into the index: backend marks, and blocks lost.  (Host memory is placed by
+        a planner sharing this index, vLLM's scheduler leading: no report says what it holds.)"""
         with self._lock:
             for i, hashes in _by_backend(report.in_backend).items():
                 self._remember_backend(hashes, i)
                 self._drop_probes_through(hashes, missed=True)  # an answer that missed a block written since
             for i, hashes in _by_backend(report.left_backend).items():
                 self._forget_in_backend(hashes, i)
-            for h in report.left_host:
-                if h in self.index:
-                    self.index.clear_host(h)
-                    self.index.discard_if_unused(h)
-            for h, slot in report.in_host.items():
-                other = self.index.key_at_host(slot)
-                if other is not None and other != h:
-                    self.index.clear_host(other)
-                    self.index.discard_if_unused(other)
-                if h not in self.index:
-                    self.index.insert(h)
-                self.index.set_host(h, slot)
             for h in report.lost:
                 if h in self.index:
                     self.index.remove(h)

@@ -38,8 +38,8 @@ Invariants (checked by :meth:`Planner.check_locked` in the tests, after every op
   until it leaves host memory, so every later write of its value (write-down, write-back, a write again
   after an outage) is charged to that tenant's quota (``kvtier.quota``); the first store to commit a
   block names its tenant.
-* **Reports.**  With a listener (``start_report``), every host-memory change and every backend mark is
-  recorded for a manager in another process, once.
+* **Reports.**  With a listener (``drain_report``, ``drain_host_changes``), every backend mark and
+  every host-memory change is recorded for a manager in another process, once.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from ..format.groups import whole_groups
 from ..index import BlockIndex, Tier
 from ..memory.host_slots import READY, WRITING, SlotTable
 from ..metrics import StackMetrics
-from ..plans import CopyDown, Dropped, HostOutcome, LeadLoad, LeadStore, Room, WorkerReport
+from ..plans import CopyDown, Dropped, HostChanges, HostOutcome, LeadLoad, LeadStore, Room, WorkerReport
 from ..policy_api import EvictionPolicy, WritePolicy
 from .backend_set import BackendSet
 from .load_steps import Source, Step
@@ -166,9 +166,11 @@ class Planner:
         self._members: dict[bytes, tuple[bytes, ...]] = {}
         # Host blocks stored for a cache_salt tenant: block -> its tenant tag (kvtier.quota).
         self._tenants: dict[bytes, str] = {}
-        # What host memory gained and lost since the last drain_report(): a manager in another process
-        # (vLLM's scheduler) mirrors host residency from it.  None = nobody listens, nothing recorded.
+        # The backend marks and evictions since the last drain_report(), for a manager in another process
+        # (vLLM's scheduler); what host memory gained and lost since the last drain_host_changes() (vLLM's
+        # scheduler, leading: its event stream).  None = nobody listens, nothing recorded.
         self._report: WorkerReport | None = None
+        self._host_changes: HostChanges | None = None
         # The scheduler half: the same index and lock.
         if manager is None:
             manager = TierManager(config, backends=backends, index=self.index, lock=self.lock)
@@ -203,9 +205,9 @@ class Planner:
             self.index.insert(key)
         self.index.set_host(key, slot)
         self.eviction_policy.on_insert(Tier.HOST, [key])
-        if self._report is not None:
-            self._report.in_host[key] = slot
-            self._report.left_host.discard(key)
+        if self._host_changes is not None:
+            self._host_changes.in_host[key] = slot
+            self._host_changes.left_host.discard(key)
         return slot
 
     def drop_host_locked(self, key: bytes, *, hand_over: bool = False) -> int | None:
@@ -223,9 +225,9 @@ class Planner:
                 self.host_slots().free([slot])
             self.eviction_policy.on_remove(Tier.HOST, [key])
             self.metrics.add("host", evictions=1)
-            if self._report is not None:
-                self._report.in_host.pop(key, None)
-                self._report.left_host.add(key)
+            if self._host_changes is not None:
+                self._host_changes.in_host.pop(key, None)
+                self._host_changes.left_host.add(key)
         self.index.discard_if_unused(key)
         return slot
 
@@ -721,11 +723,18 @@ class Planner:
     # ------------------------------------------------------------------ reports and observability
 
     def drain_report(self) -> WorkerReport:
-        """Host-memory changes, and blocks the backends evicted, since the last call (recording starts with
-        the first call)."""
+        """Backend writes, and blocks the backends evicted, since the last call (recording starts with the
+        first call)."""
         with self.lock:
             self.manager.fold_evictions_locked()
             out, self._report = self._report or WorkerReport(), WorkerReport()
+        return out
+
+    def drain_host_changes(self) -> HostChanges:
+        """Blocks placed in and gone from host memory since the last call (recording starts with the first
+        call)."""
+        with self.lock:
+            out, self._host_changes = self._host_changes or HostChanges(), HostChanges()
         return out
 
     def _backend_evicted_locked(self, key: bytes, backend: int) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...plans import WorkerReport
+from ...plans import HostChanges, WorkerReport
 
 #: ``medium`` of kvtier's host memory and of its backends (vLLM's ``Medium.CPU`` / ``Medium.STORAGE``).
 HOST_MEDIUM = "CPU"
@@ -101,15 +101,17 @@ class TierEvents:
             while len(self._info) > self.max_tracked:
                 self._info.popitem(last=False)
 
-    def record(self, report: WorkerReport, group: int = 0) -> None:
-        """The changes a folded worker report says happened in ``group``."""
+    def record(self, report: WorkerReport, group: int = 0, host: HostChanges | None = None) -> None:
+        """The changes a folded worker report says happened in ``group``'s backends, and ``host``, what the
+        scheduler placed in and dropped from host memory."""
         stored: dict[Medium, list[bytes]] = {}
         removed: dict[Medium, list[bytes]] = {}
         with self._lock:
-            for h in report.in_host:
-                self._add(stored, HOST, group, h)
-            for h in report.left_host:
-                self._drop(removed, HOST, group, h)
+            if host is not None:
+                for h in host.in_host:
+                    self._add(stored, HOST, group, h)
+                for h in host.left_host:
+                    self._drop(removed, HOST, group, h)
             for h, i in sorted(report.in_backend, key=lambda p: p[1]):
                 self._add(stored, self.backends[i], group, h)
             for h, i in report.left_backend:

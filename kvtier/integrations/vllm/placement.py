@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ...memory.host_slots import SlotTable
-from ...plans import HostOutcome, LoadPlan, StorePlan, WorkerReport
+from ...plans import HostChanges, HostOutcome, LoadPlan, StorePlan, WorkerReport
 from ...tiering.manager import TierManager
 from ...tiering.planner import Planner
 
@@ -55,7 +55,7 @@ class HostLeader:
             raise ValueError(f"host leader: {slots} host slots and {ranks} ranks (want >= 1 each)")
         self.planner = Planner(manager.config, backends=manager.backends, metrics=manager.metrics,
                                slots=SlotTable(slots), device_blocks=0, manager=manager, tracks_device=False)
-        self.planner.drain_report()  # record host-memory changes: the event stream announces them
+        self.planner.drain_host_changes()  # record host-memory changes: the event stream announces them
         self.ranks = ranks
         self.loads_into_host = loads_into_host
         self.max_pending = max_pending
@@ -110,31 +110,21 @@ class HostLeader:
         with self.planner.lock:
             p.fold(sides)
 
-    def left(self, keys: Iterable[bytes]) -> None:
-        """Blocks some rank says left its host memory (``WorkerReport.left_host``) outside the plans folded
-        here (every plan's evictions are folded from its outcomes): not in host memory on every rank, so
-        not here either.  Those a plan here holds stay until it is folded (the rank reports its victim
-        handed over)."""
+    def lose(self, lost: set[bytes]) -> set[bytes]:
+        """Blocks a rank's load did not find (``WorkerReport.lost``): not on that rank, so not in host
+        memory on every rank: they leave host memory here unless a plan here holds them (its fold settles
+        them).  Returns those the manager may forget (not pinned here by a plan in flight)."""
         planner = self.planner
         with planner.lock:
-            for key in keys:
+            for key in lost:
                 e = planner.index.get(key)
                 if e is not None and e.host is not None and not e.refs:
                     planner.drop_host_locked(key)
-
-    def lose(self, lost: set[bytes]) -> set[bytes]:
-        """Blocks a rank's load did not find (``WorkerReport.lost``): not on that rank, so they leave host
-        memory here as :meth:`left` says.  Returns those the manager may forget (not pinned here by a store
-        in flight)."""
-        self.left(lost)
-        planner = self.planner
-        with planner.lock:
             return {key for key in lost if (e := planner.index.get(key)) is None or not e.refs}
 
-    def host_changes(self) -> WorkerReport:
+    def host_changes(self) -> HostChanges:
         """Blocks placed in and gone from host memory since the last call (for the event stream)."""
-        rep = self.planner.drain_report()
-        return WorkerReport(in_host=rep.in_host, left_host=rep.left_host)
+        return self.planner.drain_host_changes()
 
     def check(self) -> None:
         """The planner's invariants (tests: call with no plan pending)."""

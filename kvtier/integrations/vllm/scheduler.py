@@ -24,7 +24,6 @@ each request checks that, and a mismatch is counted (``key_mismatches``) and log
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +33,7 @@ from typing import Any, cast
 
 from ...config import KvtierConfig
 from ...keys import tenant_tag
-from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
+from ...plans import HostChanges, LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 from ...tiering.manager import TierManager
 from .events import TierEvents
 from .groups import GroupKind, KvGroup
@@ -406,19 +405,14 @@ class SchedulerSide:
             if not mine:
                 continue
             if s.leader is not None:
-                # This side places blocks in host memory itself: the ranks' word on it is their outcomes.
-                s.leader.fold(mine)
-                s.leader.left(set().union(*(r.left_host for r in mine)))
-                mine = [dataclasses.replace(r, in_host={}, left_host=set()) for r in mine]
+                s.leader.fold(mine)  # this side places blocks in host memory, from the ranks' outcomes
             report = s.ranks.fold(mine)
             if s.leader is not None:
                 report.lost = s.leader.lose(report.lost)
             s.manager.apply(report)
             if self.events is not None:
-                if s.leader is not None:
-                    host = s.leader.host_changes()
-                    report.in_host, report.left_host = host.in_host, host.left_host
-                self.events.record(report, s.group.index)
+                self.events.record(report, s.group.index,
+                                   s.leader.host_changes() if s.leader is not None else HostChanges())
             # vLLM recomputes what a load did not deliver: store it once computed (the plan counted it stored).
             for req_id, pos in report.unloaded.items():
                 st = self._reqs.get(req_id)
