@@ -87,6 +87,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        _fork_vllms_processes()
+
     kw: dict[str, Any] = {}
     if a.role != "none":
         extra = {"kvtier_config": a.config} if a.config else {}
@@ -207,6 +210,40 @@ class _EventSubscriber:
                     row["parent"] = p.hex() if isinstance(p, bytes) else None if p is None else str(p)
                 out.append(row)
         return out
+
+
+def _fork_vllms_processes() -> None:
+    """vLLM's engine core and worker processes forked from this one, as vLLM starts them on Linux GPUs,
+    rather than spawned, as its CPU build insists (its platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``
+    whenever a config is made): a spawned process imports vLLM again, about 25 CPU-seconds each on this
+    2-core machine, three of them in a TP=2 run.  Each is still a process of its own, with its own engine
+    core or rank, connector side and host memory; nothing in this one has run a model or started a
+    connector when they fork (kvtier's scheduler side starts in the engine core, its worker side in each
+    rank).  The README's recipe test runs vLLM's OpenAI servers as they are (spawned).
+
+    What spawning gave a rank and a fork does not: vLLM binds each rank's OpenMP threads through variables
+    it sets around the child's start (``GOMP_CPU_AFFINITY`` or ``OMP_PLACES``, ``OMP_NUM_THREADS``), which
+    the OpenMP runtime reads only when it loads.  A forked rank applies them itself, first thing, before it
+    runs anything: its thread count and its thread bound to those CPUs, as a spawned rank's runtime does."""
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+
+    update = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        update(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+
+    def bind_as_spawned() -> None:
+        cpus = os.environ.get("GOMP_CPU_AFFINITY", "").split() or \
+            os.environ.get("OMP_PLACES", "").strip("{}").split(",")
+        if cpus and cpus != [""] and os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+            os.sched_setaffinity(0, {int(c) for c in cpus})
+
+    os.register_at_fork(after_in_child=bind_as_spawned)
 
 
 def _result(out, seconds: float) -> dict[str, Any]:
