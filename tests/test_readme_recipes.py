@@ -22,7 +22,7 @@ network namespace with only loopback up (``unshare --net``), and a PID namespace
 process it started with it.  Where namespaces cannot be made (not root), the same commands run in the
 machine's own network if those ports are free, else the test fails naming the port.  The session's
 environment is the test's own with ``HOME`` a scratch directory (so the recipe's ``~/.cache/kvtier`` is
-fresh), the running Python's directory first on ``PATH`` (``python`` is this interpreter), no
+fresh; only vLLM's model-class facts are copied in, see ``seed_vllm_model_infos``), the running Python's directory first on ``PATH`` (``python`` is this interpreter), no
 ``KVTIER_*`` / ``PYTHONHASHSEED`` of the caller's, ``HF_HUB_OFFLINE=1`` and ``VLLM_NO_USAGE_STATS=1``.
 
 This supersedes tests/test_vllm.py's OpenAI-server P/D case: both servers' lines from kvtier are in vLLM's
@@ -235,6 +235,19 @@ def readme_model(tmp_path_factory) -> str:
     return str(d)
 
 
+def seed_vllm_model_infos(home: Path) -> None:
+    """Copy vLLM's model-class facts (``~/.cache/vllm/modelinfos``: one small JSON per architecture, which
+    vLLM keys on its model code's hash and rewrites when that differs) into the session's fresh ``HOME``,
+    where this machine has them.  Without them the first server inspects the model class in a subprocess
+    of its own that imports vLLM again (measured: 26 s of that server's start on this 2-core machine); a
+    user's second start never does.  Nothing of kvtier's is copied: ``~/.cache/kvtier`` stays fresh."""
+    from vllm import envs
+
+    src = Path(envs.VLLM_CACHE_ROOT) / "modelinfos"
+    if src.is_dir():
+        shutil.copytree(src, home / ".cache" / "vllm" / "modelinfos")
+
+
 @dataclass
 class Ran:
     recipe: Recipe
@@ -255,6 +268,7 @@ def ran(readme_model, tmp_path_factory) -> Ran:
     (work / "configs").symlink_to(ROOT / "configs")
     home = work / "home"
     home.mkdir()
+    seed_vllm_model_infos(home)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_") and k != "PYTHONHASHSEED"}
     env.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
