@@ -219,9 +219,6 @@ class HostChanges:
     in_host: dict[bytes, int] = field(default_factory=dict)
     left_host: set[bytes] = field(default_factory=set)
 
-    def __bool__(self) -> bool:
-        return bool(self.in_host or self.left_host)
-
 
 @dataclass
 class WorkerReport:

@@ -20,7 +20,7 @@ from ..format.blockformat import Segments
 from ..format.groups import load_chunks
 from ..index import Tier
 from ..memory.transfer import TransferGroup
-from ..plans import HostOutcome, LeadLoad, Room
+from ..plans import HostOutcome, LeadLoad
 from .load_steps import Source, Step, lost
 from .parts import StackParts
 from .planner import PlanRefused
@@ -169,7 +169,7 @@ class Upward:
         except PlanRefused as e:
             log.warning("load: the plan's host room for blocks of chain positions %d-%d is refused here: %s",
                         min(lead.fetch), max(lead.fetch), e)
-            return Reservation.follow(self.parts.planner, Room([], []), (), self.room.write_back)
+            return Reservation.take(self.parts.planner, [], self.room.write_back)
 
     def _lander(self, ids: np.ndarray, landed: set[int]) -> Callable[[int, Any], None]:
         """``ValueReader.fetch``'s ``land`` for a load into CPU memory: copy each block into its device

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from ...config import KvtierConfig
 from ...keys import tenant_tag
-from ...plans import HostChanges, LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
+from ...plans import LoadPlan, LookupState, RankTally, StepPlan, StorePlan, WorkerReport
 from ...tiering.manager import TierManager
 from .events import TierEvents
 from .groups import GroupKind, KvGroup
@@ -412,7 +412,7 @@ class SchedulerSide:
             s.manager.apply(report)
             if self.events is not None:
                 self.events.record(report, s.group.index,
-                                   s.leader.host_changes() if s.leader is not None else HostChanges())
+                                   s.leader.host_changes() if s.leader is not None else None)
             # vLLM recomputes what a load did not deliver: store it once computed (the plan counted it stored).
             for req_id, pos in report.unloaded.items():
                 st = self._reqs.get(req_id)

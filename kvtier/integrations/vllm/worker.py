@@ -121,7 +121,7 @@ class WorkerSide:
         self.idle_wait_s = idle_wait_ms / 1e3  # see finished()
         self.writes = config.writes_backends  # WorkerReport.writes
         self.rank = rank  # WorkerReport.rank: this worker among vLLM's TP x PP ranks (facts.worker_rank)
-        self.stack.drain_report()  # start recording host-memory changes for the scheduler
+        self.stack.drain_report()  # start recording backend writes and evictions for the scheduler
         self._loads: dict[str, tuple[LoadPlan, LoadHandle]] = {}
         self._errors: set[int] = set()
         self._lost: set[bytes] = set()
@@ -264,7 +264,7 @@ class WorkerSide:
         return out
 
     def host_slots(self) -> int:
-        """This rank's host slots (0: no host tier), which the scheduler's planner places stores in."""
+        """This rank's host slots (0: no host tier), which the scheduler's planner places stores and loads in."""
         return self.stack.planner.slots.num_slots if self.stack.planner.slots is not None else 0
 
     def loads_direct(self) -> bool:
