@@ -871,3 +871,37 @@ def test_a_plan_naming_positions_the_store_does_not_have_is_refused_naming_them(
         assert st.store(hs, [0, 1, 2], plan=plan).wait(TIMEOUT).num_stored == 3  # nothing held by the refusal
     finally:
         st.close(timeout=TIMEOUT)
+
+
+def test_a_load_plan_naming_positions_the_load_does_not_have_is_refused_and_a_room_in_use_still_loads(
+        tmp_path, caplog):
+    """A lead load naming positions outside the load is refused with a message naming them, before any
+    work.  A room this stack cannot follow (every named slot holds a block pinned here) is logged as
+    refused, and the load still delivers every block from the disk, placing none in the named slots."""
+    lead = SimulatedStack(config(tmp_path / "lead", host_slots=4), BLOCK_NBYTES).planner
+    st, _ = make_stack(tmp_path, host_slots=4)
+    try:
+        hs = chain(st, 3)
+        rows = fill(st, [0, 1, 2], seed=3)
+        assert st.store(hs, [0, 1, 2]).wait(TIMEOUT).num_stored == 3
+        assert st.flush(TIMEOUT)
+        assert st.evict_host(hs) == 3
+        with lead.lock:
+            start = lead.start_load_locked(hs, into_host=True)
+        plan = start.lead(0)
+        assert plan.fetch == (0, 1, 2) and len(plan.room.order()) == 3
+        with pytest.raises(ValueError, match=r"load: the plan reads positions \[0, 1, 2\], the load has 2 blocks"):
+            st.load(hs[:2], [4, 5], plan=plan)
+        others = chain(st, 4, start=1000)
+        fill(st, [8, 9, 10, 11], seed=4)
+        assert st.store(others, [8, 9, 10, 11]).wait(TIMEOUT).num_stored == 4  # every host slot taken here
+        st.planner.pin(others)  # and in use
+        res = st.load(hs, [4, 5, 6], plan=plan).wait(TIMEOUT)
+        assert res.num_loaded == 3 and torch.equal(read(st, [4, 5, 6]), rows)
+        assert res.outcome.placed == frozenset() and res.outcome.handed == frozenset()
+        assert "is refused here" in caplog.text
+        st.planner.unpin(others)
+        with st.planner.lock:
+            st.planner.check_locked()
+    finally:
+        st.close(timeout=TIMEOUT)
