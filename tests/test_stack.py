@@ -295,17 +295,27 @@ def test_a_chunked_loads_blocks_go_to_the_slots_named_before_its_first_read(tmp_
         st.close(timeout=TIMEOUT)
 
 
-def test_a_load_into_cpu_memory_copies_each_block_in_the_thread_that_read_it(stack_fb8):
-    """Into CPU KV, a block read from a backend is copied to its device block as soon as its read is
-    verified (no host -> device transfer afterwards), and it still lands in host memory; a block the
-    wrapper fails (corrupt) is neither reported copied nor served."""
-    st, fb = stack_fb8
+@pytest.mark.parametrize("layout,batches", [("cpu_attn", 0), ("flash_attn", 1)])
+def test_a_load_into_head_major_cpu_memory_copies_each_block_in_the_thread_that_read_it(tmp_path, layout, batches):
+    """Into head-major CPU KV (a rearranging copy), a block read from a backend is copied to its device
+    block as soon as its read is verified (no host -> device transfer afterwards); into a layout whose
+    blocks are whole rows, the load's one batched copy moves them.  Either way each block also lands in
+    host memory, and a block the wrapper fails (corrupt) is neither reported copied nor served."""
+    st, fb = make_stack(tmp_path, host_slots=8, layout=layout)
+    try:
+        _reads_then_corrupt(st, fb, batches)
+    finally:
+        fb.clear()
+        st.close(timeout=TIMEOUT)
+
+
+def _reads_then_corrupt(st, fb, batches: int) -> None:
     hs, rows = _on_disk_only(st, 6, seed=14)
     before = st.transfers().stats()["loads"]
     lr = st.load(hs, [10, 11, 12, 13, 14, 15]).wait(TIMEOUT)
     assert lr.num_loaded == 6 and lr.copied == (True,) * 6
     assert torch.equal(read(st, list(range(10, 16))), rows)
-    assert st.transfers().stats()["loads"] == before  # no transfer batch: every block landed as read
+    assert st.transfers().stats()["loads"] == before + batches  # none: every block landed as read
     assert where(st, hs) == ["HD"] * 6
     _evict_host(st)
     fb.corrupt(keys=[st.namespace.key(hs[4])])
