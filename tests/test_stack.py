@@ -911,6 +911,7 @@ def test_a_load_plan_naming_positions_the_load_does_not_have_is_refused_and_a_ro
         assert res.outcome.placed == frozenset() and res.outcome.handed == frozenset()
         assert "is refused here" in caplog.text
         st.planner.unpin(others)
+        assert st.flush(TIMEOUT)  # the write-through copies of ``others`` settled: check_locked wants no flight
         with st.planner.lock:
             st.planner.check_locked()
     finally:
