@@ -94,22 +94,35 @@ class BatchOps(IndexCore):
     def acquire_many(self, keys: Iterable[bytes]) -> None:
         """:meth:`acquire` of each key in order."""
         get, refs, dev, host = self._slots.get, self._refs, self._dev, self._host
+        prev, nxt, head, tail, size = self._prev, self._next, self._head, self._tail, self._lru_len
         for key in keys:
             s = get(key)
             if s is None:
                 s = self._new_slot(key)
             r = refs[s]
-            if r == 0:  # _pin_slot: leaves its tiers' LRU lists
+            if r == 0:  # _pin_slot: leaves its tiers' LRU lists (_unlink of each, inlined)
                 self._pinned += 1
-                if dev[s] >= 0:
-                    self._unlink(0, s)
-                if host[s] >= 0:
-                    self._unlink(1, s)
+                for t in (0, 1):
+                    if (dev if t == 0 else host)[s] < 0:
+                        continue
+                    pv, nx = prev[t], nxt[t]
+                    p, n = pv[s], nx[s]
+                    if p >= 0:
+                        nx[p] = n
+                    else:
+                        head[t] = n
+                    if n >= 0:
+                        pv[n] = p
+                    else:
+                        tail[t] = p
+                    pv[s] = nx[s] = -1
+                    size[t] -= 1
             refs[s] = r + 1
 
     def release_many(self, keys: Iterable[bytes]) -> None:
         """:meth:`release` of each key in order."""
         get, refs, dev, host, mask = self._slots.get, self._refs, self._dev, self._host, self._mask
+        prev, nxt, head, tail, size = self._prev, self._next, self._head, self._tail, self._lru_len
         for key in keys:
             s = get(key)
             if s is None:
@@ -121,12 +134,23 @@ class BatchOps(IndexCore):
             refs[s] = 0  # _unpin_slot to 0: back in its tiers' LRU lists, or dropped if in none
             self._pinned -= 1
             d, h = dev[s], host[s]
-            if d >= 0:
-                self._link_mru(0, s)
-            if h >= 0:
-                self._link_mru(1, s)
-            if d < 0 and h < 0 and not mask[s]:
-                self._drop_slot(key, s)
+            if d < 0 and h < 0:
+                if not mask[s]:
+                    self._drop_slot(key, s)
+                continue
+            for t in (0, 1):  # _link_mru of each tier it is in, inlined
+                if (d if t == 0 else h) < 0:
+                    continue
+                nx = nxt[t]
+                p = tail[t]
+                prev[t][s] = p
+                nx[s] = -1
+                if p >= 0:
+                    nx[p] = s
+                else:
+                    head[t] = s
+                tail[t] = s
+                size[t] += 1
 
     def drop_host_many(self, keys: Iterable[bytes]) -> list[int]:
         """:meth:`clear_host` then :meth:`discard_if_unused` of each key in order (host memory evicted

@@ -379,11 +379,24 @@ class IndexCore:
                 self._to_mru(1, s)
         return h
 
-    def touch_many(self, keys: Iterable[bytes], now: float | None = None) -> None:
-        """``touch`` each key in order with one timestamp (so the last key ends up most recent)."""
+    def touch_many(self, keys: Iterable[bytes], now: float | None = None) -> list[int]:
+        """``touch`` each key in order with one timestamp (so the last key ends up most recent); each
+        one's hit count after it.  A pinned key's (a load's blocks) in one step, without touch's call."""
         now = self._clock() if now is None else now
+        get, hits, last, refs = self._slots.get, self._hits, self._last, self._refs
+        out: list[int] = []
         for k in keys:
-            self.touch(k, now)
+            s = get(k)
+            if s is None or not refs[s]:
+                out.append(self.touch(k, now))  # absent (its KeyError), or unpinned: moves to MRU
+                continue
+            h = hits[s]
+            if h < _HITS_MAX:
+                h += 1
+                hits[s] = h
+            last[s] = now
+            out.append(h)
+        return out
 
     # -- locations
     def _check_free_id(self, t: int, ident: int, key: bytes, s: int) -> None:

@@ -4,6 +4,7 @@ the backend bitmasks the index keeps per entry."""
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -49,8 +50,10 @@ class Tier(enum.IntEnum):
     def label(code: int) -> str:
         """"missing", "device", "host" or "backend[i]" (a deployment's own names: :class:`TierNames`)."""
         code = int(code)
-        return {-1: "missing", 0: "device", 1: "host"}.get(code) or f"backend[{code - 2}]"
+        return _MEMORY_LABELS.get(code) or f"backend[{code - 2}]"
 
+
+_MEMORY_LABELS = {-1: "missing", 0: "device", 1: "host"}
 
 # Tier of an index column code (int8, -1..33), without Tier()'s per-call lookup.
 TIER_OF_CODE: tuple[Tier, ...] = tuple(Tier(c) for c in range(-1, 2 + MAX_BACKENDS))
@@ -74,9 +77,9 @@ class TierNames:
     def count(self, tiers: Iterable[int]) -> dict[str, int]:
         """{name: how many of ``tiers``}, in the order the names first appear (per-tier figures for people)."""
         out: dict[str, int] = {}
-        for t in tiers:
+        for t, n in Counter(tiers).items():  # each tier named once (a Counter keeps first appearances first)
             name = self(t)
-            out[name] = out.get(name, 0) + 1
+            out[name] = out.get(name, 0) + n
         return out
 
     def tier(self, name: str) -> Tier:

@@ -93,10 +93,11 @@ class SlotTable:
         with self._lock:
             slots: list[int] = []
             want = min(n, self._n_free)
+            pop, heap, state = heapq.heappop, self._free, self._state
             while len(slots) < want:
-                s = heapq.heappop(self._free)
-                if self._state[s] is FREE:
-                    self._state[s] = WRITING
+                s = pop(heap)
+                if state[s] is FREE:
+                    state[s] = WRITING
                     slots.append(s)
             self._n_free -= len(slots)
             self._n_writing += len(slots)
@@ -122,9 +123,10 @@ class SlotTable:
             raise ValueError(f"commit: {len(slots)} slots but {len(keys)} keys")
         with self._lock:
             self._expect(slots, (WRITING,), "commit")
-            for i, s in enumerate(slots):
-                self._state[s] = READY
-                self._key[s] = None if keys is None else keys[i]
+            state, key = self._state, self._key
+            for s, k in zip(slots, keys if keys is not None else [None] * len(slots)):
+                state[s] = READY
+                key[s] = k
             self._n_writing -= len(slots)
             self._n_ready += len(slots)
 
@@ -204,6 +206,16 @@ class SlotTable:
         return s
 
     def _expect(self, slots: Sequence[int], states: tuple[SlotState, ...], what: str) -> None:
+        st, n = self._state, self.num_slots
+        # One pass for the usual case (every slot in range, in an expected state, once); only a refusal
+        # walks the slots again to name the first wrong one.
+        if len(states) == 1:
+            want = states[0]
+            wrong = [s for s in slots if not 0 <= s < n or st[s] is not want]
+        else:
+            wrong = [s for s in slots if not 0 <= s < n or st[s] not in states]
+        if not wrong and len(set(slots)) == len(slots):
+            return
         seen = set()
         for s in slots:
             if self._state[self.check_slot(s)] not in states:

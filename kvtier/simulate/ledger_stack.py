@@ -145,7 +145,7 @@ class SimulatedStack:
             down = p.loaded_locked(hashes, ids, cut, len(plan))
         if down:
             self._write_down(down)
-        loaded = tuple(i < cut for i in range(len(hashes)))
+        loaded = (True,) * cut + (False,) * (len(hashes) - cut)
         return _Done(LoadResult(tuple(ids), loaded, loaded, (), (), self.block_size))
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0,
@@ -260,23 +260,29 @@ class SimulatedStack:
             finally:
                 self._backends.release(held)
             with p.lock:
+                # In one pass each, as the reads' results in order would: every block of a value read is
+                # marked in the backend it came from, then its wanted blocks land in their host slots.
+                read_from: dict[int, list[bytes]] = {}
+                landing: list[int] = []
                 for g, missing in todo:
                     first, last = groups[g]
-                    mine = [given[i] for i in missing if i in given]
                     if src[g] >= 0:
-                        for i in range(max(first, 0), last + 1):
-                            p.mark_read_locked(hashes[i], src[g])
-                        for i in missing:
-                            if i in given:
-                                p.commit_host_locked(hashes[i], given[i])
-                                self._counters["host"].written += 1
+                        read_from.setdefault(src[g], []).extend(hashes[max(first, 0):last + 1])
+                        landing += [i for i in missing if i in given]
                         for i in missing:
                             got[i] = True  # in a host slot, a temporary row, or the device block itself
-                        if k > 1 and first >= 0:
-                            p.remember_group_locked(tuple(hashes[first:last + 1]))
                     else:
-                        p.release_slots(mine)
+                        p.release_slots([given[i] for i in missing if i in given])
                         p.mark_missing_locked(hashes[last], where[g])  # read and not there: a stale hint
+                for b, keys in read_from.items():
+                    p.mark_read_many_locked(keys, b)
+                p.commit_host_many_locked([hashes[i] for i in landing], [given[i] for i in landing])
+                self._counters["host"].written += len(landing)
+                if k > 1:
+                    for g, _ in todo:
+                        first, last = groups[g]
+                        if src[g] >= 0 and first >= 0:
+                            p.remember_group_locked(tuple(hashes[first:last + 1]))
             if any(not got[i] for first, last in groups[a:z] for i in range(max(first, 0), last + 1) if i in got):
                 break
 
