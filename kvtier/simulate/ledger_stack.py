@@ -179,7 +179,7 @@ class SimulatedStack:
         return _Done(StoreResult(tuple(status)))
 
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
-        self.planner.device_freed([int(b) for b in block_ids])
+        self.planner.device_freed(block_ids)  # the index converts an id of another int type itself
 
     def flush(self, timeout: float | None = None) -> bool:
         return True

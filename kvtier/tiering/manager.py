@@ -181,6 +181,15 @@ class TierManager:
         self.fold_evictions_locked()
         flying, evicted = self._in_flight, self._evicted_in_flight
         out: set[bytes] = set()
+        if not evicted:  # nothing evicted while in flight (the usual case): only the counts go down
+            for h in hashes:
+                k = (i, h)
+                n = flying.get(k, 0) - 1
+                if n > 0:
+                    flying[k] = n
+                else:
+                    flying.pop(k, None)
+            return out
         for h in hashes:
             k = (i, h)
             if k in evicted:

@@ -845,7 +845,7 @@ class Planner:
         with self.lock:
             return self.index.lookup_prefix(list(hashes)).in_memory
 
-    def device_freed(self, block_ids: list[int]) -> None:
+    def device_freed(self, block_ids: Sequence[int]) -> None:
         with self.lock:
             self.index.free_devices(block_ids)
 
