@@ -637,9 +637,9 @@ class Planner:
             groups = [(key,) for key, h in zip(uniq, self.index.host_slots(uniq)) if h >= 0]
         else:
             groups = [g for g in map(self.group_of_locked, uniq) if g is not None]
-        every = sum(1 << i for i in self.backends.writable)
         flat = [k for g in groups for k in g]  # every block of them is in host memory (group_of_locked)
-        self._owed.update((k, None) for k, m in zip(flat, self.index.masks(flat)) if m & every != every)
+        lacking = self._lacking
+        self._owed.update((k, None) for k, m in zip(flat, self.index.masks(flat)) if lacking(m))
         return groups
 
     def begin_put_locked(self, b: int, lasts: Sequence[bytes]) -> None:
@@ -655,10 +655,9 @@ class Planner:
         self.index.add_backend_many(took, b)  # keys not in the index are skipped
         owed = self._owed
         if owed:  # settled where every writable backend has it now
-            every = sum(1 << i for i in self.backends.writable)
             due = [key for key in took if key in owed]
             for key, mask in zip(due, self.index.masks(due)):
-                if mask & every == every:
+                if not self._lacking(mask):
                     owed.pop(key, None)
         report = self._report
         if report is not None:  # a manager elsewhere learns it without asking the backend
