@@ -34,7 +34,7 @@ from ..metrics import StackMetrics
 from ..tiering.backend_set import BackendSet
 from ..tiering.load_steps import Source
 from ..tiering.manager import TierManager
-from ..tiering.planner import CopyDown, Planner
+from ..tiering.planner import CopyDown, GroupWrite, Planner
 from ..tiering.results import SKIPPED, STORED, LoadResult, LookupResult, StoreResult, StoreStatus
 from ..tiering.room import Reservation
 from .ledger import LedgerBackend
@@ -297,10 +297,13 @@ class SimulatedStack:
             return self.planner.written_back_locked(victims, written)
 
     def _write_down(self, keys: Sequence[bytes]) -> None:
-        """``Downward.write_down``: the values of host blocks to every writable backend lacking them."""
-        with self.planner.lock:
-            values = self.planner.groups_to_write_locked(keys)
-        self._write_values(values)
+        """``BackendWriter.write_down`` (run at once): the values of host blocks to every writable backend
+        lacking them."""
+        p = self.planner
+        with p.lock:
+            claims = p.claim_to_write_locked(keys)
+        if claims:
+            self._write_claims(claims, owed=True)
 
     def _copy_down(self, todo: Sequence[CopyDown]) -> dict[bytes, bool]:
         """``HostRoom.copy_down``: held victims' values to the backends lacking them."""
@@ -310,20 +313,23 @@ class SimulatedStack:
         return {key: v is not None and v[-1] in written for key, v in values.items()}
 
     def _write_values(self, values: Sequence[tuple[bytes, ...]], mine: frozenset[bytes] = frozenset()) -> set[bytes]:
-        """``BackendWriter.write_from_host`` / ``write_now`` (run at once): the last keys of the values a
-        backend took."""
-        p = self.planner
-        with p.lock:
-            claims = p.claim_groups_locked(values, mine)
+        """``BackendWriter.write_now``: the last keys of the values a backend took."""
+        with self.planner.lock:
+            claims = self.planner.claim_groups_locked(values, mine)
+        return self._write_claims(claims)
+
+    def _write_claims(self, claims: list[GroupWrite], owed: bool = False) -> set[bytes]:
+        """``BackendWriter._put`` of claimed values, then released: the last keys of those a backend took."""
+        p, k = self.planner, self.storage_blocks
         written: set[bytes] = set()
         try:
             for b in self._backends.writable:
                 part = [c for c in claims if b in c.targets]
                 if not part:
                     continue
-                ok = self._put(b, [c.members for c in part])
-                written.update(c.members[-1] for c, good in zip(part, ok) if good)
-                self._counters["host"].read += sum(len(c.members) for c in part)
+                ok = self._put(b, [c.members for c in part], owed)
+                written.update([c.members[-1] for c, good in zip(part, ok) if good])
+                self._counters["host"].read += len(part) if k == 1 else sum(len(c.members) for c in part)
                 with p.lock:
                     p.trim_index_locked()
         finally:
@@ -347,7 +353,7 @@ class SimulatedStack:
                     status[i] = STORED if ok else SKIPPED
         self.planner.end_stores([hashes[i] for i in new])
 
-    def _put(self, b: int, values: Sequence[tuple[bytes, ...]]) -> list[bool]:
+    def _put(self, b: int, values: Sequence[tuple[bytes, ...]], owed: bool = False) -> list[bool]:
         """``BackendWriter.put_values`` into ledger ``b``, counting its traffic."""
         p, led = self.planner, self.ledgers[b]
         lasts = [v[-1] for v in values]
@@ -356,7 +362,7 @@ class SimulatedStack:
         before = led.evictions
         ok = led.record_put(self._keys(lasts))
         with p.lock:
-            p.put_done_locked(b, values, ok)
+            p.put_done_locked(b, values, ok, owed=owed)
         c = self._counters[led.name]
         n = sum(ok)
         c.written += n

@@ -74,6 +74,20 @@ class GroupWrite:
     tenant: str | None = None    # the cache_salt tenant tag its quota is charged to (None: the namespace's)
 
 
+class LackingByMask(dict[int, tuple[int, ...]]):
+    """Backend mask (the index's bits) -> the writable backends not in it, in order: computed once per
+    mask, then a plain dict lookup (the backend set never changes; a method call per block here was a
+    tenth of the simulator's write path)."""
+
+    def __init__(self, writable: Sequence[int]):
+        super().__init__()
+        self.writable = tuple(writable)
+
+    def __missing__(self, mask: int) -> tuple[int, ...]:
+        targets = self[mask] = tuple(b for b in self.writable if not (mask >> b) & 1)
+        return targets
+
+
 class PlanRefused(Exception):
     """A planner cannot follow a plan another planner made (:meth:`Planner.adopt_room_locked`): a slot
     it names is in use here.  The operation is skipped on this side, and reported as failed."""
@@ -164,13 +178,12 @@ class Planner:
         self._writing: set[bytes] = set()  # host -> backend copy in flight
         # Host blocks whose write-back failed (insertion order = oldest first), bounded by max_unwritten.
         self._unwritten: dict[bytes, None] = {}
-        # Host blocks the write policy sent down that a writable backend has not taken yet (it failed, was
-        # down or refused): written again when a backend comes back (``owed_to``).
+        # Host blocks the write policy sent down whose write a writable backend refused or failed (it was
+        # down): written again when a backend comes back (``owed_to``), settled once every one took them.
         self._owed: dict[bytes, None] = {}
         # Host blocks of whole stored-value groups (storage.block_tokens > 1): block -> its group's blocks.
         self._members: dict[bytes, tuple[bytes, ...]] = {}
-        # Backend mask -> the writable backends it lacks (``_lacking``: the backend set never changes).
-        self._lacking_of: dict[int, tuple[int, ...]] = {}
+        self._lacking = LackingByMask(backends.writable)
         # Host blocks stored for a cache_salt tenant: block -> its tenant tag (kvtier.quota).
         self._tenants: dict[bytes, str] = {}
         # The backend marks and evictions since the last drain_report(), for a manager in another process
@@ -320,7 +333,7 @@ class Planner:
                 seen.add(key)
                 if need == 0 or host < 0 or self.index.refs(key) or key in self._writing:
                     continue  # only unpinned host blocks with no copy down in flight are evictable
-                targets = lacking(mask)
+                targets = lacking[mask]
                 if targets and drops and (grouped or key in self._unwritten):
                     dropped += self._hand_over_many_locked(drops)
                     drops = []
@@ -625,40 +638,52 @@ class Planner:
 
     # ------------------------------------------------------------------ writes to backends
 
-    def groups_to_write_locked(self, keys: Sequence[bytes]) -> list[tuple[bytes, ...]]:
-        """The stored values to copy down for host blocks ``keys``: the whole value each is in (the block
-        itself when a value is one block), every block of them owed to the writable backends lacking it
-        until they took it (:meth:`put_done_locked`).  Claim them to write (:meth:`claim_groups_locked`):
-        values already there, no longer whole in host memory, or already being copied are left alone."""
+    def claim_to_write_locked(self, keys: Sequence[bytes]) -> list[GroupWrite]:
+        """The write policy sends host blocks ``keys`` down: the stored values to copy (the whole value each
+        is in: the block itself when a value is one block), claimed (:meth:`claim_groups_locked`); values
+        already in every writable backend, no longer whole in host memory, or already being copied are left
+        alone.  A value a backend then refuses is owed to it (:meth:`put_done_locked` with ``owed``)."""
         self.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
         uniq = list(dict.fromkeys(keys))
-        groups: list[tuple[bytes, ...]]
-        if self.storage_blocks == 1:  # group_of_locked of each, in one pass: the blocks in host memory
-            groups = [(key,) for key, h in zip(uniq, self.index.host_slots(uniq)) if h >= 0]
-        else:
-            groups = [g for g in map(self.group_of_locked, uniq) if g is not None]
-        flat = [k for g in groups for k in g]  # every block of them is in host memory (group_of_locked)
-        lacking = self._lacking
-        self._owed.update((k, None) for k, m in zip(flat, self.index.masks(flat)) if lacking(m))
-        return groups
+        if self.storage_blocks > 1:
+            return self.claim_groups_locked([g for g in map(self.group_of_locked, uniq) if g is not None])
+        # Values of one block: group_of_locked and the claim of each in one pass over the index.
+        todo: list[GroupWrite] = []
+        lacking, writing, tenants = self._lacking, self._writing, self._tenants
+        for key, slot, mask in zip(uniq, self.index.host_slots(uniq), self.index.masks(uniq)):
+            if slot < 0 or key in writing:
+                continue
+            targets = lacking[mask]
+            if targets:
+                writing.add(key)
+                members = (key,)
+                todo.append(GroupWrite(members, (slot,), targets, members, tenants.get(key)))
+        return todo
 
     def begin_put_locked(self, b: int, lasts: Sequence[bytes]) -> None:
         """Values under ``lasts`` are about to be written to backend ``b``."""
         self.manager.begin_writes_locked(b, lasts)
 
-    def put_done_locked(self, b: int, values: Sequence[tuple[bytes, ...]], ok: Sequence[bool]) -> None:
+    def put_done_locked(self, b: int, values: Sequence[tuple[bytes, ...]], ok: Sequence[bool], *,
+                        owed: bool = False) -> None:
         """Backend ``b`` took (``ok``) or refused each value: mark every block of a value it took (unless
-        the backend evicted it during its own write), and settle what was owed."""
+        the backend evicted it during its own write), and settle what was owed.  ``owed``: the write
+        policy sent these values down (:meth:`claim_to_write_locked`), so the host blocks of those refused
+        are owed to the backends (:meth:`owed_to`)."""
         evicted = self.manager.end_writes_locked(b, [v[-1] for v in values])
         # A value evicted during its own write is not there.
         took = [key for members, good in zip(values, ok) if good and members[-1] not in evicted for key in members]
         self.index.add_backend_many(took, b)  # keys not in the index are skipped
-        owed = self._owed
-        if owed:  # settled where every writable backend has it now
-            due = [key for key in took if key in owed]
+        debt = self._owed
+        if owed and not all(ok):
+            refused = [key for members, good in zip(values, ok) if not good for key in members]
+            debt.update((key, None) for key, h in zip(refused, self.index.host_slots(refused)) if h >= 0)
+        if debt:  # settled where every writable backend has it now
+            due = [key for key in took if key in debt]
+            lacking = self._lacking
             for key, mask in zip(due, self.index.masks(due)):
-                if not self._lacking(mask):
-                    owed.pop(key, None)
+                if not lacking[mask]:
+                    debt.pop(key, None)
         report = self._report
         if report is not None:  # a manager elsewhere learns it without asking the backend
             for key in took:
@@ -668,7 +693,7 @@ class Planner:
     def owed_to(self, i: int, in_host: Sequence[bytes]) -> list[bytes]:
         """Backend ``i`` is back after an outage: the host blocks to write to it again, those it was known
         to hold (it may have come back empty) and those the write policy sent down whose writes failed or
-        were skipped meanwhile.  Not the write-back victims that failed (``unwritten``): write-back wants a
+        were refused meanwhile.  Not the write-back victims that failed (``unwritten``): write-back wants a
         block written when it is evicted, which those are again (and then written) at their next
         eviction."""
         with self.lock:
@@ -714,7 +739,7 @@ class Planner:
         # are most of what it is asked to write, and all there already).  A claim changes only
         # ``writing``, read live below.
         uniq = list(dict.fromkeys(groups))
-        wanted = [(g, m) for g, m in zip(uniq, self.index.masks([g[-1] for g in uniq])) if lacking(m)]
+        wanted = [(g, m) for g, m in zip(uniq, self.index.masks([g[-1] for g in uniq])) if lacking[m]]
         slots_of = self.index.host_slots([k for members, _ in wanted for k in members])
         writing, tenants = self._writing, self._tenants
         if self.storage_blocks == 1:  # values of one block: the same steps, a member each
@@ -725,10 +750,10 @@ class Planner:
                 if key in writing:
                     if key not in mine:
                         continue
-                    todo.append(GroupWrite(members, (slot,), lacking(mask), (), tenants.get(key)))
+                    todo.append(GroupWrite(members, (slot,), lacking[mask], (), tenants.get(key)))
                 else:
                     writing.add(key)
-                    todo.append(GroupWrite(members, (slot,), lacking(mask), members, tenants.get(key)))
+                    todo.append(GroupWrite(members, (slot,), lacking[mask], members, tenants.get(key)))
             return todo
         at = 0
         for members, mask in wanted:
@@ -738,20 +763,12 @@ class Planner:
                 continue
             added = tuple(k for k in members if k not in writing)
             writing.update(added)
-            todo.append(GroupWrite(members, tuple(slots), lacking(mask), added, tenants.get(members[-1])))
+            todo.append(GroupWrite(members, tuple(slots), lacking[mask], added, tenants.get(members[-1])))
         return todo
-
-    def _lacking(self, mask: int) -> tuple[int, ...]:
-        """The writable backends not in backend ``mask`` (the index's bits), in order; remembered per mask."""
-        targets = self._lacking_of.get(mask)
-        if targets is None:
-            targets = self._lacking_of[mask] = tuple(b for b in self.backends.writable if not (mask >> b) & 1)
-        return targets
 
     def release_groups(self, claims: Sequence[GroupWrite]) -> None:
         with self.lock:
-            for c in claims:
-                self._writing.difference_update(c.added)
+            self._writing.difference_update([key for c in claims for key in c.added])
 
     # ------------------------------------------------------------------ load and fetch
 

@@ -243,10 +243,7 @@ class Downward:
         """Asynchronously copy the values of host blocks ``keys`` to every writable backend that lacks
         them (values already there, no longer whole in host memory, or already being written are left
         alone)."""
-        planner = self.parts.planner
-        with planner.lock:
-            values = planner.groups_to_write_locked(keys)
-        self.writer.write_from_host(values)
+        self.writer.write_down(keys)
 
 
 __all__ = ["Downward", "HostRoom"]

@@ -35,17 +35,18 @@ class BackendWriter:
         self.parts = parts
 
     def put_values(self, b: int, values: Sequence[tuple[bytes, ...]], payloads: Sequence[Any],
-                   tenants: Sequence[str | None] | None = None) -> list[bool]:
+                   tenants: Sequence[str | None] | None = None, *, owed: bool = False) -> list[bool]:
         """Put stored values into backend ``b`` (each under its last block's key) and mark every block of
         the values it took as stored there; per value whether it did.  ``tenants``: per value the tenant tag
-        its quota is charged to (None: the namespace's)."""
+        its quota is charged to (None: the namespace's).  ``owed``: the write policy sent them down, so
+        those refused are written again when the backend is back (``Planner.put_done_locked``)."""
         p, planner = self.parts, self.parts.planner
         lasts = [v[-1] for v in values]
         with planner.lock:
             planner.begin_put_locked(b, lasts)
         ok = p.backends.put(b, p.namespace.keys(lasts), payloads, tenants)  # never raises: a fault is all False
         with planner.lock:
-            planner.put_done_locked(b, values, ok)
+            planner.put_done_locked(b, values, ok, owed=owed)
         return ok
 
     def put_rows(self, values: Sequence[tuple[bytes, ...]], rows: torch.Tensor,
@@ -61,12 +62,12 @@ class BackendWriter:
 
     # ------------------------------------------------------------------ from host memory
 
-    def write_from_host(self, values: Sequence[tuple[bytes, ...]]) -> None:
-        """Write each value (its blocks' keys, in chain order) whose blocks are all in host memory to the
-        writable backends that lack it, asynchronously (the stack's write pool)."""
+    def write_down(self, keys: Sequence[bytes]) -> None:
+        """The write policy sends host blocks ``keys`` down: write their values (each whole in host memory)
+        to the writable backends that lack them, asynchronously (the stack's write pool)."""
         planner, workers = self.parts.planner, self.parts.workers
         with planner.lock:
-            todo = planner.claim_groups_locked(values)
+            todo = planner.claim_to_write_locked(keys)
             if not todo:
                 return
             workers.pending.add()
@@ -87,12 +88,12 @@ class BackendWriter:
 
     def _write_job(self, todo: list[GroupWrite]) -> None:
         try:
-            self._put(todo)
+            self._put(todo, owed=True)
         finally:
             self.parts.planner.release_groups(todo)
             self.parts.workers.pending.done()
 
-    def _put(self, todo: list[GroupWrite]) -> set[bytes]:
+    def _put(self, todo: list[GroupWrite], owed: bool = False) -> set[bytes]:
         p, planner = self.parts, self.parts.planner
         written: set[bytes] = set()
         for b in p.backends.writable:
@@ -106,7 +107,7 @@ class BackendWriter:
             # once, for one that does not: StorageBackend.put).
             payloads = [host.slot_view(c.slots[0]) if len(c.slots) == 1
                         else Segments(host.slot_views(c.slots)) for c in part]
-            ok = self.put_values(b, [c.members for c in part], payloads, [c.tenant for c in part])
+            ok = self.put_values(b, [c.members for c in part], payloads, [c.tenant for c in part], owed=owed)
             p.metrics.add("host", bytes_out=sum(len(c.members) for c, good in zip(part, ok) if good)
                           * p.layout.block_nbytes)
             written.update(c.members[-1] for c, good in zip(part, ok) if good)
