@@ -225,11 +225,10 @@ class SimulatedStack:
             chunks = [(0, len(where))]  # as Upward._fetch_values: every value read straight in, at once
         rows: list[int] = []
         if self.host_slots:
+            wanted = [i for (first, last), b in zip(groups, where) if not self.direct[b]
+                      for i in range(max(first, 0), last + 1) if i in got]
             with p.lock:
-                for (first, last), b in zip(groups, where):
-                    if not self.direct[b]:
-                        rows += [i for i in range(max(first, 0), last + 1)
-                                 if i in got and p.index.host_slot(hashes[i]) is None]
+                rows = [i for i, h in zip(wanted, p.index.host_slots([hashes[i] for i in wanted])) if h < 0]
         room = Reservation.take(p, rows, self._write_back)
         try:
             self._fetch_chunks(hashes, groups, strs, where, chunks, got, room)
@@ -243,15 +242,16 @@ class SimulatedStack:
         p, k = self.planner, self.storage_blocks
         for a, z in chunks:
             todo: list[tuple[int, list[int]]] = []  # (group index, its wanted blocks not in host memory)
+            members = [(g, i) for g in range(a, z) for i in range(max(groups[g][0], 0), groups[g][1] + 1) if i in got]
             with p.lock:
-                for g in range(a, z):
-                    first, last = groups[g]
-                    members = [i for i in range(max(first, 0), last + 1) if i in got]
-                    missing = [i for i in members if p.index.host_slot(hashes[i]) is None]
-                    for i in members:
-                        got[i] = i not in missing
-                    if missing:
-                        todo.append((g, missing))
+                slots = p.index.host_slots([hashes[i] for _, i in members])
+            for (g, i), h in zip(members, slots):
+                got[i] = h >= 0
+                if h < 0:
+                    if todo and todo[-1][0] == g:
+                        todo[-1][1].append(i)
+                    else:
+                        todo.append((g, [i]))
             held = [strs[g] for g, _ in todo] if self._holds else []
             self._backends.hold(held)
             try:

@@ -416,11 +416,10 @@ class Planner:
         if min(slots) < 0:
             key = keys[slots.index(min(slots))]
             raise AssertionError(f"planner: victim {key.hex()[:16]} has no host slot to hand over")
-        for key in keys:
-            self._unwritten.pop(key, None)
-            self._owed.pop(key, None)
-            self._members.pop(key, None)
-            self._tenants.pop(key, None)
+        for side in (self._unwritten, self._owed, self._members, self._tenants):
+            if side:  # most are empty most of the time (no failed writes, values of one block, no tenants)
+                for key in keys:
+                    side.pop(key, None)
         self.host_slots().reuse(slots)
         self.eviction_policy.on_remove(Tier.HOST, keys)
         self.metrics.add("host", evictions=len(keys))
@@ -777,14 +776,14 @@ class Planner:
         (no copy), or the backends (FETCH).  The planned blocks are pinned (one call: a pin changes no later
         block's plan) and the device blocks about to be overwritten forget what they held."""
         plan: list[Step] = []
-        idx = self.index
+        idx, any_backend = self.index, len(self.backends) > 0
         in_host = idx.host_slots(hashes) if self.slots is not None else [-1] * len(hashes)
         for key, b, h in zip(hashes, ids, in_host):
             if h >= 0:
                 plan.append(Step(Source.HOST, h))
             elif idx.key_at_device(b) == key:
                 plan.append(Step(Source.SAME))
-            elif len(self.backends):
+            elif any_backend:
                 plan.append(Step(Source.FETCH))
             else:
                 break  # nowhere to get it from: the usable prefix ends here
