@@ -190,15 +190,29 @@ class SimulatedStack:
 
     # ------------------------------------------------------------------ the way up: backends -> host
 
-    def _read(self, key: str, first: int, *, straight_only: bool = False) -> int:
-        """``Upward.fetch``'s reads of one key: from ``first``, then (vanished: a write-back's put made
-        room) the others in order; the backend it came from, or -1."""
-        order = [first, *(i for i in range(len(self.ledgers)) if i != first and (self.direct[i] or not straight_only))]
-        for b in order:
-            if self.ledgers[b].record_get([key])[0]:
-                self._counters[self.ledgers[b].name].read += 1
-                return b
-        return -1
+    def _read(self, gs: list[int], strs: list[str], where: list[int]) -> dict[int, int]:
+        """``ValueReader._read`` of values ``gs`` (indices into ``strs`` / ``where``): a batch from each
+        backend a value was located in, in backend order, then those that failed (vanished: a write-back's
+        put made room) from each of the others in order (only those that load straight in, for a value
+        whose own does).  Per value the backend it came from, or -1."""
+        src = dict.fromkeys(gs, -1)
+        for b in sorted({where[g] for g in gs}):
+            self._get(b, [g for g in gs if where[g] == b], strs, src)
+        direct = self.direct
+        for b in range(len(self.ledgers)):
+            self._get(b, [g for g in gs if src[g] < 0 and where[g] != b and (direct[b] or not direct[where[g]])],
+                      strs, src)
+        return src
+
+    def _get(self, b: int, batch: list[int], strs: list[str], src: dict[int, int]) -> None:
+        """``ValueReader._get``: values ``batch`` from ledger ``b``; ``src`` names it for those it held."""
+        if not batch:
+            return
+        ok = self.ledgers[b].record_get([strs[g] for g in batch])
+        for g, good in zip(batch, ok):
+            if good:
+                src[g] = b
+        self._counters[self.ledgers[b].name].read += sum(ok)
 
     def _fetch_values(self, hashes: list[bytes], start: int, pos: list[int]) -> list[bool]:
         """``Upward._fetch_values`` + ``ValueReader.fetch`` for a load: the values holding ``pos`` (one
@@ -256,7 +270,7 @@ class SimulatedStack:
             self._backends.hold(held)
             try:
                 given = room.slots_for([i for g, m in todo if not self.direct[where[g]] for i in m])
-                src = {g: self._read(strs[g], where[g], straight_only=self.direct[where[g]]) for g, _ in todo}
+                src = self._read([g for g, _ in todo], strs, where)
             finally:
                 self._backends.release(held)
             with p.lock:
