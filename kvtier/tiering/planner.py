@@ -488,7 +488,7 @@ class Planner:
         if self.slots is not None and new:
             room = self.take_room_locked(len(new))
         on_store = self.write_policy.on_store
-        down = frozenset(hashes[i] for i in new[:len(room.order())] if on_store(hashes[i]))
+        down = frozenset([hashes[i] for i in new[:len(room.order())] if on_store(hashes[i])])
         return StoreStart(status, new, hits, room.slots, room.victims, down, room.dropped)
 
     def adopt_store_locked(self, hashes: list[bytes], ids: list[int], lead: LeadStore) -> StoreStart:
