@@ -643,21 +643,10 @@ class Planner:
         already in every writable backend, no longer whole in host memory, or already being copied are left
         alone.  A value a backend then refuses is owed to it (:meth:`put_done_locked` with ``owed``)."""
         self.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
+        if self.storage_blocks == 1:  # a value is its block (claim_groups_locked skips one not in host memory)
+            return self.claim_groups_locked([(key,) for key in keys])
         uniq = list(dict.fromkeys(keys))
-        if self.storage_blocks > 1:
-            return self.claim_groups_locked([g for g in map(self.group_of_locked, uniq) if g is not None])
-        # Values of one block: group_of_locked and the claim of each in one pass over the index.
-        todo: list[GroupWrite] = []
-        lacking, writing, tenants = self._lacking, self._writing, self._tenants
-        for key, slot, mask in zip(uniq, self.index.host_slots(uniq), self.index.masks(uniq)):
-            if slot < 0 or key in writing:
-                continue
-            targets = lacking[mask]
-            if targets:
-                writing.add(key)
-                members = (key,)
-                todo.append(GroupWrite(members, (slot,), targets, members, tenants.get(key)))
-        return todo
+        return self.claim_groups_locked([g for g in map(self.group_of_locked, uniq) if g is not None])
 
     def begin_put_locked(self, b: int, lasts: Sequence[bytes]) -> None:
         """Values under ``lasts`` are about to be written to backend ``b``."""
