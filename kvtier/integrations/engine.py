@@ -146,8 +146,9 @@ class CachedEngine:
             res.compute_s = time.perf_counter() - t2
             if keep_logits:
                 res.step_logits = [x.cpu() for x in logits]
-            # Full prompt blocks now hold valid KV under their keys: reusable on the device...
-            self.pool.cache_many(table[:len(hashes)], hashes)
+            # Full prompt blocks now hold valid KV under their keys: reusable on the device (the prefix
+            # hit's blocks hold theirs already: referenced since lookup, no allocation could take them)...
+            self.pool.cache_many(table[len(dev):len(hashes)], hashes[len(dev):])
             # ...and, for the ones computed here, worth storing (loaded ones are already stored).
             first_new = len(dev) + loaded
             if store and first_new < len(hashes):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import islice
 
 
 class PoolExhausted(RuntimeError):
@@ -95,19 +96,21 @@ class BlockPool:
         with self._lock:
             if n > len(self._free):
                 raise PoolExhausted(n, len(self._free), self.num_blocks)
-            out: list[int] = []
+            free = self._free
+            # The n least recently freed, read in one C pass, then deleted (popitem(last=False) per block
+            # cost twice as much).
+            out = list(islice(free, n))
             keys: list[Hashable] = []
             ids: list[int] = []
-            pop, key_pop, block_of, ref = self._free.popitem, self._key_of.pop, self._block_of, self._ref
-            for _ in range(n):
-                b = pop(last=False)[0]
+            key_pop, block_of, ref = self._key_of.pop, self._block_of, self._ref
+            for b in out:
+                del free[b]
+                ref[b] = 1
                 key = key_pop(b, None)
                 if key is not None:
                     del block_of[key]
                     keys.append(key)
                     ids.append(b)
-                ref[b] = 1
-                out.append(b)
             if keys:
                 self.evictions += len(keys)
                 if self._on_evict is not None:
@@ -117,12 +120,15 @@ class BlockPool:
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on each block (a prefix hit); a free block leaves the free queue."""
         with self._lock:
-            for b in block_ids:  # all or nothing
-                self._check_id(b)
+            if len(block_ids) and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):  # all or nothing
+                for b in block_ids:
+                    self._check_id(b)
+            ref, free = self._ref, self._free
             for b in block_ids:
-                if self._ref[b] == 0:
-                    del self._free[b]
-                self._ref[b] += 1
+                r = ref[b]
+                if r == 0:
+                    del free[b]
+                ref[b] = r + 1
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block, in the order given; a block reaching 0 goes to the tail of
