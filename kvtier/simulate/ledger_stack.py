@@ -32,7 +32,6 @@ from ..index import BlockIndex
 from ..memory.host_slots import SlotTable
 from ..metrics import StackMetrics
 from ..tiering.backend_set import BackendSet
-from ..tiering.load_steps import Source
 from ..tiering.manager import TierManager
 from ..tiering.planner import CopyDown, GroupWrite, Planner
 from ..tiering.results import SKIPPED, STORED, LoadResult, LookupResult, StoreResult, StoreStatus
@@ -131,7 +130,7 @@ class SimulatedStack:
         with p.lock:
             plan = p.plan_load_locked(hashes, ids)
         cut = len(plan)
-        pos = [i for i, step in enumerate(plan) if step.source is Source.FETCH]
+        pos = plan.fetch()
         if pos:
             # As Upward.load: puts meanwhile never evict what the load reads.
             held = self._keys(hashes) if self._holds else []

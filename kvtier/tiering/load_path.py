@@ -52,7 +52,7 @@ class Upward:
         p, planner, workers = self.parts, self.parts.planner, self.parts.workers
         handle = LoadHandle(len(hashes), p.layout.num_layers, layerwise)
         with planner.lock:
-            plan = planner.plan_load_locked(hashes, ids.tolist())  # per block of the planned prefix
+            plan = planner.plan_load_locked(hashes, ids.tolist()).steps()  # per block of the planned prefix
         if any(step.source is Source.FETCH for step in plan):
             # A put meanwhile (write-back, another request's store) must not evict what this load reads.
             held = p.namespace.keys(hashes)

@@ -1,8 +1,11 @@
 """A load's plan, block by block: where each block's bytes are and what a load does with them.
 
-The worker side builds one :class:`Step` per block of the planned prefix when a load starts, and updates
-it as reads land (``FETCH`` becomes ``HOST``, ``TMP`` or ``LOST``); the load's result is read off the
-finished plan.  A step is an object, not a tagged tuple, so a reader sees what each field means.
+The planner answers a load with a :class:`LoadPlan` (plain columns: per block of the planned prefix its
+source and host slot).  The worker side builds one :class:`Step` per block from it when a load starts
+(:meth:`LoadPlan.steps`), and updates it as reads land (``FETCH`` becomes ``HOST``, ``TMP`` or ``LOST``);
+the load's result is read off the finished steps.  A step is an object, not a tagged tuple, so a reader
+sees what each field means; the plan is columns, so an executor that needs no per-block state (the
+simulator's) makes no object per block.
 """
 
 from __future__ import annotations
@@ -51,8 +54,31 @@ class Step:
         return Tier.HOST if self.backend is None else Tier.backend(self.backend)
 
 
+@dataclass(slots=True)
+class LoadPlan:
+    """The planner's plan of a load (:meth:`~kvtier.tiering.planner.Planner.plan_load_locked`), per block of
+    the planned prefix: ``sources[i]`` is HOST, SAME or FETCH; ``slots[i]`` the host slot of a HOST block
+    (-1 for the others)."""
+
+    sources: list[Source]
+    slots: list[int]
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def fetch(self) -> list[int]:
+        """Positions of the blocks to read from the backends."""
+        fetch = Source.FETCH
+        return [i for i, src in enumerate(self.sources) if src is fetch]
+
+    def steps(self) -> list[Step]:
+        """One :class:`Step` per block, for an executor that tracks each block as its reads land."""
+        host = Source.HOST
+        return [Step(src, slot if src is host else None) for src, slot in zip(self.sources, self.slots)]
+
+
 def lost() -> Step:
     return Step(Source.LOST)
 
 
-__all__ = ["Source", "Step", "lost"]
+__all__ = ["LoadPlan", "Source", "Step", "lost"]

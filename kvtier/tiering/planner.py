@@ -56,7 +56,7 @@ from ..metrics import StackMetrics
 from ..plans import CopyDown, Dropped, HostChanges, HostOutcome, LeadLoad, LeadStore, Room, WorkerReport
 from ..policy_api import EvictionPolicy, WritePolicy
 from .backend_set import BackendSet
-from .load_steps import Source, Step
+from .load_steps import LoadPlan, Source
 from .manager import TierManager
 from .results import FAILED, PRESENT, SKIPPED, STORED, StoreStatus
 
@@ -760,25 +760,27 @@ class Planner:
 
     # ------------------------------------------------------------------ load and fetch
 
-    def plan_load_locked(self, hashes: Sequence[bytes], ids: list[int]) -> list[Step]:
+    def plan_load_locked(self, hashes: Sequence[bytes], ids: list[int]) -> LoadPlan:
         """Where each block of the longest loadable prefix comes from: host memory, the same device block
         (no copy), or the backends (FETCH).  The planned blocks are pinned (one call: a pin changes no later
         block's plan) and the device blocks about to be overwritten forget what they held."""
-        plan: list[Step] = []
+        sources: list[Source] = []
         idx, any_backend = self.index, len(self.backends) > 0
+        host, same, fetch = Source.HOST, Source.SAME, Source.FETCH
         in_host = idx.host_slots(hashes) if self.slots is not None else [-1] * len(hashes)
         for key, b, h in zip(hashes, ids, in_host):
             if h >= 0:
-                plan.append(Step(Source.HOST, h))
+                sources.append(host)
             elif idx.key_at_device(b) == key:
-                plan.append(Step(Source.SAME))
+                sources.append(same)
             elif any_backend:
-                plan.append(Step(Source.FETCH))
+                sources.append(fetch)
             else:
                 break  # nowhere to get it from: the usable prefix ends here
-        idx.acquire_many(hashes[:len(plan)])
-        idx.free_devices([b for step, b in zip(plan, ids) if step.source is not Source.SAME])
-        return plan
+        n = len(sources)
+        idx.acquire_many(hashes[:n])
+        idx.free_devices([b for src, b in zip(sources, ids) if src is not same])
+        return LoadPlan(sources, in_host[:n])
 
     def start_load_locked(self, hashes: Sequence[bytes], into_host: bool) -> LoadStart:
         """Lead a load that other planners' stacks run (vLLM: the scheduler's, for every rank): pin the
