@@ -49,12 +49,15 @@ class BatchOps(IndexCore):
         # single-key form, which converts or raises exactly as it would): the store path's hottest loop.
         get, dev, refs, rev = self._slots.get, self._dev, self._refs, self._rev[0]
         prev, nxt, head, tail = self._prev[0], self._next[0], self._head, self._tail
+        n_rev = len(rev)  # the reverse map only grows (here and in place_on_device): re-read after either
         for key, b in zip(keys, block_ids):
             if type(b) is not int or not 0 <= b <= ID_MAX:
                 self.place_on_device(key, b)
+                n_rev = len(rev)
                 continue
-            if b >= len(rev):
-                rev.extend(id_column(max(b + 1, 2 * len(rev)) - len(rev)))
+            if b >= n_rev:
+                rev.extend(id_column(max(b + 1, 2 * n_rev) - n_rev))
+                n_rev = len(rev)
             o = rev[b]
             s = get(key)
             if o >= 0 and o != s:
@@ -182,6 +185,7 @@ class BatchOps(IndexCore):
             raise ValueError(f"land_host_many: {len(keys)} keys for {len(slots)} host slots")
         get, host, refs, rev = self._slots.get, self._host, self._refs, self._rev[1]
         out: list[bool] = []
+        n_rev = len(rev)  # the reverse map only grows (in _attach): re-read after it
         for key, slot in zip(keys, slots):
             s = get(key)
             if s is None:
@@ -190,9 +194,10 @@ class BatchOps(IndexCore):
                 out.append(False)
                 continue
             out.append(True)
-            if type(slot) is not int or not 0 <= slot < len(rev) or rev[slot] >= 0 or host[s] >= 0:
+            if type(slot) is not int or not 0 <= slot < n_rev or rev[slot] >= 0 or host[s] >= 0:
                 self._check_free_id(1, slot, key, s)  # the rare cases (growth, a re-set, a bad slot)
                 self._attach(1, s, slot)
+                n_rev = len(rev)
                 continue
             # _attach(HOST, s, slot) of a free slot to an entry with none: counted, and MRU if unpinned
             self._count[1] += 1

@@ -181,7 +181,14 @@ class IndexCore:
         operations' insert: the caller has found ``key`` absent."""
         if type(key) is not bytes or not key:
             self.insert(key)  # raises the TypeError naming what it got
-        s = self._free.pop() if self._free else self._alloc()  # _alloc's common case without its call
+        # _alloc's common cases without its call: a freed slot, else the next never used one.
+        if self._free:
+            s = self._free.pop()
+        elif self._top < self._cap:
+            s = self._top
+            self._top = s + 1
+        else:
+            s = self._alloc()
         self._slots[key] = s
         self._keys[s] = key
         self._refs[s] = 0
