@@ -118,7 +118,7 @@ class StepPlan:
 class CopyDown:
     """A write-back victim: a host block held (an index reference, ``writing``) until the executor
     reports it copied down (``Planner.written_back_locked``); its value is written as a
-    ``GroupWrite``."""
+    :class:`~kvtier.tiering.planner.ValueWrites`."""
 
     key: bytes
     slot: int

@@ -33,7 +33,7 @@ from ..memory.host_slots import SlotTable
 from ..metrics import StackMetrics
 from ..tiering.backend_set import BackendSet
 from ..tiering.manager import TierManager
-from ..tiering.planner import CopyDown, GroupWrite, Planner
+from ..tiering.planner import CopyDown, Planner, ValueWrites
 from ..tiering.results import SKIPPED, STORED, LoadResult, LookupResult, StoreResult, StoreStatus
 from ..tiering.room import Reservation
 from .ledger import LedgerBackend
@@ -331,18 +331,19 @@ class SimulatedStack:
             claims = self.planner.claim_groups_locked(values, mine)
         return self._write_claims(claims)
 
-    def _write_claims(self, claims: list[GroupWrite], owed: bool = False) -> set[bytes]:
+    def _write_claims(self, claims: ValueWrites, owed: bool = False) -> set[bytes]:
         """``BackendWriter._put`` of claimed values, then released: the last keys of those a backend took."""
         p, k = self.planner, self.storage_blocks
         written: set[bytes] = set()
         try:
             for b in self._backends.writable:
-                part = [c for c in claims if b in c.targets]
+                part = claims.to(b)
                 if not part:
                     continue
-                ok = self._put(b, [c.members for c in part], owed)
-                written.update([c.members[-1] for c, good in zip(part, ok) if good])
-                self._counters["host"].read += len(part) if k == 1 else sum(len(c.members) for c in part)
+                members = [claims.members[j] for j in part]
+                ok = self._put(b, members, owed)
+                written.update([m[-1] for m, good in zip(members, ok) if good])
+                self._counters["host"].read += len(part) if k == 1 else sum(len(m) for m in members)
                 with p.lock:
                     p.trim_index_locked()
         finally:

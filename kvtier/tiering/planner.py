@@ -62,16 +62,35 @@ from .results import FAILED, PRESENT, SKIPPED, STORED, StoreStatus
 
 
 @dataclass(slots=True)
-class GroupWrite:
-    """A whole stored value (one block, or a group of ``storage_blocks`` blocks) claimed for writing from
-    host memory.  Every copy down writes values so: one path whatever the value's size.  Not frozen: one
-    is made per value written, the simulator's hottest path (a frozen one takes 2.5 us to build, 0.4 so)."""
+class ValueWrites:
+    """Whole stored values (one block, or a group of ``storage_blocks`` blocks) claimed for writing from
+    host memory (:meth:`Planner.claim_groups_locked`), as columns: value ``j`` is stored under the last of
+    ``members[j]`` (its blocks' keys, in chain order), sits in host slots ``slots[j]``, goes to the
+    writable backends lacking it (``targets[j]``), charged to tenant ``tenants[j]`` (None: the
+    namespace's).  ``added``: the blocks this claim put in ``writing``, released by it alone
+    (:meth:`Planner.release_groups`).  Every copy down writes values so: one path whatever their size.
+    Columns, not an object per value: a write-through store claims every block it stores, the
+    simulator's hottest path."""
 
-    members: tuple[bytes, ...]   # its blocks' keys, in chain order (the value is stored under the last)
-    slots: tuple[int, ...]       # their host slots
-    targets: tuple[int, ...]     # the writable backends lacking it
-    added: tuple[bytes, ...]     # the blocks this claim put in ``writing`` (released by it alone)
-    tenant: str | None = None    # the cache_salt tenant tag its quota is charged to (None: the namespace's)
+    members: list[tuple[bytes, ...]] = field(default_factory=list)
+    slots: list[tuple[int, ...]] = field(default_factory=list)
+    targets: list[tuple[int, ...]] = field(default_factory=list)
+    tenants: list[str | None] = field(default_factory=list)
+    added: list[bytes] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, members: tuple[bytes, ...], slots: tuple[int, ...], targets: tuple[int, ...],
+            tenant: str | None) -> None:
+        self.members.append(members)
+        self.slots.append(slots)
+        self.targets.append(targets)
+        self.tenants.append(tenant)
+
+    def to(self, b: int) -> list[int]:
+        """The values (their positions) that backend ``b`` lacks."""
+        return [j for j, t in enumerate(self.targets) if b in t]
 
 
 class LackingByMask(dict[int, tuple[int, ...]]):
@@ -637,7 +656,7 @@ class Planner:
 
     # ------------------------------------------------------------------ writes to backends
 
-    def claim_to_write_locked(self, keys: Sequence[bytes]) -> list[GroupWrite]:
+    def claim_to_write_locked(self, keys: Sequence[bytes]) -> ValueWrites:
         """The write policy sends host blocks ``keys`` down: the stored values to copy (the whole value each
         is in: the block itself when a value is one block), claimed (:meth:`claim_groups_locked`); values
         already in every writable backend, no longer whole in host memory, or already being copied are left
@@ -716,12 +735,12 @@ class Planner:
         return members
 
     def claim_groups_locked(self, groups: Sequence[tuple[bytes, ...]],
-                            mine: frozenset[bytes] = frozenset()) -> list[GroupWrite]:
+                            mine: frozenset[bytes] = frozenset()) -> ValueWrites:
         """Claim each value (a group of ``storage_blocks`` blocks, or one block) that is whole in host
         memory, not being written, and missing from a writable backend: its blocks go into ``writing`` (so
         none is evicted while it is written) until :meth:`release_groups`; ``mine``: blocks the caller
         already holds for writing (a write-back victim)."""
-        todo: list[GroupWrite] = []
+        todo = ValueWrites()
         lacking = self._lacking
         # Values every writable backend holds are left first, in one pass (a write-through store's hits
         # are most of what it is asked to write, and all there already).  A claim changes only
@@ -729,8 +748,10 @@ class Planner:
         uniq = list(dict.fromkeys(groups))
         wanted = [(g, m) for g, m in zip(uniq, self.index.masks([g[-1] for g in uniq])) if lacking[m]]
         slots_of = self.index.host_slots([k for members, _ in wanted for k in members])
-        writing, tenants = self._writing, self._tenants
-        if self.storage_blocks == 1:  # values of one block: the same steps, a member each
+        writing, tenants, added = self._writing, self._tenants, todo.added
+        if self.storage_blocks == 1:  # values of one block: the same steps, a member each (columns filled
+            # here, not through ``add``: this loop runs for every block a write-through store writes)
+            members_of, slots, targets, tenant_of = todo.members, todo.slots, todo.targets, todo.tenants
             for (members, mask), slot in zip(wanted, slots_of):
                 key = members[0]
                 if slot < 0:
@@ -738,25 +759,29 @@ class Planner:
                 if key in writing:
                     if key not in mine:
                         continue
-                    todo.append(GroupWrite(members, (slot,), lacking[mask], (), tenants.get(key)))
                 else:
                     writing.add(key)
-                    todo.append(GroupWrite(members, (slot,), lacking[mask], members, tenants.get(key)))
+                    added.append(key)
+                members_of.append(members)
+                slots.append((slot,))
+                targets.append(lacking[mask])
+                tenant_of.append(tenants.get(key) if tenants else None)
             return todo
         at = 0
         for members, mask in wanted:
-            slots = slots_of[at:at + len(members)]
+            group_slots = slots_of[at:at + len(members)]
             at += len(members)
-            if min(slots) < 0 or any(k in writing and k not in mine for k in members):
+            if min(group_slots) < 0 or any(k in writing and k not in mine for k in members):
                 continue
-            added = tuple(k for k in members if k not in writing)
-            writing.update(added)
-            todo.append(GroupWrite(members, tuple(slots), lacking[mask], added, tenants.get(members[-1])))
+            fresh = [k for k in members if k not in writing]
+            writing.update(fresh)
+            added += fresh
+            todo.add(members, tuple(group_slots), lacking[mask], tenants.get(members[-1]))
         return todo
 
-    def release_groups(self, claims: Sequence[GroupWrite]) -> None:
+    def release_groups(self, claims: ValueWrites) -> None:
         with self.lock:
-            self._writing.difference_update([key for c in claims for key in c.added])
+            self._writing.difference_update(claims.added)
 
     # ------------------------------------------------------------------ load and fetch
 
@@ -915,4 +940,4 @@ class Planner:
                 raise AssertionError(f"planner: {len(stray)} {what} block(s) not in host memory")
 
 
-__all__ = ["CopyDown", "Dropped", "GroupWrite", "PlanRefused", "Planner", "Room", "StoreStart"]
+__all__ = ["CopyDown", "Dropped", "PlanRefused", "Planner", "Room", "StoreStart", "ValueWrites"]

@@ -12,7 +12,7 @@ Invariants:
   ``claim_groups_locked``, and so kept from eviction, for the whole put; released exactly once), under its
   last block's key;
 * no lock is held during the I/O; a backend fault is a refused value (``BackendSet.put`` never raises);
-* a value is charged to the ``cache_salt`` tenant its store named (``GroupWrite.tenant``, the planner's
+* a value is charged to the ``cache_salt`` tenant its store named (``ValueWrites.tenants``, the planner's
   record of its last block), whenever it is written, so a tenant's quota counts it (``kvtier.quota``).
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from ..format.blockformat import Segments
 from .parts import StackParts
-from .planner import GroupWrite
+from .planner import ValueWrites
 
 
 class BackendWriter:
@@ -86,31 +86,32 @@ class BackendWriter:
         finally:
             planner.release_groups(todo)
 
-    def _write_job(self, todo: list[GroupWrite]) -> None:
+    def _write_job(self, todo: ValueWrites) -> None:
         try:
             self._put(todo, owed=True)
         finally:
             self.parts.planner.release_groups(todo)
             self.parts.workers.pending.done()
 
-    def _put(self, todo: list[GroupWrite], owed: bool = False) -> set[bytes]:
+    def _put(self, todo: ValueWrites, owed: bool = False) -> set[bytes]:
         p, planner = self.parts, self.parts.planner
         written: set[bytes] = set()
         for b in p.backends.writable:
-            part = [c for c in todo if b in c.targets]
+            part = todo.to(b)
             if not part:
                 continue
             host = p.host_tier()
+            members = [todo.members[j] for j in part]
             # A one-block value is its slot's bytes as they are (no copy).  A group's blocks sit in slots
             # that need not be adjacent: its payload is their views as segments, in chain order, which
             # a backend that writes segments stores with no joined copy (the base class joins them,
             # once, for one that does not: StorageBackend.put).
-            payloads = [host.slot_view(c.slots[0]) if len(c.slots) == 1
-                        else Segments(host.slot_views(c.slots)) for c in part]
-            ok = self.put_values(b, [c.members for c in part], payloads, [c.tenant for c in part], owed=owed)
-            p.metrics.add("host", bytes_out=sum(len(c.members) for c, good in zip(part, ok) if good)
+            payloads = [host.slot_view(slots[0]) if len(slots) == 1 else Segments(host.slot_views(slots))
+                        for slots in (todo.slots[j] for j in part)]
+            ok = self.put_values(b, members, payloads, [todo.tenants[j] for j in part], owed=owed)
+            p.metrics.add("host", bytes_out=sum(len(m) for m, good in zip(members, ok) if good)
                           * p.layout.block_nbytes)
-            written.update(c.members[-1] for c, good in zip(part, ok) if good)
+            written.update(m[-1] for m, good in zip(members, ok) if good)
             with planner.lock:
                 planner.trim_index_locked()
         return written
