@@ -370,13 +370,12 @@ class SimulatedStack:
     def _put(self, b: int, values: Sequence[tuple[bytes, ...]], owed: bool = False) -> list[bool]:
         """``BackendWriter.put_values`` into ledger ``b``, counting its traffic."""
         p, led = self.planner, self.ledgers[b]
-        lasts = [v[-1] for v in values]
         with p.lock:
-            p.begin_put_locked(b, lasts)
+            ticket = p.begin_put_locked(b)
         before = led.evictions
-        ok = led.record_put(self._keys(lasts))
+        ok = led.record_put(self._keys([v[-1] for v in values]))
         with p.lock:
-            p.put_done_locked(b, values, ok, owed=owed)
+            p.put_done_locked(b, ticket, values, ok, owed=owed)
         c = self._counters[led.name]
         n = sum(ok)
         c.written += n

@@ -95,12 +95,15 @@ class TierManager:
         self.backends.on_recovered = self._backend_back
         # Blocks the backends evicted themselves, not yet folded into the index: (backend, keys).
         self._evictions: deque[tuple[int, list[str]]] = deque()
-        # Blocks being written to a backend (backend, hash) -> writes in flight, and those of them the
-        # backend said it evicted meanwhile: a block evicted while its own write was in flight (Redis at
+        # Writes in flight per backend, and what that backend said it evicted while one was (hash -> the
+        # number of the fold that heard it): a block evicted while its own write was in flight (Redis at
         # maxmemory evicting a batch's first values before the batch returns) must not be marked there
-        # when the write returns ok (``begin_writes_locked`` / ``end_writes_locked``).
-        self._in_flight: dict[tuple[int, bytes], int] = {}
-        self._evicted_in_flight: set[tuple[int, bytes]] = set()
+        # when the write returns ok (``begin_writes_locked`` returns the fold number a write starts at;
+        # ``end_writes_locked`` names the blocks evicted since).  Counts and numbers, not a record per
+        # block written: a write to a backend that evicts nothing meanwhile costs two steps.
+        self._writes_in_flight: dict[int, int] = {}
+        self._evicted_while_writing: dict[int, dict[bytes, int]] = {}
+        self._folds = 0
         for i, b in enumerate(self.backends.backends):
             b.on_evicted = partial(self._backend_evicted, i)
         # Called (under the lock) with (hash, backend) for each block forgotten there because that backend
@@ -161,45 +164,35 @@ class TierManager:
         while self._evictions:
             i, keys = self._evictions.popleft()
             gone = [bytes.fromhex(key[skip:]) for key in keys if key.startswith(prefix)]
-            if self._in_flight:
-                self._evicted_in_flight.update((i, h) for h in gone if (i, h) in self._in_flight)
+            if self._writes_in_flight.get(i):
+                self._folds += 1
+                self._evicted_while_writing.setdefault(i, {}).update(dict.fromkeys(gone, self._folds))
             self._forget_in_backend(gone, i)
             if self.on_forgotten is not None:
                 for h in gone:
                     self.on_forgotten(h, i)
 
-    def begin_writes_locked(self, i: int, hashes: Iterable[bytes]) -> None:
-        """Values under ``hashes`` are about to be written to backend ``i`` (under the lock)."""
-        flying = self._in_flight
-        for h in hashes:
-            flying[(i, h)] = flying.get((i, h), 0) + 1
+    def begin_writes_locked(self, i: int) -> int:
+        """Writes to backend ``i`` are about to start (under the lock).  Returns their ticket for
+        :meth:`end_writes_locked`: the evictions folded from now on happened during them."""
+        self.fold_evictions_locked()  # what was evicted before they started is not theirs
+        self._writes_in_flight[i] = self._writes_in_flight.get(i, 0) + 1
+        return self._folds
 
-    def end_writes_locked(self, i: int, hashes: Iterable[bytes]) -> set[bytes]:
-        """The writes ``begin_writes_locked`` announced are over (under the lock): the blocks among them that
-        backend ``i`` evicted meanwhile, which must not be marked there even if their write said ok.  Folds
-        the evictions queued so far first (a notification that came before the write returned)."""
+    def end_writes_locked(self, i: int, ticket: int, hashes: Iterable[bytes]) -> set[bytes]:
+        """The writes of values under ``hashes`` that ``begin_writes_locked`` gave ``ticket`` are over (under
+        the lock): those backend ``i`` evicted meanwhile, which must not be marked there even if their
+        write said ok.  Folds the evictions queued so far first (a notification that came before the write
+        returned)."""
         self.fold_evictions_locked()
-        flying, evicted = self._in_flight, self._evicted_in_flight
-        out: set[bytes] = set()
-        if not evicted:  # nothing evicted while in flight (the usual case): only the counts go down
-            for h in hashes:
-                k = (i, h)
-                n = flying.get(k, 0) - 1
-                if n > 0:
-                    flying[k] = n
-                else:
-                    flying.pop(k, None)
-            return out
-        for h in hashes:
-            k = (i, h)
-            if k in evicted:
-                out.add(h)
-            n = flying.get(k, 0) - 1
-            if n > 0:
-                flying[k] = n
-            else:
-                flying.pop(k, None)
-                evicted.discard(k)
+        evicted = self._evicted_while_writing.get(i)
+        out = {h for h in hashes if evicted.get(h, -1) > ticket} if evicted else set()
+        left = self._writes_in_flight[i] - 1
+        if left:
+            self._writes_in_flight[i] = left
+        else:  # no write to it in flight: no eviction can be during one any more
+            del self._writes_in_flight[i]
+            self._evicted_while_writing.pop(i, None)
         return out
 
     def _forget_in_backend(self, gone: Sequence[bytes], i: int) -> None:

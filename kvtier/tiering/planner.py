@@ -667,17 +667,18 @@ class Planner:
         uniq = list(dict.fromkeys(keys))
         return self.claim_groups_locked([g for g in map(self.group_of_locked, uniq) if g is not None])
 
-    def begin_put_locked(self, b: int, lasts: Sequence[bytes]) -> None:
-        """Values under ``lasts`` are about to be written to backend ``b``."""
-        self.manager.begin_writes_locked(b, lasts)
+    def begin_put_locked(self, b: int) -> int:
+        """Values are about to be written to backend ``b``: the put's ticket for :meth:`put_done_locked`."""
+        return self.manager.begin_writes_locked(b)
 
-    def put_done_locked(self, b: int, values: Sequence[tuple[bytes, ...]], ok: Sequence[bool], *,
+    def put_done_locked(self, b: int, ticket: int, values: Sequence[tuple[bytes, ...]], ok: Sequence[bool], *,
                         owed: bool = False) -> None:
-        """Backend ``b`` took (``ok``) or refused each value: mark every block of a value it took (unless
-        the backend evicted it during its own write), and settle what was owed.  ``owed``: the write
-        policy sent these values down (:meth:`claim_to_write_locked`), so the host blocks of those refused
-        are owed to the backends (:meth:`owed_to`)."""
-        evicted = self.manager.end_writes_locked(b, [v[-1] for v in values])
+        """Backend ``b`` took (``ok``) or refused each value of the put :meth:`begin_put_locked` gave
+        ``ticket``: mark every block of a value it took (unless the backend evicted it during its own
+        write), and settle what was owed.  ``owed``: the write policy sent these values down
+        (:meth:`claim_to_write_locked`), so the host blocks of those refused are owed to the backends
+        (:meth:`owed_to`)."""
+        evicted = self.manager.end_writes_locked(b, ticket, [v[-1] for v in values])
         # A value evicted during its own write is not there.
         took = [key for members, good in zip(values, ok) if good and members[-1] not in evicted for key in members]
         self.index.add_backend_many(took, b)  # keys not in the index are skipped

@@ -41,12 +41,11 @@ class BackendWriter:
         its quota is charged to (None: the namespace's).  ``owed``: the write policy sent them down, so
         those refused are written again when the backend is back (``Planner.put_done_locked``)."""
         p, planner = self.parts, self.parts.planner
-        lasts = [v[-1] for v in values]
         with planner.lock:
-            planner.begin_put_locked(b, lasts)
-        ok = p.backends.put(b, p.namespace.keys(lasts), payloads, tenants)  # never raises: a fault is all False
+            ticket = planner.begin_put_locked(b)
+        ok = p.backends.put(b, p.namespace.keys([v[-1] for v in values]), payloads, tenants)  # a fault: all False
         with planner.lock:
-            planner.put_done_locked(b, values, ok, owed=owed)
+            planner.put_done_locked(b, ticket, values, ok, owed=owed)
         return ok
 
     def put_rows(self, values: Sequence[tuple[bytes, ...]], rows: torch.Tensor,
