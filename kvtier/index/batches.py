@@ -97,7 +97,10 @@ class BatchOps(IndexCore):
     def acquire_many(self, keys: Iterable[bytes]) -> None:
         """:meth:`acquire` of each key in order."""
         get, refs, dev, host = self._slots.get, self._refs, self._dev, self._host
-        prev, nxt, head, tail, size = self._prev, self._next, self._head, self._tail, self._lru_len
+        # The two tiers' lists spelled out, not a loop over them: this runs for every block a store or a
+        # load pins (the simulator's hottest loop after placement).
+        (dprev, hprev), (dnext, hnext) = self._prev, self._next
+        head, tail, size = self._head, self._tail, self._lru_len
         for key in keys:
             s = get(key)
             if s is None:
@@ -105,27 +108,37 @@ class BatchOps(IndexCore):
             r = refs[s]
             if r == 0:  # _pin_slot: leaves its tiers' LRU lists (_unlink of each, inlined)
                 self._pinned += 1
-                for t in (0, 1):
-                    if (dev if t == 0 else host)[s] < 0:
-                        continue
-                    pv, nx = prev[t], nxt[t]
-                    p, n = pv[s], nx[s]
+                if dev[s] >= 0:
+                    p, n = dprev[s], dnext[s]
                     if p >= 0:
-                        nx[p] = n
+                        dnext[p] = n
                     else:
-                        head[t] = n
+                        head[0] = n
                     if n >= 0:
-                        pv[n] = p
+                        dprev[n] = p
                     else:
-                        tail[t] = p
-                    pv[s] = nx[s] = -1
-                    size[t] -= 1
+                        tail[0] = p
+                    dprev[s] = dnext[s] = -1
+                    size[0] -= 1
+                if host[s] >= 0:
+                    p, n = hprev[s], hnext[s]
+                    if p >= 0:
+                        hnext[p] = n
+                    else:
+                        head[1] = n
+                    if n >= 0:
+                        hprev[n] = p
+                    else:
+                        tail[1] = p
+                    hprev[s] = hnext[s] = -1
+                    size[1] -= 1
             refs[s] = r + 1
 
     def release_many(self, keys: Iterable[bytes]) -> None:
         """:meth:`release` of each key in order."""
         get, refs, dev, host, mask = self._slots.get, self._refs, self._dev, self._host, self._mask
-        prev, nxt, head, tail, size = self._prev, self._next, self._head, self._tail, self._lru_len
+        (dprev, hprev), (dnext, hnext) = self._prev, self._next  # the tiers spelled out, as acquire_many
+        head, tail, size = self._head, self._tail, self._lru_len
         for key in keys:
             s = get(key)
             if s is None:
@@ -136,24 +149,29 @@ class BatchOps(IndexCore):
                 continue
             refs[s] = 0  # _unpin_slot to 0: back in its tiers' LRU lists, or dropped if in none
             self._pinned -= 1
-            d, h = dev[s], host[s]
-            if d < 0 and h < 0:
-                if not mask[s]:
-                    self._drop_slot(key, s)
-                continue
-            for t in (0, 1):  # _link_mru of each tier it is in, inlined
-                if (d if t == 0 else h) < 0:
-                    continue
-                nx = nxt[t]
-                p = tail[t]
-                prev[t][s] = p
-                nx[s] = -1
+            d = dev[s]
+            if d >= 0:  # _link_mru(DEVICE, s)
+                p = tail[0]
+                dprev[s] = p
+                dnext[s] = -1
                 if p >= 0:
-                    nx[p] = s
+                    dnext[p] = s
                 else:
-                    head[t] = s
-                tail[t] = s
-                size[t] += 1
+                    head[0] = s
+                tail[0] = s
+                size[0] += 1
+            if host[s] >= 0:  # _link_mru(HOST, s)
+                p = tail[1]
+                hprev[s] = p
+                hnext[s] = -1
+                if p >= 0:
+                    hnext[p] = s
+                else:
+                    head[1] = s
+                tail[1] = s
+                size[1] += 1
+            elif d < 0 and not mask[s]:
+                self._drop_slot(key, s)
 
     def drop_host_many(self, keys: Iterable[bytes]) -> list[int]:
         """:meth:`clear_host` then :meth:`discard_if_unused` of each key in order (host memory evicted
