@@ -344,8 +344,6 @@ class SimulatedStack:
                 ok = self._put(b, members, owed)
                 written.update([m[-1] for m, good in zip(members, ok) if good])
                 self._counters["host"].read += len(part) if k == 1 else sum(len(m) for m in members)
-                with p.lock:
-                    p.trim_index_locked()
         finally:
             p.release_groups(claims)
         return written

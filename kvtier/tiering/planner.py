@@ -662,8 +662,8 @@ class Planner:
         already in every writable backend, no longer whole in host memory, or already being copied are left
         alone.  A value a backend then refuses is owed to it (:meth:`put_done_locked` with ``owed``)."""
         self.manager.fold_evictions_locked()  # a block a backend evicted is written to it again
-        if self.storage_blocks == 1:  # a value is its block (claim_groups_locked skips one not in host memory)
-            return self.claim_groups_locked([(key,) for key in keys])
+        if self.storage_blocks == 1:  # a value is its block (a claim skips one not in host memory)
+            return self._claim_blocks_locked(keys, frozenset())
         uniq = list(dict.fromkeys(keys))
         return self.claim_groups_locked([g for g in map(self.group_of_locked, uniq) if g is not None])
 
@@ -675,9 +675,9 @@ class Planner:
                         owed: bool = False) -> None:
         """Backend ``b`` took (``ok``) or refused each value of the put :meth:`begin_put_locked` gave
         ``ticket``: mark every block of a value it took (unless the backend evicted it during its own
-        write), and settle what was owed.  ``owed``: the write policy sent these values down
-        (:meth:`claim_to_write_locked`), so the host blocks of those refused are owed to the backends
-        (:meth:`owed_to`)."""
+        write), settle what was owed, and keep the index in its bound (:meth:`trim_index_locked`).
+        ``owed``: the write policy sent these values down (:meth:`claim_to_write_locked`), so the host
+        blocks of those refused are owed to the backends (:meth:`owed_to`)."""
         evicted = self.manager.end_writes_locked(b, ticket, [v[-1] for v in values])
         # A value evicted during its own write is not there.
         took = [key for members, good in zip(values, ok) if good and members[-1] not in evicted for key in members]
@@ -697,6 +697,8 @@ class Planner:
             for key in took:
                 report.in_backend.add((key, b))
                 report.left_backend.discard((key, b))
+        if len(self.index) > self.max_index_entries:  # the marks may have grown it past its bound
+            self.trim_index_locked()
 
     def owed_to(self, i: int, in_host: Sequence[bytes]) -> list[bytes]:
         """Backend ``i`` is back after an outage: the host blocks to write to it again, those it was known
@@ -741,6 +743,8 @@ class Planner:
         memory, not being written, and missing from a writable backend: its blocks go into ``writing`` (so
         none is evicted while it is written) until :meth:`release_groups`; ``mine``: blocks the caller
         already holds for writing (a write-back victim)."""
+        if self.storage_blocks == 1:
+            return self._claim_blocks_locked([g[0] for g in groups], mine)
         todo = ValueWrites()
         lacking = self._lacking
         # Values every writable backend holds are left first, in one pass (a write-through store's hits
@@ -750,24 +754,6 @@ class Planner:
         wanted = [(g, m) for g, m in zip(uniq, self.index.masks([g[-1] for g in uniq])) if lacking[m]]
         slots_of = self.index.host_slots([k for members, _ in wanted for k in members])
         writing, tenants, added = self._writing, self._tenants, todo.added
-        if self.storage_blocks == 1:  # values of one block: the same steps, a member each (columns filled
-            # here, not through ``add``: this loop runs for every block a write-through store writes)
-            members_of, slots, targets, tenant_of = todo.members, todo.slots, todo.targets, todo.tenants
-            for (members, mask), slot in zip(wanted, slots_of):
-                key = members[0]
-                if slot < 0:
-                    continue
-                if key in writing:
-                    if key not in mine:
-                        continue
-                else:
-                    writing.add(key)
-                    added.append(key)
-                members_of.append(members)
-                slots.append((slot,))
-                targets.append(lacking[mask])
-                tenant_of.append(tenants.get(key) if tenants else None)
-            return todo
         at = 0
         for members, mask in wanted:
             group_slots = slots_of[at:at + len(members)]
@@ -778,6 +764,32 @@ class Planner:
             writing.update(fresh)
             added += fresh
             todo.add(members, tuple(group_slots), lacking[mask], tenants.get(members[-1]))
+        return todo
+
+    def _claim_blocks_locked(self, keys: Sequence[bytes], mine: frozenset[bytes]) -> ValueWrites:
+        """:meth:`claim_groups_locked` where every value is one block (``keys``: theirs): the same steps in
+        one pass over the keys, the columns filled here (this runs for every block a write-through store
+        writes: the simulator's hottest path)."""
+        todo = ValueWrites()
+        uniq = list(dict.fromkeys(keys))
+        lacking, writing, tenants = self._lacking, self._writing, self._tenants
+        members, slots, targets, tenant_of, added = todo.members, todo.slots, todo.targets, todo.tenants, todo.added
+        for key, mask, slot in zip(uniq, self.index.masks(uniq), self.index.host_slots(uniq)):
+            if slot < 0:
+                continue
+            lacks = lacking[mask]
+            if not lacks:
+                continue  # every writable backend holds it
+            if key in writing:
+                if key not in mine:
+                    continue
+            else:
+                writing.add(key)
+                added.append(key)
+            members.append((key,))
+            slots.append((slot,))
+            targets.append(lacks)
+            tenant_of.append(tenants.get(key) if tenants else None)
         return todo
 
     def release_groups(self, claims: ValueWrites) -> None:

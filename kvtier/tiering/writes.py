@@ -93,7 +93,7 @@ class BackendWriter:
             self.parts.workers.pending.done()
 
     def _put(self, todo: ValueWrites, owed: bool = False) -> set[bytes]:
-        p, planner = self.parts, self.parts.planner
+        p = self.parts
         written: set[bytes] = set()
         for b in p.backends.writable:
             part = todo.to(b)
@@ -111,8 +111,6 @@ class BackendWriter:
             p.metrics.add("host", bytes_out=sum(len(m) for m, good in zip(members, ok) if good)
                           * p.layout.block_nbytes)
             written.update(m[-1] for m, good in zip(members, ok) if good)
-            with planner.lock:
-                planner.trim_index_locked()
         return written
 
 
