@@ -122,9 +122,16 @@ class SlotTable:
         if keys is not None and len(keys) != len(slots):
             raise ValueError(f"commit: {len(slots)} slots but {len(keys)} keys")
         with self._lock:
-            self._expect(slots, (WRITING,), "commit")
-            state, key = self._state, self._key
-            for s, k in zip(slots, keys if keys is not None else [None] * len(slots)):
+            state, key, n = self._state, self._key, self.num_slots
+            # Checked as it goes (one pass: this runs for every block a store or a read lands); a wrong
+            # slot, or one given twice (READY by then), undoes what this call did and _expect names it.
+            for done, (s, k) in enumerate(zip(slots, keys if keys is not None else [None] * len(slots))):
+                if not 0 <= s < n or state[s] is not WRITING:
+                    for u in slots[:done]:
+                        state[u] = WRITING
+                        key[u] = None
+                    self._expect(slots, (WRITING,), "commit")
+                    raise AssertionError(f"commit: slot {s} refused but not named")  # _expect always raises here
                 state[s] = READY
                 key[s] = k
             self._n_writing -= len(slots)
