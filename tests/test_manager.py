@@ -270,3 +270,37 @@ def test_malformed_keys_a_backend_says_it_evicted_never_break_a_lookup(tmp_path)
         assert m.lookup(h[:1]) == Lookup(LookupState.HIT, 1, (DISK,))
     finally:
         m.close()
+
+
+def test_evictions_during_writes_are_named_to_the_writes_they_hit_and_the_record_stays_bounded(tmp_path):
+    """A put is told of exactly the values its backend evicted after it started (not before), whatever
+    other puts overlap it; and a backend that is always writing and evicting keeps only the evictions a
+    write still in flight can own."""
+    m, fb = _manager(tmp_path)
+    m.EVICTED_WHILE_WRITING_MAX = 8  # small, so the bound shows in a short test
+    try:
+        ns = m.namespace
+        h = ns.hasher().hash_blocks(list(range(16 * 40)))  # 40 blocks
+        assert fb.on_evicted is not None  # the manager listens
+        evict = fb.on_evicted
+        first = m.begin_writes_locked(0)
+        evict(ns.keys([h[0]]))
+        second = m.begin_writes_locked(0)
+        evict(ns.keys([h[1]]))
+        assert m.end_writes_locked(0, first, [h[0], h[1], h[2]]) == {h[0], h[1]}
+        assert m.end_writes_locked(0, second, [h[0], h[1]]) == {h[1]}  # h[0] went before it started
+        quiet = m.begin_writes_locked(0)
+        assert m.end_writes_locked(0, quiet, [h[0], h[1]]) == set()  # nothing in flight kept anything
+        # Always one write in flight, each eviction during the next: named to the write it hit, and the
+        # record holds no more than its bound (plus the evictions of one write).
+        older = m.begin_writes_locked(0)
+        for k in h[2:]:
+            newer = m.begin_writes_locked(0)
+            evict(ns.keys([k]))
+            assert m.end_writes_locked(0, older, [k]) == {k}
+            older = newer
+            assert len(m._evicted_while_writing.get(0, {})) <= m.EVICTED_WHILE_WRITING_MAX + 1
+        assert m.end_writes_locked(0, older, [h[-1]]) == {h[-1]}
+        assert m._evicted_while_writing == {} and m._writes_in_flight == {}
+    finally:
+        m.close()

@@ -57,6 +57,11 @@ class TierManager:
     backend set, metrics, index and lock, so one index is the truth for both halves.
     """
 
+    # Past this many evictions recorded for a backend, those no write still in flight can own (folded at
+    # or before its oldest ticket) are dropped: a backend always busy writing would otherwise grow the
+    # record with every eviction.
+    EVICTED_WHILE_WRITING_MAX = 4096
+
     def __init__(self, config: KvtierConfig, *, backends: Sequence[StorageBackend] | BackendSet | None = None,
                  metrics: StackMetrics | None = None, index: BlockIndex | None = None,
                  lock: threading.Lock | None = None, probe_threads: int = 2, probe_ttl_s: float = 2.0,
@@ -95,13 +100,15 @@ class TierManager:
         self.backends.on_recovered = self._backend_back
         # Blocks the backends evicted themselves, not yet folded into the index: (backend, keys).
         self._evictions: deque[tuple[int, list[str]]] = deque()
-        # Writes in flight per backend, and what that backend said it evicted while one was (hash -> the
-        # number of the fold that heard it): a block evicted while its own write was in flight (Redis at
-        # maxmemory evicting a batch's first values before the batch returns) must not be marked there
-        # when the write returns ok (``begin_writes_locked`` returns the fold number a write starts at;
-        # ``end_writes_locked`` names the blocks evicted since).  Counts and numbers, not a record per
-        # block written: a write to a backend that evicts nothing meanwhile costs two steps.
-        self._writes_in_flight: dict[int, int] = {}
+        # Writes in flight per backend (their tickets: the fold number each started at -> how many), and
+        # what that backend said it evicted while one was (hash -> the number of the fold that heard it):
+        # a block evicted while its own write was in flight (Redis at maxmemory evicting a batch's first
+        # values before the batch returns) must not be marked there when the write returns ok
+        # (``begin_writes_locked`` / ``end_writes_locked``).  Numbers, not a record per block written: a
+        # write to a backend that evicts nothing meanwhile costs two steps.  An eviction no write in
+        # flight started before is nobody's: dropped, so the record stays bounded however busy the
+        # backend (``end_writes_locked``).
+        self._writes_in_flight: dict[int, dict[int, int]] = {}
         self._evicted_while_writing: dict[int, dict[bytes, int]] = {}
         self._folds = 0
         for i, b in enumerate(self.backends.backends):
@@ -176,8 +183,10 @@ class TierManager:
         """Writes to backend ``i`` are about to start (under the lock).  Returns their ticket for
         :meth:`end_writes_locked`: the evictions folded from now on happened during them."""
         self.fold_evictions_locked()  # what was evicted before they started is not theirs
-        self._writes_in_flight[i] = self._writes_in_flight.get(i, 0) + 1
-        return self._folds
+        ticket = self._folds
+        flying = self._writes_in_flight.setdefault(i, {})
+        flying[ticket] = flying.get(ticket, 0) + 1
+        return ticket
 
     def end_writes_locked(self, i: int, ticket: int, hashes: Iterable[bytes]) -> set[bytes]:
         """The writes of values under ``hashes`` that ``begin_writes_locked`` gave ``ticket`` are over (under
@@ -187,12 +196,18 @@ class TierManager:
         self.fold_evictions_locked()
         evicted = self._evicted_while_writing.get(i)
         out = {h for h in hashes if evicted.get(h, -1) > ticket} if evicted else set()
-        left = self._writes_in_flight[i] - 1
+        flying = self._writes_in_flight[i]
+        left = flying[ticket] - 1
         if left:
-            self._writes_in_flight[i] = left
-        else:  # no write to it in flight: no eviction can be during one any more
+            flying[ticket] = left
+        else:
+            del flying[ticket]
+        if not flying:  # no write to it in flight: no eviction can be during one any more
             del self._writes_in_flight[i]
             self._evicted_while_writing.pop(i, None)
+        elif evicted is not None and len(evicted) > self.EVICTED_WHILE_WRITING_MAX:
+            oldest = min(flying)  # evictions folded at or before it are no write's in flight
+            self._evicted_while_writing[i] = {h: n for h, n in evicted.items() if n > oldest}
         return out
 
     def _forget_in_backend(self, gone: Sequence[bytes], i: int) -> None:

@@ -697,8 +697,7 @@ class Planner:
             for key in took:
                 report.in_backend.add((key, b))
                 report.left_backend.discard((key, b))
-        if len(self.index) > self.max_index_entries:  # the marks may have grown it past its bound
-            self.trim_index_locked()
+        self.trim_index_locked()  # the marks may have grown it past its bound
 
     def owed_to(self, i: int, in_host: Sequence[bytes]) -> list[bytes]:
         """Backend ``i`` is back after an outage: the host blocks to write to it again, those it was known
