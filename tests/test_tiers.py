@@ -459,7 +459,7 @@ def test_slot_reuse_hands_a_ready_slot_to_the_next_block_without_freeing_it():
 
 def test_slot_take_claims_named_free_slots_and_allocate_never_hands_them_out_again():
     """A planner following another's plan takes the slots it names: those leave the free list (taken out
-    of the middle of its heap), and allocation goes on from the others, lowest first."""
+    of the middle of its sorted list), and allocation goes on from the others, lowest first."""
     t = SlotTable(6)
     t.take([2, 0])
     assert [t.state(s) for s in (0, 1, 2)] == [WRITING, FREE, WRITING] and t.num_free == 4
@@ -470,9 +470,37 @@ def test_slot_take_claims_named_free_slots_and_allocate_never_hands_them_out_aga
     t.free([0])
     t.take([0])
     t.free([0, 2])
-    for _ in range(10):  # take and free over and over: stale entries never grow the free list unbounded
+    for _ in range(10):  # take and free over and over: the free list stays the FREE slots, once each
         t.take([4])
         t.free([4])
-    assert sorted(t.allocate(6).slots) == [0, 2, 4, 5] and t.num_free == 0
+        t.check()
+    assert t.allocate(6).slots == [0, 2, 4, 5] and t.num_free == 0
     c = t.counts()
     assert (c.free, c.writing, c.ready) == (0, 6, 0)
+    t.check()
+
+
+def test_slot_table_random_operations_allocate_lowest_free_first_and_keep_invariants():
+    """Any mix of allocate / take / commit / reuse / free: every allocation hands out the lowest FREE
+    slots in ascending order (fresh stores copy in contiguous runs), and ``check`` holds throughout."""
+    rng = random.Random(7)
+    t = SlotTable(40)
+    for _ in range(2000):
+        op = rng.randrange(5)
+        free = [s for s in range(40) if t.state(s) == FREE]
+        writing = [s for s in range(40) if t.state(s) == WRITING]
+        ready = [s for s in range(40) if t.state(s) == READY]
+        if op == 0:
+            n = rng.randint(0, 6)
+            got = t.allocate(n)
+            assert got.slots == free[:n] and got.skipped == n - len(got.slots)
+        elif op == 1 and free:
+            t.take(rng.sample(free, rng.randint(1, min(3, len(free)))))
+        elif op == 2 and writing:
+            t.commit(rng.sample(writing, rng.randint(1, min(4, len(writing)))))
+        elif op == 3 and ready:
+            t.reuse(rng.sample(ready, rng.randint(1, min(3, len(ready)))))
+        elif op == 4 and (writing or ready):
+            pool = writing + ready
+            t.free(rng.sample(pool, rng.randint(1, min(4, len(pool)))))
+        t.check()

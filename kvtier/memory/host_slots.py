@@ -19,15 +19,16 @@ Invariants:
 * nothing here waits: ``allocate`` returns what it can at once (``skipped`` counts the rest), lowest slot
   first (fresh allocations are contiguous runs, which copy in one piece);
 * only READY slots hold a valid block; WRITING slots are being filled and are never readable;
-* a slot is in exactly one state, and ``num_free + writing + ready == num_slots`` (checked by ``stats``).
+* a slot is in exactly one state, and ``num_free + writing + ready == num_slots``; the free list holds
+  the FREE slots, sorted, each once (checked by ``counts`` and ``check``).
 
 All methods are thread-safe.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
-import heapq
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -76,9 +77,10 @@ class SlotTable:
         self._lock = threading.Lock()
         self._state = [FREE] * num_slots
         self._key: list[Hashable | None] = [None] * num_slots
-        # A heap (a sorted list is one) of the FREE slots, and of slots ``take`` claimed since they were
-        # pushed (skipped when popped: removing one from the middle of a heap costs a scan of it).
-        self._free = list(range(num_slots))
+        # The FREE slots, negated and sorted (so the lowest slots are at the end): an allocation is a slice
+        # off the end (lowest first, in C, moving nothing), where a heap popped slot by slot; a freed slot
+        # goes in by bisection.
+        self._free = list(range(-num_slots + 1, 1))
         self._n_free = num_slots
         self._n_writing = self._n_ready = 0
         self._allocated = self._skipped = 0
@@ -91,14 +93,12 @@ class SlotTable:
         if n < 0:
             raise ValueError(f"allocate: n must be >= 0, got {n}")
         with self._lock:
-            slots: list[int] = []
-            want = min(n, self._n_free)
-            pop, heap, state = heapq.heappop, self._free, self._state
-            while len(slots) < want:
-                s = pop(heap)
-                if state[s] is FREE:
-                    state[s] = WRITING
-                    slots.append(s)
+            free, state = self._free, self._state
+            slots = [-s for s in reversed(free[-n:])] if n else []
+            if n:
+                del free[-n:]
+            for s in slots:
+                state[s] = WRITING
             self._n_free -= len(slots)
             self._n_writing += len(slots)
             self._allocated += len(slots)
@@ -110,8 +110,10 @@ class SlotTable:
         raises ValueError naming a slot that is not FREE."""
         with self._lock:
             self._expect(slots, (FREE,), "take")
+            free = self._free
             for s in slots:
-                self._state[s] = WRITING  # its heap entry is skipped when popped
+                self._state[s] = WRITING
+                del free[bisect.bisect_left(free, -s)]
             self._n_free -= len(slots)
             self._n_writing += len(slots)
             self._allocated += len(slots)
@@ -163,10 +165,8 @@ class SlotTable:
                     self._n_ready -= 1
                 self._state[s] = FREE
                 self._key[s] = None
-                heapq.heappush(self._free, s)
+                bisect.insort(self._free, -s)
             self._n_free += len(slots)
-            if len(self._free) > 2 * self.num_slots:  # entries ``take`` left behind: rebuild
-                self._free = [s for s in range(self.num_slots) if self._state[s] is FREE]
 
     def holds(self, slots: Sequence[int], keys: Sequence[Hashable] | None = None) -> list[bool]:
         """Per slot, whether it is READY (and, with ``keys``, still holds that key: it may have been
@@ -203,7 +203,19 @@ class SlotTable:
                              self._skipped)
         if out.free + out.writing + out.ready != out.num_slots:
             raise AssertionError(f"host slots: {out} do not add up")
+
         return out
+
+    def check(self) -> None:
+        """The invariants above, over every slot (O(slots): tests, and a planner's ``check_locked``)."""
+        c = self.counts()
+        with self._lock:
+            free = [-s for s in reversed(self._free)]
+            free_states = [self._state[s] for s in free]
+            n_free = sum(st is FREE for st in self._state)
+        if free != sorted(set(free)) or len(free) != c.free or n_free != c.free or any(
+                st is not FREE for st in free_states):
+            raise AssertionError(f"host slots: the free list is not the {c.free} FREE slots, sorted")
 
     # ------------------------------------------------------------------ internals
 

@@ -47,6 +47,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 
 from ..config import KvtierConfig
 from ..format.groups import whole_groups
@@ -59,6 +61,8 @@ from .backend_set import BackendSet
 from .load_steps import LoadPlan, Source
 from .manager import TierManager
 from .results import FAILED, PRESENT, SKIPPED, STORED, StoreStatus
+
+_last = itemgetter(-1)  # a value's key: the last of its blocks' keys
 
 
 @dataclass(slots=True)
@@ -184,6 +188,8 @@ class Planner:
         # batch of hits then skips finding which of its blocks are in host memory.
         self._on_access = (None if type(self.eviction_policy).on_access is EvictionPolicy.on_access
                            else self.eviction_policy.on_access)
+        self._on_insert = (None if type(self.eviction_policy).on_insert is EvictionPolicy.on_insert
+                           else self.eviction_policy.on_insert)
         n_slots = slots.num_slots if slots is not None else 0
         self.index = manager.index if manager is not None else BlockIndex(capacity=max(1024, device_blocks + n_slots))
         # Entries only in backends are hints (hit counts, where a block was written); beyond this many
@@ -271,8 +277,13 @@ class Planner:
             return []
         table = self.host_slots()
         landed = self.index.land_host_many(keys, slots)
-        ok_keys = [key for key, good in zip(keys, landed) if good]
-        ok_slots = [slot for slot, good in zip(slots, landed) if good]
+        lost: list[int] = []
+        if all(landed):  # the usual case: every key landed in its slot (no listing of which did)
+            ok_keys, ok_slots = keys, slots
+        else:
+            ok_keys = [key for key, good in zip(keys, landed) if good]
+            ok_slots = [slot for slot, good in zip(slots, landed) if good]
+            lost = [slot for slot, good in zip(slots, landed) if not good]
         if ok_slots:
             try:  # the usual case: every slot is being filled
                 table.commit(ok_slots, ok_keys)
@@ -280,11 +291,10 @@ class Planner:
                 filling = [w for w in zip(ok_slots, ok_keys, table.in_state(ok_slots, WRITING)) if w[2]]
                 if filling:
                     table.commit([w[0] for w in filling], [w[1] for w in filling])
-        lost = [slot for slot, good in zip(slots, landed) if not good]
         if lost:
             table.free(lost)
-        if ok_keys:
-            self.eviction_policy.on_insert(Tier.HOST, ok_keys)
+        if ok_keys and self._on_insert is not None:
+            self._on_insert(Tier.HOST, ok_keys)
         changes = self._host_changes
         if changes is not None:
             for key, slot in zip(ok_keys, ok_slots):
@@ -372,7 +382,8 @@ class Planner:
                 need -= 1
             dropped += self._hand_over_many_locked(drops)
             drops = []
-        slots.extend(d.slot for d in dropped)
+        if dropped:
+            slots.extend([d.slot for d in dropped])
         return Room(slots, wb, dropped)
 
     def adopt_room_locked(self, room: Room) -> Room:
@@ -507,7 +518,8 @@ class Planner:
         if self.slots is not None and new:
             room = self.take_room_locked(len(new))
         on_store = self.write_policy.on_store
-        down = frozenset([hashes[i] for i in new[:len(room.order())] if on_store(hashes[i])])
+        down = frozenset([key for key in map(hashes.__getitem__, new[:len(room.slots) + len(room.victims)])
+                          if on_store(key)])
         return StoreStart(status, new, hits, room.slots, room.victims, down, room.dropped)
 
     def adopt_store_locked(self, hashes: list[bytes], ids: list[int], lead: LeadStore) -> StoreStart:
@@ -621,17 +633,20 @@ class Planner:
         status = plan.status
         down: list[bytes] = []
         n = min(len(take), len(keys), len(slots), len(ok))
-        take, keys = take[:n], keys[:n]
-        landed = [j for j, good in enumerate(ok[:n]) if good]
-        held = self.commit_host_many_locked([keys[j] for j in landed], [slots[j] for j in landed])
-        at = dict(zip(landed, held))
-        sends = plan.sends_down
-        for j, (i, key) in enumerate(zip(take, keys)):
-            self._storing.discard(key)
-            slot = at.get(j)
+        take, keys, slots = take[:n], keys[:n], slots[:n]
+        if all(ok):  # the usual case: every copy landed (one commit of the whole batch, no listing)
+            held: Sequence[int | None] = self.commit_host_many_locked(keys, slots)
+        else:
+            landed = [j for j, good in enumerate(ok[:n]) if good]
+            at = dict(zip(landed, self.commit_host_many_locked([keys[j] for j in landed],
+                                                                [slots[j] for j in landed])))
+            held = [at.get(j) for j in range(n)]
+        sends, storing = plan.sends_down, self._storing
+        for i, key, slot, want in zip(take, keys, held, slots):
+            storing.discard(key)
             if slot is None:
                 status[i] = FAILED
-            elif slot == slots[j]:
+            elif slot == want:
                 if tenant is not None:
                     self._tenants[key] = tenant
                 status[i] = STORED
@@ -678,9 +693,13 @@ class Planner:
         write), settle what was owed, and keep the index in its bound (:meth:`trim_index_locked`).
         ``owed``: the write policy sent these values down (:meth:`claim_to_write_locked`), so the host
         blocks of those refused are owed to the backends (:meth:`owed_to`)."""
-        evicted = self.manager.end_writes_locked(b, ticket, [v[-1] for v in values])
+        evicted = self.manager.end_writes_locked(b, ticket, map(_last, values))
         # A value evicted during its own write is not there.
-        took = [key for members, good in zip(values, ok) if good and members[-1] not in evicted for key in members]
+        if not evicted and all(ok):  # the usual case: every block of every value (flattened in C)
+            took = list(chain.from_iterable(values))
+        else:
+            took = [key for members, good in zip(values, ok) if good and members[-1] not in evicted
+                    for key in members]
         self.index.add_backend_many(took, b)  # keys not in the index are skipped
         debt = self._owed
         if owed and not all(ok):
@@ -697,7 +716,8 @@ class Planner:
             for key in took:
                 report.in_backend.add((key, b))
                 report.left_backend.discard((key, b))
-        self.trim_index_locked()  # the marks may have grown it past its bound
+        if len(self.index) > self.max_index_entries:  # the marks may have grown it past its bound
+            self.trim_index_locked()
 
     def owed_to(self, i: int, in_host: Sequence[bytes]) -> list[bytes]:
         """Backend ``i`` is back after an outage: the host blocks to write to it again, those it was known
@@ -788,7 +808,10 @@ class Planner:
             members.append((key,))
             slots.append((slot,))
             targets.append(lacks)
-            tenant_of.append(tenants.get(key) if tenants else None)
+            if tenants:
+                tenant_of.append(tenants.get(key))
+        if not tenants:  # no tenant's blocks in host memory: each value is the namespace's
+            todo.tenants = [None] * len(members)
         return todo
 
     def release_groups(self, claims: ValueWrites) -> None:
@@ -937,6 +960,7 @@ class Planner:
                 if slot in slot_of:
                     raise AssertionError(f"planner: host slot {slot} is held by two blocks")
                 slot_of[slot] = key
+            self.slots.check()
             ready = self.slots.counts().ready
             if ready != len(slot_of):
                 raise AssertionError(f"planner: {ready} READY host slots but the index places {len(slot_of)} "
