@@ -329,12 +329,15 @@ class SimulatedStack:
         """``BackendWriter.write_now``: the last keys of the values a backend took."""
         with self.planner.lock:
             claims = self.planner.claim_groups_locked(values, mine)
-        return self._write_claims(claims)
-
-    def _write_claims(self, claims: ValueWrites, owed: bool = False) -> set[bytes]:
-        """``BackendWriter._put`` of claimed values, then released: the last keys of those a backend took."""
-        p, k = self.planner, self.storage_blocks
         written: set[bytes] = set()
+        self._write_claims(claims, written=written)
+        return written
+
+    def _write_claims(self, claims: ValueWrites, owed: bool = False,
+                      written: set[bytes] | None = None) -> None:
+        """``BackendWriter._put`` of claimed values, then released; ``written`` (when given) gets the last
+        keys of those a backend took."""
+        p, k = self.planner, self.storage_blocks
         try:
             for b in self._backends.writable:
                 part = claims.to(b)
@@ -342,11 +345,11 @@ class SimulatedStack:
                     continue
                 members = [claims.members[j] for j in part]
                 ok = self._put(b, members, owed)
-                written.update([m[-1] for m, good in zip(members, ok) if good])
+                if written is not None:
+                    written.update([m[-1] for m, good in zip(members, ok) if good])
                 self._counters["host"].read += len(part) if k == 1 else sum(len(m) for m in members)
         finally:
             p.release_groups(claims)
-        return written
 
     def _store_direct(self, hashes: list[bytes], start: int, new: list[int], status: list[StoreStatus]) -> None:
         """``Downward._store_direct``: no host tier, every stored value holding a new block (a block, or a

@@ -606,8 +606,6 @@ class Planner:
         new: list[int] = []
         seen: set[bytes] = set()
         idx, writable, storing = self.index, self.backends.writable, self._storing
-        if self.tracks_device:
-            idx.place_on_device_many(hashes, ids)
         if self.slots is not None:
             held = [h >= 0 for h in idx.host_slots(hashes)]
         else:
@@ -623,7 +621,12 @@ class Planner:
             seen.add(key)
             new.append(i)
             storing.add(key)
+        # Pinned before they are placed: placing a pinned block leaves it out of the device's LRU list, where
+        # placing then pinning linked and unlinked it (the same order once the store releases them).  A
+        # placement changes no host slot or backend mark, so the classification above stands.
         idx.acquire_many([hashes[i] for i in new])
+        if self.tracks_device:
+            idx.place_on_device_many(hashes, ids)
         return status, new, self.hits_sent_down_locked(reused)
 
     def stored_locked(self, plan: StoreStart, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
