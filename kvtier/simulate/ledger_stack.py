@@ -233,29 +233,32 @@ class SimulatedStack:
                 groups.append(grp)
         strs = self._keys([hashes[last] for _, last in groups])
         where = self._backends.locate(strs)
+        # Per value, its wanted positions (listed once: every step below walks them).
+        spans = [list(filter(got.__contains__, range(max(first, 0), last + 1))) for first, last in groups]
         chunks = load_chunks(len(where), self.block_nbytes * k, self.load_chunk_bytes)
         if where and all(self.direct[w] for w in where):
             chunks = [(0, len(where))]  # as Upward._fetch_values: every value read straight in, at once
         rows: list[int] = []
         if self.host_slots:
-            wanted = [i for (first, last), b in zip(groups, where) if not self.direct[b]
-                      for i in range(max(first, 0), last + 1) if i in got]
+            wanted = [i for span, b in zip(spans, where) if not self.direct[b] for i in span]
             with p.lock:
                 rows = [i for i, h in zip(wanted, p.index.host_slots([hashes[i] for i in wanted])) if h < 0]
         room = Reservation.take(p, rows, self._write_back)
         try:
-            self._fetch_chunks(hashes, groups, strs, where, chunks, got, room)
+            self._fetch_chunks(hashes, groups, spans, strs, where, chunks, got, room)
         finally:
             room.close()
         return [got[i] for i in pos]
 
-    def _fetch_chunks(self, hashes: list[bytes], groups: list[tuple[int, int]], strs: list[str], where: list[int],
-                      chunks: list[tuple[int, int]], got: dict[int, bool], room: Reservation) -> None:
-        """``_fetch_values``' chunks, each as ``ValueReader.fetch`` reads one."""
+    def _fetch_chunks(self, hashes: list[bytes], groups: list[tuple[int, int]], spans: list[list[int]],
+                      strs: list[str], where: list[int], chunks: list[tuple[int, int]], got: dict[int, bool],
+                      room: Reservation) -> None:
+        """``_fetch_values``' chunks, each as ``ValueReader.fetch`` reads one (``spans[g]``: value ``g``'s
+        wanted positions)."""
         p, k = self.planner, self.storage_blocks
         for a, z in chunks:
             todo: list[tuple[int, list[int]]] = []  # (group index, its wanted blocks not in host memory)
-            members = [(g, i) for g in range(a, z) for i in range(max(groups[g][0], 0), groups[g][1] + 1) if i in got]
+            members = [(g, i) for g in range(a, z) for i in spans[g]]
             with p.lock:
                 slots = p.index.host_slots([hashes[i] for _, i in members])
             for (g, i), h in zip(members, slots):
@@ -281,7 +284,7 @@ class SimulatedStack:
                     first, last = groups[g]
                     if src[g] >= 0:
                         read_from.setdefault(src[g], []).extend(hashes[max(first, 0):last + 1])
-                        landing += [i for i in missing if i in given]
+                        landing.extend(filter(given.__contains__, missing))
                         for i in missing:
                             got[i] = True  # in a host slot, a temporary row, or the device block itself
                     else:
@@ -296,7 +299,7 @@ class SimulatedStack:
                         first, last = groups[g]
                         if src[g] >= 0 and first >= 0:
                             p.remember_group_locked(tuple(hashes[first:last + 1]))
-            if any(not got[i] for first, last in groups[a:z] for i in range(max(first, 0), last + 1) if i in got):
+            if not all(map(got.__getitem__, [i for _, i in members])):
                 break
 
     # ------------------------------------------------------------------ the way down

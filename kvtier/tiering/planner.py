@@ -190,6 +190,10 @@ class Planner:
                            else self.eviction_policy.on_access)
         self._on_insert = (None if type(self.eviction_policy).on_insert is EvictionPolicy.on_insert
                            else self.eviction_policy.on_insert)
+        # The write policy's hit hook, None where it keeps the base class's (never sends a hit down): a
+        # batch of hits then asks nothing per block.
+        self._on_hit = (None if type(self.write_policy).on_hit is WritePolicy.on_hit
+                        else self.write_policy.on_hit)
         n_slots = slots.num_slots if slots is not None else 0
         self.index = manager.index if manager is not None else BlockIndex(capacity=max(1024, device_blocks + n_slots))
         # Entries only in backends are hints (hit counts, where a block was written); beyond this many
@@ -241,12 +245,14 @@ class Planner:
         One pass for a batch (a load's or a store's hits: the simulator's hottest path)."""
         if not keys:
             return []
-        on_hit = self.write_policy.on_hit
+        on_hit = self._on_hit
         counts = self.index.touch_many(keys, self.now)
         if self._on_access is not None:
             in_host = [key for key, h in zip(keys, self.index.host_slots(keys)) if h >= 0]
             if in_host:
                 self._on_access(Tier.HOST, in_host)
+        if on_hit is None:
+            return []
         return [key for key, n in zip(keys, counts) if on_hit(key, n)]
 
     def commit_host_locked(self, key: bytes, slot: int) -> int:
