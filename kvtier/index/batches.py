@@ -21,6 +21,7 @@ class BatchOps(IndexCore):
         """:meth:`free_device` of each id in order: what an engine's block allocation evicted, in one call."""
         rev, dev, host, mask, refs, keys = self._rev[0], self._dev, self._host, self._mask, self._refs, self._keys
         count, n = self._count, len(rev)
+        prev, nxt, head, tail, size = self._prev[0], self._next[0], self._head, self._tail, self._lru_len
         for b in block_ids:
             if type(b) is not int:
                 b = operator.index(b)
@@ -28,8 +29,18 @@ class BatchOps(IndexCore):
             if s < 0:
                 continue
             # _vacate_device(s) inlined: the device copy goes, then the entry if that leaves it unused
-            if refs[s] == 0:
-                self._unlink(0, s)
+            if refs[s] == 0:  # _unlink(DEVICE, s), spelled out: an engine frees blocks by the thousand
+                p, q = prev[s], nxt[s]
+                if p >= 0:
+                    nxt[p] = q
+                else:
+                    head[0] = q
+                if q >= 0:
+                    prev[q] = p
+                else:
+                    tail[0] = p
+                prev[s] = nxt[s] = -1
+                size[0] -= 1
             dev[s] = -1
             rev[b] = -1
             count[0] -= 1

@@ -323,7 +323,6 @@ class TierManager:
         position of ``hashes[0]``."""
         n, p = len(hashes), 0
         out: list[Tier] = []
-        keys: list[str] | None = None
         while p < n:
             with self._lock:
                 self.fold_evictions_locked()
@@ -335,8 +334,8 @@ class TierManager:
             p += len(mem)
             if p == n or not len(self.backends):
                 break
-            keys = keys or self.namespace.keys(hashes)
-            best, who = self._backend_prefix(keys, p, start + p)
+            # Keys for the blocks past the memory prefix only (most of a request's hits are in memory).
+            best, who = self._backend_prefix(self.namespace.keys(hashes[p:]), 0, start + p)
             if best == 0:
                 break
             with self._lock:
