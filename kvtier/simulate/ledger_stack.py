@@ -126,7 +126,7 @@ class SimulatedStack:
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, start: int = 0) -> _Done:
         """``load_path.Upward.load``: the planner's plan (host, same device block, fetch), what is only in
         backends fetched into host slots, then the planner told what landed."""
-        p, ids, hashes = self.planner, [int(b) for b in block_ids], list(hashes)
+        p, ids, hashes = self.planner, list(map(int, block_ids)), list(hashes)
         with p.lock:
             plan = p.plan_load_locked(hashes, ids)
         cut = len(plan)
@@ -154,7 +154,7 @@ class SimulatedStack:
         and not modelled: the ledgers bound capacities, not quotas."""
         p, hashes = self.planner, list(hashes)
         with p.lock:
-            plan = p.start_store_locked(hashes, [int(b) for b in block_ids])
+            plan = p.start_store_locked(hashes, list(map(int, block_ids)))
         status, new = plan.status, plan.new
         if plan.hits:
             self._write_down(plan.hits)
@@ -163,7 +163,7 @@ class SimulatedStack:
         if not self.host_slots:
             self._store_direct(hashes, start, new, status)
             return _Done(StoreResult(tuple(status)))
-        slots = plan.slots + self._write_back(plan.victims)
+        slots = plan.slots + self._write_back(plan.victims) if plan.victims else plan.slots
         take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
         if skip:
             self._counters["host"].skipped += len(skip)
