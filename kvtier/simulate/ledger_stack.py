@@ -318,7 +318,7 @@ class SimulatedStack:
         p = self.planner
         with p.lock:
             claims = p.claim_to_write_locked(keys)
-        if claims:
+        if claims.members:
             self._write_claims(claims, owed=True)
 
     def _copy_down(self, todo: Sequence[CopyDown]) -> dict[bytes, bool]:

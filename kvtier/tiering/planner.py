@@ -520,9 +520,7 @@ class Planner:
         Placing a block, or pinning one, changes no later block's host slot or backend marks: the steps run
         over the batch."""
         status, new, hits = self._classify_store_locked(hashes, ids)
-        room = Room([], [])
-        if self.slots is not None and new:
-            room = self.take_room_locked(len(new))
+        room = self.take_room_locked(len(new)) if self.slots is not None and new else Room([], [])
         on_store = self.write_policy.on_store
         down = frozenset([key for key in map(hashes.__getitem__, new[:len(room.slots) + len(room.victims)])
                           if on_store(key)])
