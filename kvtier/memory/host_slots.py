@@ -20,7 +20,7 @@ Invariants:
   first (fresh allocations are contiguous runs, which copy in one piece);
 * only READY slots hold a valid block; WRITING slots are being filled and are never readable;
 * a slot is in exactly one state, and ``num_free + writing + ready == num_slots``; the free list holds
-  the FREE slots, sorted, each once (checked by ``counts`` and ``check``).
+  the FREE slots, sorted, each once (the count checked by ``counts``, the whole by ``check``).
 
 All methods are thread-safe.
 """
@@ -203,7 +203,6 @@ class SlotTable:
                              self._skipped)
         if out.free + out.writing + out.ready != out.num_slots:
             raise AssertionError(f"host slots: {out} do not add up")
-
         return out
 
     def check(self) -> None:

@@ -163,7 +163,7 @@ class SimulatedStack:
         if not self.host_slots:
             self._store_direct(hashes, start, new, status)
             return _Done(StoreResult(tuple(status)))
-        slots = plan.slots + self._write_back(plan.victims) if plan.victims else plan.slots
+        slots = (plan.slots + self._write_back(plan.victims)) if plan.victims else plan.slots
         take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
         if skip:
             self._counters["host"].skipped += len(skip)

@@ -815,10 +815,7 @@ class Planner:
             members.append((key,))
             slots.append((slot,))
             targets.append(lacks)
-            if tenants:
-                tenant_of.append(tenants.get(key))
-        if not tenants:  # no tenant's blocks in host memory: each value is the namespace's
-            todo.tenants = [None] * len(members)
+            tenant_of.append(tenants.get(key) if tenants else None)
         return todo
 
     def release_groups(self, claims: ValueWrites) -> None:
