@@ -68,6 +68,13 @@ class WritePolicy(Policy):
     def on_evict(self, key: bytes) -> bool:
         return False
 
+    def sends_on_store(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The blocks of a store's batch ``keys`` that ``on_store`` sends down, in order: the stack asks
+        once per store.  A policy whose answer is the same for every block may override it to answer
+        without a call per block; its answer must be ``on_store``'s."""
+        on_store = self.on_store
+        return [key for key in keys if on_store(key)]
+
 
 class PrefetchPolicy(Policy):
     """How long :meth:`kvtier.stack.PrefetchHandle.wait` waits for blocks coming up from the backends.

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import Field
 
 from kvtier.policy_api import PolicyOptions, WritePolicy
@@ -21,6 +23,12 @@ class WriteThrough(WritePolicy):
 
     def on_store(self, key: bytes) -> bool:
         return True
+
+    def sends_on_store(self, keys: Sequence[bytes]) -> list[bytes]:
+        # Every block, without a call each (a subclass answering per block is asked per block).
+        if type(self).on_store is WriteThrough.on_store:
+            return list(keys)
+        return super().sends_on_store(keys)
 
 
 class WriteThroughSelective(WritePolicy):

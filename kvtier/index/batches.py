@@ -112,10 +112,25 @@ class BatchOps(IndexCore):
         # load pins (the simulator's hottest loop after placement).
         (dprev, hprev), (dnext, hnext) = self._prev, self._next
         head, tail, size = self._head, self._tail, self._lru_len
+        slots, free, key_of, hits, last, clock = self._slots, self._free, self._keys, self._hits, self._last, self._clock
         for key in keys:
             s = get(key)
             if s is None:
-                s = self._new_slot(key)
+                if type(key) is not bytes or not key or (not free and self._top >= self._cap):
+                    s = self._new_slot(key)  # a bad key (its error) or a full table (growth): the helper
+                else:  # _new_slot spelled out (a freed slot, else the next never used one), then pinned:
+                    if free:  # a new entry is in no tier's list, so pinning it unlinks nothing
+                        s = free.pop()
+                    else:
+                        s = self._top
+                        self._top = s + 1
+                    slots[key] = s
+                    key_of[s] = key
+                    hits[s] = 0
+                    last[s] = clock()
+                    refs[s] = 1
+                    self._pinned += 1
+                    continue
             r = refs[s]
             if r == 0:  # _pin_slot: leaves its tiers' LRU lists (_unlink of each, inlined)
                 self._pinned += 1

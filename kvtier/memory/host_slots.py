@@ -99,11 +99,12 @@ class SlotTable:
                 del free[-n:]
             for s in slots:
                 state[s] = WRITING
-            self._n_free -= len(slots)
-            self._n_writing += len(slots)
-            self._allocated += len(slots)
-            self._skipped += n - len(slots)
-            return Allocation(slots, n - len(slots))
+            got = len(slots)
+            self._n_free -= got
+            self._n_writing += got
+            self._allocated += got
+            self._skipped += n - got
+            return Allocation(slots, n - got)
 
     def take(self, slots: Sequence[int]) -> None:
         """FREE -> WRITING for exactly these slots (a plan made elsewhere named them).  All or nothing:

@@ -164,17 +164,15 @@ class SimulatedStack:
             self._store_direct(hashes, start, new, status)
             return _Done(StoreResult(tuple(status)))
         slots = (plan.slots + self._write_back(plan.victims)) if plan.victims else plan.slots
-        take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
-        if skip:
-            self._counters["host"].skipped += len(skip)
-            p.end_stores([hashes[i] for i in skip])
-        keys = [hashes[i] for i in take]
+        taken = min(len(new), len(slots))  # the chain's head gets the room
+        if taken < len(new):
+            self._counters["host"].skipped += len(new) - taken
+            p.end_stores(plan.keys[taken:])
         with p.lock:
-            down = p.stored_locked(plan, take, keys, slots, [True] * len(take))
-            p.remember_store_locked(hashes, start)
-        self._counters["host"].written += len(take)
-        if down:
-            self._write_down(down)
+            claims = p.land_store_locked(plan, hashes, start, slots[:taken])
+        self._counters["host"].written += taken
+        if claims.members:
+            self._write_claims(claims, owed=True)
         return _Done(StoreResult(tuple(status)))
 
     def on_device_freed(self, block_ids: Sequence[int]) -> None:
@@ -340,17 +338,17 @@ class SimulatedStack:
                       written: set[bytes] | None = None) -> None:
         """``BackendWriter._put`` of claimed values, then released; ``written`` (when given) gets the last
         keys of those a backend took."""
-        p, k = self.planner, self.storage_blocks
+        p, k, writable = self.planner, self.storage_blocks, self._backends.writable
         try:
-            for b in self._backends.writable:
-                part = claims.to(b)
-                if not part:
+            for b in writable:
+                # One writable backend: every claimed value lacks it (a claim names a backend for each).
+                members = claims.members if len(writable) == 1 else [claims.members[j] for j in claims.to(b)]
+                if not members:
                     continue
-                members = [claims.members[j] for j in part]
                 ok = self._put(b, members, owed)
                 if written is not None:
                     written.update([m[-1] for m, good in zip(members, ok) if good])
-                self._counters["host"].read += len(part) if k == 1 else sum(len(m) for m in members)
+                self._counters["host"].read += len(members) if k == 1 else sum(len(m) for m in members)
         finally:
             p.release_groups(claims)
 
@@ -385,7 +383,7 @@ class SimulatedStack:
         c.written += n
         c.skipped += len(ok) - n
         c.evicted += led.evictions - before
-        sec = int(self.now)
+        sec = int(p.now or 0.0)
         c.writes_per_s[sec] = c.writes_per_s.get(sec, 0) + n
         return ok
 

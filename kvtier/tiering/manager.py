@@ -182,7 +182,8 @@ class TierManager:
     def begin_writes_locked(self, i: int) -> int:
         """Writes to backend ``i`` are about to start (under the lock).  Returns their ticket for
         :meth:`end_writes_locked`: the evictions folded from now on happened during them."""
-        self.fold_evictions_locked()  # what was evicted before they started is not theirs
+        if self._evictions:
+            self.fold_evictions_locked()  # what was evicted before they started is not theirs
         ticket = self._folds
         flying = self._writes_in_flight.setdefault(i, {})
         flying[ticket] = flying.get(ticket, 0) + 1
@@ -193,7 +194,8 @@ class TierManager:
         the lock): those backend ``i`` evicted meanwhile, which must not be marked there even if their
         write said ok.  Folds the evictions queued so far first (a notification that came before the write
         returned)."""
-        self.fold_evictions_locked()
+        if self._evictions:
+            self.fold_evictions_locked()
         evicted = self._evicted_while_writing.get(i)
         out = {h for h in hashes if evicted.get(h, -1) > ticket} if evicted else set()
         flying = self._writes_in_flight[i]

@@ -133,6 +133,7 @@ class StoreStart:
     dropped: list[Dropped] = field(default_factory=list)
     handed: list[bytes] = field(default_factory=list)  # victims copied down and handed over (the executor's)
     ready: frozenset[bytes] = frozenset()  # victims whose slots a follower took at once (Room.ready)
+    keys: list[bytes] = field(default_factory=list)  # the new blocks' keys, in ``new``'s order
 
     def host_room(self) -> Room:
         return Room(self.slots, self.victims, self.dropped, self.ready)
@@ -519,12 +520,10 @@ class Planner:
         backends), already being stored, or new (pinned, in ``storing``); take host slots for the new ones.
         Placing a block, or pinning one, changes no later block's host slot or backend marks: the steps run
         over the batch."""
-        status, new, hits = self._classify_store_locked(hashes, ids)
+        status, new, fresh, hits = self._classify_store_locked(hashes, ids)
         room = self.take_room_locked(len(new)) if self.slots is not None and new else Room([], [])
-        on_store = self.write_policy.on_store
-        down = frozenset([key for key in map(hashes.__getitem__, new[:len(room.slots) + len(room.victims)])
-                          if on_store(key)])
-        return StoreStart(status, new, hits, room.slots, room.victims, down, room.dropped)
+        down = frozenset(self.write_policy.sends_on_store(fresh[:len(room.slots) + len(room.victims)]))
+        return StoreStart(status, new, hits, room.slots, room.victims, down, room.dropped, keys=fresh)
 
     def adopt_store_locked(self, hashes: list[bytes], ids: list[int], lead: LeadStore) -> StoreStart:
         """Follow a store another planner started over the same blocks (:meth:`StoreStart.lead`): the same
@@ -533,7 +532,7 @@ class Planner:
         is stored again in the plan's slot, its copy here dropped; a block new here that the plan does not
         store is not stored here.  Refused (:class:`PlanRefused`, nothing held) where a block the plan
         stores is in use here (pinned, being stored or copied down), or its room cannot be followed."""
-        status, new, _ = self._classify_store_locked(hashes, ids)
+        status, new, _, _ = self._classify_store_locked(hashes, ids)
         mine = set(new)
         try:
             extra = [i for i in lead.new if i not in mine]
@@ -560,7 +559,7 @@ class Planner:
                 self._storing.discard(hashes[i])
                 self.index.release(hashes[i])
         return StoreStart(status, list(lead.new), list(lead.hits), room.slots, room.victims, lead.sends_down,
-                          room.dropped, ready=room.ready)
+                          room.dropped, ready=room.ready, keys=[hashes[i] for i in lead.new])
 
     def fold_store_locked(self, plan: StoreStart, hashes: Sequence[bytes], sides: Sequence[HostOutcome],
                           start: int = 0, tenant: str | None = None) -> list[bytes]:
@@ -602,67 +601,106 @@ class Planner:
         return handed
 
     def _classify_store_locked(self, hashes: list[bytes], ids: list[int]) -> tuple[list[StoreStatus], list[int],
-                                                                                  list[bytes]]:
-        """Per block of a store: PRESENT (held, or in another store) or new (pinned, in ``storing``); and
-        the held blocks the write policy sends down on this hit."""
+                                                                                  list[bytes], list[bytes]]:
+        """Per block of a store: PRESENT (held, or in another store) or new (pinned, in ``storing``); the new
+        blocks' positions and keys; and the held blocks the write policy sends down on this hit."""
         n = len(hashes)
         status = [SKIPPED] * n
         new: list[int] = []
         seen: set[bytes] = set()
         idx, writable, storing = self.index, self.backends.writable, self._storing
-        if self.slots is not None:
-            held = [h >= 0 for h in idx.host_slots(hashes)]
+        if self.slots is not None:  # held: in a host slot (>= 0)
+            held = idx.host_slots(hashes)
         else:
-            held = [bool(writable) and idx.in_backends(key, writable) for key in hashes]
+            held = [0 if writable and idx.in_backends(key, writable) else -1 for key in hashes]
         reused: list[bytes] = []  # held blocks, each once: a hit (placing or pinning a block changes no hit)
         for i, key in enumerate(hashes):
-            if key in seen or key in storing or held[i]:
+            if key in seen or key in storing or held[i] >= 0:
                 status[i] = PRESENT
                 if key not in seen:
                     reused.append(key)
                 seen.add(key)
                 continue
-            seen.add(key)
+            seen.add(key)  # (a later copy of a new key is caught here, so ``storing`` can grow after the loop)
             new.append(i)
-            storing.add(key)
+        fresh = [hashes[i] for i in new]
+        storing.update(fresh)
         # Pinned before they are placed: placing a pinned block leaves it out of the device's LRU list, where
         # placing then pinning linked and unlinked it (the same order once the store releases them).  A
         # placement changes no host slot or backend mark, so the classification above stands.
-        idx.acquire_many([hashes[i] for i in new])
+        idx.acquire_many(fresh)
         if self.tracks_device:
             idx.place_on_device_many(hashes, ids)
-        return status, new, self.hits_sent_down_locked(reused)
+        return status, new, fresh, self.hits_sent_down_locked(reused)
 
     def stored_locked(self, plan: StoreStart, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
                       ok: Sequence[bool], tenant: str | None = None) -> list[bytes]:
         """The device -> host copies of store ``plan`` landed (``ok`` per block): commit them (charged to
         ``tenant``, the store's), set the plan's ``status``, and return the blocks it sends down now."""
+        return self._land_locked(plan, take, keys, slots, ok, tenant)[0]
+
+    def land_store_locked(self, plan: StoreStart, hashes: Sequence[bytes], start: int, slots: Sequence[int],
+                          ok: Sequence[bool] | None = None, tenant: str | None = None) -> ValueWrites:
+        """A store's end where this planner's executor ran it: the plan's first ``len(slots)`` new blocks
+        were copied into ``slots`` (the chain's head gets the room; ``ok`` per block, None: every copy
+        landed).  :meth:`stored_locked` of them, the whole values the store of ``hashes`` at chain position
+        ``start`` holds remembered (:meth:`remember_store_locked`), and what the write policy sends down
+        claimed for writing (:meth:`claim_to_write_locked`), in one call: the values to write (release
+        them with :meth:`release_groups`)."""
+        n = len(slots)
+        down, at = self._land_locked(plan, plan.new[:n], plan.keys[:n], slots, ok, tenant)
+        if self.storage_blocks > 1:
+            self.remember_store_locked(hashes, start)
+            return self.claim_to_write_locked(down) if down else ValueWrites()
+        if not down:
+            return ValueWrites()
+        self.manager.fold_evictions_locked()  # as claim_to_write_locked: an evicted block is written again
+        # Each is a block this call placed in its slot (``at``), once: no lookup of either.
+        return self._claim_blocks_locked(down, frozenset(), at)
+
+    def _land_locked(self, plan: StoreStart, take: Sequence[int], keys: Sequence[bytes], slots: Sequence[int],
+                     ok: Sequence[bool] | None, tenant: str | None) -> tuple[list[bytes], list[int]]:
+        """:meth:`stored_locked`'s steps (``ok`` None: every copy landed); the blocks sent down and their
+        slots."""
         status = plan.status
         down: list[bytes] = []
-        n = min(len(take), len(keys), len(slots), len(ok))
+        at: list[int] = []
+        n = min(len(take), len(keys), len(slots), len(ok) if ok is not None else len(slots))
         take, keys, slots = take[:n], keys[:n], slots[:n]
-        if all(ok):  # the usual case: every copy landed (one commit of the whole batch, no listing)
+        if ok is None or all(ok):  # the usual case: every copy landed (one commit of the batch, no listing)
             held: Sequence[int | None] = self.commit_host_many_locked(keys, slots)
         else:
             landed = [j for j, good in enumerate(ok[:n]) if good]
-            at = dict(zip(landed, self.commit_host_many_locked([keys[j] for j in landed],
-                                                                [slots[j] for j in landed])))
-            held = [at.get(j) for j in range(n)]
-        sends, storing = plan.sends_down, self._storing
-        for i, key, slot, want in zip(take, keys, held, slots):
-            storing.discard(key)
-            if slot is None:
-                status[i] = FAILED
-            elif slot == want:
-                if tenant is not None:
-                    self._tenants[key] = tenant
+            where = dict(zip(landed, self.commit_host_many_locked([keys[j] for j in landed],
+                                                                   [slots[j] for j in landed])))
+            held = [where.get(j) for j in range(n)]
+        sends = plan.sends_down
+        self._storing.difference_update(keys)
+        if held == list(slots):  # the usual case: every block landed in its planned slot
+            for i in take:
                 status[i] = STORED
-                if key in sends:
-                    down.append(key)
+            if tenant is not None:
+                self._tenants.update(dict.fromkeys(keys, tenant))
+            if sends.issuperset(keys):  # write-through: all of them go down
+                down, at = list(keys), list(slots)
             else:
-                status[i] = PRESENT
+                down = [k for k in keys if k in sends]
+                at = [h for k, h in zip(keys, slots) if k in sends]
+        else:
+            for i, key, slot, want in zip(take, keys, held, slots):
+                if slot is None:
+                    status[i] = FAILED
+                elif slot == want:
+                    if tenant is not None:
+                        self._tenants[key] = tenant
+                    status[i] = STORED
+                    if key in sends:
+                        down.append(key)
+                        at.append(slot)
+                else:
+                    status[i] = PRESENT
         self.index.release_many(keys)
-        return down
+        return down, at
 
     def end_stores(self, keys: Sequence[bytes]) -> None:
         """Stores of ``keys`` are over without landing in host memory (skipped, failed, written direct)."""
@@ -792,15 +830,25 @@ class Planner:
             todo.add(members, tuple(group_slots), lacking[mask], tenants.get(members[-1]))
         return todo
 
-    def _claim_blocks_locked(self, keys: Sequence[bytes], mine: frozenset[bytes]) -> ValueWrites:
+    def _claim_blocks_locked(self, keys: Sequence[bytes], mine: frozenset[bytes],
+                             slots: Sequence[int] | None = None) -> ValueWrites:
         """:meth:`claim_groups_locked` where every value is one block (``keys``: theirs): the same steps in
         one pass over the keys, the columns filled here (this runs for every block a write-through store
-        writes: the simulator's hottest path)."""
-        todo = ValueWrites()
-        uniq = list(dict.fromkeys(keys))
+        writes: the simulator's hottest path).  ``slots``: the host slot of each key, where the caller
+        knows them (``keys`` then distinct: the blocks a store just placed)."""
         lacking, writing, tenants = self._lacking, self._writing, self._tenants
-        members, slots, targets, tenant_of, added = todo.members, todo.slots, todo.targets, todo.tenants, todo.added
-        for key, mask, slot in zip(uniq, self.index.masks(uniq), self.index.host_slots(uniq)):
+        if slots is None:
+            keys = list(dict.fromkeys(keys))
+            slots = self.index.host_slots(keys)
+        else:
+            lacks_all = list(map(lacking.__getitem__, self.index.masks(keys)))
+            if all(lacks_all) and writing.isdisjoint(keys):  # none in a backend yet: every one, in columns
+                writing.update(keys)
+                return ValueWrites(list(zip(keys)), list(zip(slots)), lacks_all,
+                                   [tenants.get(k) for k in keys] if tenants else [None] * len(keys), list(keys))
+        todo = ValueWrites()
+        members, slot_of, targets, tenant_of, added = todo.members, todo.slots, todo.targets, todo.tenants, todo.added
+        for key, mask, slot in zip(keys, self.index.masks(keys), slots):
             if slot < 0:
                 continue
             lacks = lacking[mask]
@@ -813,7 +861,7 @@ class Planner:
                 writing.add(key)
                 added.append(key)
             members.append((key,))
-            slots.append((slot,))
+            slot_of.append((slot,))
             targets.append(lacks)
             tenant_of.append(tenants.get(key) if tenants else None)
         return todo

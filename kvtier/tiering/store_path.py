@@ -5,7 +5,7 @@ down where); this module runs it against the device, host memory and the backend
 
 Invariants:
 * every block the planner hands out held (a store's new blocks, a write-back victim, a value claimed for a
-  copy down) is handed back exactly once, whatever fails: ``stored_locked`` / ``end_stores``,
+  copy down) is handed back exactly once, whatever fails: ``land_store_locked`` / ``end_stores``,
   ``written_back_locked`` / ``abandon_victims``, ``release_groups`` (:mod:`~kvtier.tiering.writes`);
 * one way down for every stored value, of one block or a group of them: the writer's claimed values.
 * a WRITING host slot taken for a store is committed or released, never left WRITING;
@@ -145,11 +145,11 @@ class Downward:
         take, skip = new[:len(slots)], new[len(slots):]  # the chain's head gets the room
         if skip:
             p.metrics.add("host", stores_skipped=len(skip))
-            p.planner.end_stores([hashes[i] for i in skip])
+            p.planner.end_stores(plan.keys[len(take):])
         if not take:
             self._finish(handle, status, plan.handed)
             return
-        keys = [hashes[i] for i in take]
+        keys = plan.keys[:len(take)]
         try:
             xh = p.transfers().store(ids[take], slots, keys=keys)
         except Exception as e:  # noqa: BLE001 - e.g. the transfer engine is closed
@@ -160,24 +160,21 @@ class Downward:
             p.planner.end_stores(keys)
             self._finish(handle, status, plan.handed)
             return
-        xh.add_done_callback(lambda r: self._on_stored(handle, r, take, keys, plan, hashes, start, tenant))
+        xh.add_done_callback(lambda r: self._on_stored(handle, r, plan, hashes, start, tenant))
 
-    def _on_stored(self, handle: StoreHandle, r: TransferResult, take: list[int], keys: list[bytes],
-                   plan: StoreStart, hashes: Sequence[bytes] = (), start: int = 0,
-                   tenant: str | None = None) -> None:
+    def _on_stored(self, handle: StoreHandle, r: TransferResult, plan: StoreStart, hashes: Sequence[bytes],
+                   start: int = 0, tenant: str | None = None) -> None:
         p, planner = self.parts, self.parts.planner
         status = plan.status
         try:
             with planner.lock:
-                down = planner.stored_locked(plan, take, keys, r.slots, r.ok, tenant)
-                # Values of several blocks: a write of one of their blocks (now, or a write-back later)
-                # writes the whole value.
-                planner.remember_store_locked(hashes, start)
+                # Values of several blocks are remembered: a write of one of their blocks (now, or a
+                # write-back later) writes the whole value.
+                todo = planner.land_store_locked(plan, hashes, start, r.slots, r.ok, tenant)
             p.metrics.add("device", bytes_out=r.nbytes)
             p.metrics.add("host", bytes_in=r.nbytes, failures=int(not r.all_ok))
             p.metrics.observe("host", "write", r.seconds)
-            if down:
-                self.write_down(down)
+            self.writer.write_claimed(todo)
         finally:
             self._finish(handle, status, plan.handed)
 

@@ -64,14 +64,25 @@ class BackendWriter:
     def write_down(self, keys: Sequence[bytes]) -> None:
         """The write policy sends host blocks ``keys`` down: write their values (each whole in host memory)
         to the writable backends that lack them, asynchronously (the stack's write pool)."""
-        planner, workers = self.parts.planner, self.parts.workers
+        planner = self.parts.planner
         with planner.lock:
             todo = planner.claim_to_write_locked(keys)
             if not todo:
                 return
-            workers.pending.add()
+            self.parts.workers.pending.add()
+        self._submit(todo)
+
+    def write_claimed(self, todo: ValueWrites) -> None:
+        """Write values already claimed for writing down (``Planner.land_store_locked``) the same way,
+        counted pending from now (the caller's own operation still is)."""
+        if todo:
+            self.parts.workers.pending.add()
+            self._submit(todo)
+
+    def _submit(self, todo: ValueWrites) -> None:
+        workers = self.parts.workers
         if not workers.submit(workers.io, self._write_job, todo):
-            planner.release_groups(todo)
+            self.parts.planner.release_groups(todo)
             workers.pending.done()
 
     def write_now(self, values: Sequence[tuple[bytes, ...]], mine: frozenset[bytes]) -> set[bytes]:
