@@ -545,7 +545,7 @@ def _state(ix: BlockIndex, ks: list[bytes]) -> tuple[object, ...]:
 @pytest.mark.parametrize("seed", range(6))
 def test_batch_operations_are_their_single_key_forms_in_order(seed):
     """place_on_device_many, acquire_many, release_many, drop_host_many, land_host_many, add_backend_many,
-    free_devices, host_slots and masks leave exactly the state (entries, LRU orders, counts) of the single-key calls in order,
+    free_devices, host_slots, masks and refs_many leave exactly the state (entries, LRU orders, counts) of the single-key calls in order,
     on random batches with repeats, absent keys and keys pinned twice."""
     r = random.Random(seed)
     ks = [key(i) for i in range(40)]
@@ -612,6 +612,7 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
                     many.set_host(k, slot)
         assert many.host_slots(ks) == [-1 if one.host_slot(k) is None else one.host_slot(k) for k in ks]
         assert many.masks(ks) == [sum(1 << i for i in one.entry(k).backends) if k in one else 0 for k in ks]
+        assert many.refs_many(ks) == [one.refs(k) if k in one else 0 for k in ks]
         assert _state(one, ks) == _state(many, ks), (step, op)
     assert one.count(HOST) and one.pinned and len(one) > 10  # the walk reached every kind of entry
     with pytest.raises(ValueError, match="place_on_device_many: 2 keys for 1 device block ids"):

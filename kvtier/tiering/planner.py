@@ -365,9 +365,10 @@ class Planner:
                      if k not in seen]
             if not fresh:
                 break
-            for key, host, mask in zip(fresh, self.index.host_slots(fresh), self.index.masks(fresh)):
+            idx = self.index
+            for key, host, mask, refs in zip(fresh, idx.host_slots(fresh), idx.masks(fresh), idx.refs_many(fresh)):
                 seen.add(key)
-                if need == 0 or host < 0 or self.index.refs(key) or key in self._writing:
+                if need == 0 or host < 0 or refs or key in self._writing:
                     continue  # only unpinned host blocks with no copy down in flight are evictable
                 targets = lacking[mask]
                 if targets and drops and (grouped or key in self._unwritten):
