@@ -545,14 +545,15 @@ def _state(ix: BlockIndex, ks: list[bytes]) -> tuple[object, ...]:
 @pytest.mark.parametrize("seed", range(6))
 def test_batch_operations_are_their_single_key_forms_in_order(seed):
     """place_on_device_many, acquire_many, release_many, drop_host_many, land_host_many, add_backend_many,
-    free_devices, host_slots, masks and refs_many leave exactly the state (entries, LRU orders, counts) of the single-key calls in order,
+    free_devices, host_slots, masks, refs_many and loaded_many leave exactly the state (entries, LRU orders, counts) of the single-key calls in order,
     on random batches with repeats, absent keys and keys pinned twice."""
     r = random.Random(seed)
     ks = [key(i) for i in range(40)]
     one, many = ticking(), ticking()
     for step in range(300):
         batch = [r.choice(ks) for _ in range(r.randint(0, 8))]
-        op = r.choice(["place", "acquire", "release", "drop_host", "add_backend", "free", "set_host", "land"])
+        op = r.choice(["place", "acquire", "release", "drop_host", "add_backend", "free", "set_host", "land",
+                       "loaded"])
         if op == "place":
             ids = r.sample(range(30), len(batch))
             batch = list(dict.fromkeys(batch))[:len(ids)]
@@ -590,6 +591,21 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
                     one.clear_device(held)
                     one.discard_if_unused(held)
             many.free_devices(ids)
+        elif op == "loaded":  # a load's pinned blocks land: place, touch and release each (loaded_many)
+            batch = list(dict.fromkeys(batch))
+            placed: list[Any] = r.sample(range(30), len(batch))
+            if batch and r.random() < 0.3:  # an id of another type: the rest take the three calls
+                cut = r.randrange(len(batch))
+                placed[cut:] = [np.int64(b) for b in placed[cut:]]
+            for k in batch:
+                one.acquire(k)
+                many.acquire(k)
+            for k, b in zip(batch, placed):
+                one.place_on_device(k, b)
+            want = [one.touch(k, float(step)) for k in batch]
+            for k in batch:
+                one.release(k)
+            assert many.loaded_many(batch, placed, float(step)) == want
         elif op == "land":  # land_host_many: insert if absent and set_host, unless in another slot already
             batch = list(dict.fromkeys(batch))
             free = [x for x in range(100) if one.key_at_host(x) is None]

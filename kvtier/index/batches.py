@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 
-from .core import ID_MAX, DeviceId, IndexCore, id_column
+from .core import HITS_MAX, ID_MAX, DeviceId, IndexCore, id_column
 from .tiers import check_backend
 
 
@@ -198,6 +198,77 @@ class BatchOps(IndexCore):
                 size[1] += 1
             elif d < 0 and not mask[s]:
                 self._drop_slot(key, s)
+
+    def loaded_many(self, keys: Sequence[bytes], block_ids: Sequence[DeviceId], now: float | None = None) -> list[int]:
+        """A load's pinned blocks are on the device: :meth:`place_on_device_many`, :meth:`touch_many` and
+        :meth:`release_many` of ``keys``, in one pass (each key's three steps in turn); the hit counts, as
+        touch_many's.  The state is the three calls': placing or touching a pinned entry moves it in no
+        list, so the releases alone order the entries, in the same order.  From the first key that is not
+        the usual case (absent or unpinned, an id of another type or past the reverse map), the rest take
+        the three calls (their errors included)."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"loaded_many: {len(keys)} keys for {len(block_ids)} device block ids")
+        get, refs, dev, host, rev = self._slots.get, self._refs, self._dev, self._host, self._rev[0]
+        hits, last, count = self._hits, self._last, self._count
+        (dprev, hprev), (dnext, hnext) = self._prev, self._next  # the tiers spelled out, as release_many
+        head, tail, size = self._head, self._tail, self._lru_len
+        n_rev = len(rev)
+        now = self._clock() if now is None else now  # one timestamp, as touch_many's
+        out: list[int] = []
+        for j, b in enumerate(block_ids):
+            key = keys[j]
+            s = get(key)
+            if s is None or refs[s] < 1 or type(b) is not int or not 0 <= b < n_rev:
+                rest, ids = keys[j:], block_ids[j:]
+                try:
+                    self.place_on_device_many(rest, ids)
+                    out += self.touch_many(rest, now)
+                finally:
+                    self.release_many(rest)
+                return out
+            o = rev[b]
+            if o != s:  # place_on_device (pinned: in no list); already there, nothing changes
+                if o >= 0:
+                    self._vacate_device(o)  # the block held another key: it loses its device copy
+                old = dev[s]
+                if old >= 0:
+                    rev[old] = -1
+                else:
+                    count[0] += 1
+                dev[s] = b
+                rev[b] = s
+            h = hits[s]  # touch (pinned: in no list)
+            if h < HITS_MAX:
+                h += 1
+                hits[s] = h
+            last[s] = now
+            out.append(h)
+            r = refs[s]
+            if r != 1:
+                self._unpin_slot(key, s, 1)  # still pinned after
+                continue
+            refs[s] = 0  # release to 0: back at the MRU end of the device list (it is there now) and host's
+            self._pinned -= 1
+            p = tail[0]
+            dprev[s] = p
+            dnext[s] = -1
+            if p >= 0:
+                dnext[p] = s
+            else:
+                head[0] = s
+            tail[0] = s
+            size[0] += 1
+            if host[s] >= 0:
+                p = tail[1]
+                hprev[s] = p
+                hnext[s] = -1
+                if p >= 0:
+                    hnext[p] = s
+                else:
+                    head[1] = s
+                tail[1] = s
+                size[1] += 1
+        return out
 
     def drop_host_many(self, keys: Iterable[bytes]) -> list[int]:
         """:meth:`clear_host` then :meth:`discard_if_unused` of each key in order (host memory evicted

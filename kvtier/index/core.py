@@ -18,7 +18,7 @@ ID_MAX = 2**31 - 2  # ids live in int32 columns; -1 means "none"
 # A device block id as engines hand them over: a Python int or a numpy integer (an id read out of a numpy
 # array is one); the index stores plain ints.
 DeviceId = int | np.integer[Any]
-_HITS_MAX = 2**32 - 1
+HITS_MAX = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -376,7 +376,7 @@ class IndexCore:
         if s is None:
             s = self._slot(key)
         h = self._hits[s]
-        if h < _HITS_MAX:
+        if h < HITS_MAX:
             h += 1
             self._hits[s] = h
         self._last[s] = self._clock() if now is None else now
@@ -399,7 +399,7 @@ class IndexCore:
                 out.append(self.touch(k, now))  # absent (its KeyError), or unpinned: moves to MRU
                 continue
             h = hits[s]
-            if h < _HITS_MAX:
+            if h < HITS_MAX:
                 h += 1
                 hits[s] = h
             last[s] = now

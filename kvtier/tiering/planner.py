@@ -929,6 +929,13 @@ class Planner:
     def loaded_locked(self, hashes: Sequence[bytes], ids: list[int], num: int, planned: int) -> list[bytes]:
         """A load finished with its first ``num`` blocks on the device: place them, count the hits, unpin
         the ``planned`` blocks; the blocks the write policy sends down on this hit."""
+        if self._on_access is None and self._on_hit is None:
+            # No policy hook sees a hit (the base classes'): placed, counted and unpinned in one pass.
+            try:
+                self.index.loaded_many(hashes[:num], ids[:num], self.now)
+            finally:
+                self.index.release_many(hashes[num:planned])
+            return []
         try:
             self.index.place_on_device_many(hashes[:num], ids[:num])
             return self.hits_sent_down_locked(hashes[:num])
