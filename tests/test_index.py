@@ -562,9 +562,12 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
                 one.place_on_device(k, b)
             many.place_on_device_many(batch, ids)
         elif op == "acquire":
+            want_slots = [one.host_slot(k) if k in one else None for k in batch]
             for k in batch:
                 one.acquire(k)
-            many.acquire_many(batch)
+            got_slots: list[int] = []
+            many.acquire_many(batch, got_slots)
+            assert got_slots == [-1 if h is None else h for h in want_slots]
         elif op == "release":
             batch = [k for k in dict.fromkeys(batch) if k in one and one.refs(k)]
             for k in batch:

@@ -105,8 +105,9 @@ class BatchOps(IndexCore):
         host = self._host
         return [-1 if s is None else host[s] for s in map(self._slots.get, keys)]
 
-    def acquire_many(self, keys: Iterable[bytes]) -> None:
-        """:meth:`acquire` of each key in order."""
+    def acquire_many(self, keys: Iterable[bytes], host_slots: list[int] | None = None) -> None:
+        """:meth:`acquire` of each key in order; ``host_slots``, when given, gets each key's host slot (-1:
+        none), as :meth:`host_slots` reads it (a pin moves no block), in the same pass."""
         get, refs, dev, host = self._slots.get, self._refs, self._dev, self._host
         # The two tiers' lists spelled out, not a loop over them: this runs for every block a store or a
         # load pins (the simulator's hottest loop after placement).
@@ -130,7 +131,11 @@ class BatchOps(IndexCore):
                     last[s] = clock()
                     refs[s] = 1
                     self._pinned += 1
+                    if host_slots is not None:
+                        host_slots.append(-1)
                     continue
+            if host_slots is not None:
+                host_slots.append(host[s])
             r = refs[s]
             if r == 0:  # _pin_slot: leaves its tiers' LRU lists (_unlink of each, inlined)
                 self._pinned += 1

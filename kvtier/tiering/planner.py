@@ -877,21 +877,31 @@ class Planner:
         """Where each block of the longest loadable prefix comes from: host memory, the same device block
         (no copy), or the backends (FETCH).  The planned blocks are pinned (one call: a pin changes no later
         block's plan) and the device blocks about to be overwritten forget what they held."""
-        sources: list[Source] = []
-        idx, any_backend = self.index, len(self.backends) > 0
+        sources: list[Source]
+        idx = self.index
         host, same, fetch = Source.HOST, Source.SAME, Source.FETCH
-        in_host = idx.host_slots(hashes) if self.slots is not None else [-1] * len(hashes)
-        for key, b, h in zip(hashes, ids, in_host):
-            if h >= 0:
-                sources.append(host)
-            elif idx.key_at_device(b) == key:
-                sources.append(same)
-            elif any_backend:
-                sources.append(fetch)
-            else:
-                break  # nowhere to get it from: the usable prefix ends here
+        at_device = idx.key_at_device
+        if len(self.backends) > 0 and len(ids) >= len(hashes):
+            # Every block has a source (the backends at worst), so all are pinned, and their host slots read,
+            # in one pass first (a pin moves no block; an index without a host tier has no host slots).
+            in_host: list[int] = []
+            idx.acquire_many(hashes, in_host)
+            sources = [host if h >= 0 else same if at_device(b) == key else fetch
+                       for key, b, h in zip(hashes, ids, in_host)]
+        else:
+            sources = []
+            in_host = idx.host_slots(hashes) if self.slots is not None else [-1] * len(hashes)
+            for key, b, h in zip(hashes, ids, in_host):
+                if h >= 0:
+                    sources.append(host)
+                elif at_device(b) == key:
+                    sources.append(same)
+                elif self.backends:
+                    sources.append(fetch)
+                else:
+                    break  # nowhere to get it from: the usable prefix ends here
+            idx.acquire_many(hashes[:len(sources)])
         n = len(sources)
-        idx.acquire_many(hashes[:n])
         idx.free_devices([b for src, b in zip(sources, ids) if src is not same])
         return LoadPlan(sources, in_host[:n])
 
