@@ -185,7 +185,9 @@ class TierManager:
         if self._evictions:
             self.fold_evictions_locked()  # what was evicted before they started is not theirs
         ticket = self._folds
-        flying = self._writes_in_flight.setdefault(i, {})
+        flying = self._writes_in_flight.get(i)
+        if flying is None:  # (setdefault would build a dict on every call)
+            flying = self._writes_in_flight[i] = {}
         flying[ticket] = flying.get(ticket, 0) + 1
         return ticket
 

@@ -740,15 +740,16 @@ class Planner:
         ``owed``: the write policy sent these values down (:meth:`claim_to_write_locked`), so the host
         blocks of those refused are owed to the backends (:meth:`owed_to`)."""
         evicted = self.manager.end_writes_locked(b, ticket, map(_last, values))
+        landed = all(ok)
         # A value evicted during its own write is not there.
-        if not evicted and all(ok):  # the usual case: every block of every value (flattened in C)
+        if not evicted and landed:  # the usual case: every block of every value (flattened in C)
             took = list(chain.from_iterable(values))
         else:
             took = [key for members, good in zip(values, ok) if good and members[-1] not in evicted
                     for key in members]
         self.index.add_backend_many(took, b)  # keys not in the index are skipped
         debt = self._owed
-        if owed and not all(ok):
+        if owed and not landed:
             refused = [key for members, good in zip(values, ok) if not good for key in members]
             debt.update((key, None) for key, h in zip(refused, self.index.host_slots(refused)) if h >= 0)
         if debt:  # settled where every writable backend has it now
