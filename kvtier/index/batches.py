@@ -279,7 +279,6 @@ class BatchOps(IndexCore):
         """:meth:`clear_host` then :meth:`discard_if_unused` of each key in order (host memory evicted
         them); the slots they had, -1 where a key had none."""
         get, refs, dev, host, mask, rev = self._slots.get, self._refs, self._dev, self._host, self._mask, self._rev[1]
-        prev, nxt, head, tail, size = self._prev[1], self._next[1], self._head, self._tail, self._lru_len
         out: list[int] = []
         for key in keys:
             s = get(key)
@@ -289,18 +288,8 @@ class BatchOps(IndexCore):
                 continue
             r = refs[s]
             if h >= 0:  # _detach(HOST, s)
-                if r == 0:  # _unlink(HOST, s), spelled out: every host eviction runs it
-                    p, q = prev[s], nxt[s]
-                    if p >= 0:
-                        nxt[p] = q
-                    else:
-                        head[1] = q
-                    if q >= 0:
-                        prev[q] = p
-                    else:
-                        tail[1] = p
-                    prev[s] = nxt[s] = -1
-                    size[1] -= 1
+                if r == 0:
+                    self._unlink(1, s)
                 host[s] = -1
                 rev[h] = -1
                 self._count[1] -= 1
