@@ -318,8 +318,7 @@ class IndexCore:
         return self._hits[self._slot(key) if s is None else s]
 
     def key_at_device(self, block_id: int) -> bytes | None:
-        rev = self._rev[0]  # _key_at(DEVICE, ...) without the call: a load asks it per block it plans
-        return self._keys[rev[block_id]] if 0 <= block_id < len(rev) and rev[block_id] >= 0 else None
+        return self._key_at(0, block_id)
 
     def key_at_host(self, slot: int) -> bytes | None:
         return self._key_at(1, slot)

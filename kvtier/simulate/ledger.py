@@ -55,7 +55,7 @@ class LedgerBackend(StorageBackend):
     def record_put(self, keys: Sequence[str]) -> list[bool]:
         """Store ``keys`` (in order): each becomes most recent, evicting the least recent to make room.
         The evicted keys go to ``on_evicted``, as local_disk's do."""
-        cap = None if self.capacity is None else self.capacity // self.value_nbytes  # max_values, without a call
+        cap = self.max_values
         evicted: list[str] = []
         if cap and not self._held:
             # Nothing held (no load in flight): every put that finds the ledger full evicts the least

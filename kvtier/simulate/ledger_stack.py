@@ -383,7 +383,7 @@ class SimulatedStack:
         c.written += n
         c.skipped += len(ok) - n
         c.evicted += led.evictions - before
-        sec = int(p.now or 0.0)
+        sec = int(self.now)
         c.writes_per_s[sec] = c.writes_per_s.get(sec, 0) + n
         return ok
 

@@ -182,8 +182,7 @@ class TierManager:
     def begin_writes_locked(self, i: int) -> int:
         """Writes to backend ``i`` are about to start (under the lock).  Returns their ticket for
         :meth:`end_writes_locked`: the evictions folded from now on happened during them."""
-        if self._evictions:
-            self.fold_evictions_locked()  # what was evicted before they started is not theirs
+        self.fold_evictions_locked()  # what was evicted before they started is not theirs
         ticket = self._folds
         flying = self._writes_in_flight.get(i)
         if flying is None:  # (setdefault would build a dict on every call)
@@ -196,8 +195,7 @@ class TierManager:
         the lock): those backend ``i`` evicted meanwhile, which must not be marked there even if their
         write said ok.  Folds the evictions queued so far first (a notification that came before the write
         returned)."""
-        if self._evictions:
-            self.fold_evictions_locked()
+        self.fold_evictions_locked()
         evicted = self._evicted_while_writing.get(i)
         out = {h for h in hashes if evicted.get(h, -1) > ticket} if evicted else set()
         flying = self._writes_in_flight[i]
