@@ -638,3 +638,5 @@ def test_batch_operations_are_their_single_key_forms_in_order(seed):
         many.place_on_device_many(ks[:2], [0])
     with pytest.raises(ValueError, match="land_host_many: 1 keys for 2 host slots"):
         many.land_host_many(ks[:1], [0, 1])
+    with pytest.raises(ValueError, match="loaded_many: 2 keys for 1 device block ids"):
+        many.loaded_many(ks[:2], [0])
